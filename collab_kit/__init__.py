@@ -1,0 +1,29 @@
+"""collab_kit: train transformers together over the Internet, after "Training Transformers Together".
+
+The names most people need are here; each lives in the module named after its concept
+(see README.md, "How it fits together"). Heavy modules (torch, hivemind) load on first use.
+"""
+from collab_kit.config import ModelConfig, OptimizerConfig, RunConfig, SwarmConfig, DataConfig, get_preset
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Volunteer": "collab_kit.volunteer",
+    "TextToImageTransformer": "collab_kit.model",
+    "make_optimizer": "collab_kit.optim",
+    "start_dht": "collab_kit.swarm",
+    "run_demo": "collab_kit.demo",
+    "make_synthetic_shards": "collab_kit.data",
+    "run_coordinator": "collab_kit.monitor",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'collab_kit' has no attribute {name!r}")
+
+
+__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", *_LAZY]

@@ -1,0 +1,202 @@
+"""``collab-kit``: the command line of the kit.
+
+    collab-kit demo                         a local collaborative run (what `make demo` runs)
+    collab-kit join --initial-peers ADDR    train with a swarm as a volunteer
+    collab-kit monitor                      start a swarm's first peer and watch its progress
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import logging
+import signal
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from collab_kit.config import PRESETS
+
+logger = logging.getLogger(__name__)
+
+
+class CommandError(Exception):
+    """A problem the user can fix; printed as one line, without a traceback."""
+
+
+def parse_overrides(assignments: Sequence[str]) -> Dict[str, dict]:
+    """Turn ``["optimizer.target_batch_size=64", ...]`` into ``{"optimizer": {"target_batch_size": 64}}``."""
+    overrides: Dict[str, dict] = {}
+    for assignment in assignments:
+        key, sep, raw_value = assignment.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise CommandError(f"--set {assignment!r}: expected SECTION.FIELD=VALUE, "
+                               f"for example --set optimizer.target_batch_size=64")
+        try:
+            value = ast.literal_eval(raw_value)
+        except (ValueError, SyntaxError):
+            value = raw_value  # a plain string
+        overrides.setdefault(section, {})[name] = value
+    return overrides
+
+
+def build_config(args: argparse.Namespace):
+    """The run configuration from --preset, the swarm options and --set overrides."""
+    from collab_kit.config import get_preset
+    from collab_kit.swarm import parse_initial_peers
+
+    overrides = parse_overrides(getattr(args, "set", None) or [])
+    swarm = overrides.setdefault("swarm", {})
+    if getattr(args, "initial_peers", None):
+        swarm["initial_peers"] = parse_initial_peers(args.initial_peers)
+    for option in ("run_id", "host", "port"):
+        if getattr(args, option, None) is not None:
+            swarm[option] = getattr(args, option)
+    if getattr(args, "client_mode", False):
+        swarm["client_mode"] = True
+    if getattr(args, "data", None):
+        overrides.setdefault("data", {})["shards"] = args.data
+    return get_preset(args.preset, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    from collab_kit.demo import DemoFailed, run_demo
+
+    try:
+        result = run_demo(num_volunteers=args.peers, epochs=args.epochs, preset=args.preset, workdir=args.workdir,
+                          timeout=args.timeout)
+    except DemoFailed as e:
+        print(f"demo failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(result.summary_line(), flush=True)
+    return 0
+
+
+def command_join(args: argparse.Namespace) -> int:
+    from collab_kit.local_swarm import emit_event
+    from collab_kit.swarm import SwarmConnectionError, join_addresses
+    from collab_kit.volunteer import Volunteer
+
+    config = build_config(args)
+    if args.max_epochs is None and args.max_steps is None:
+        args.max_epochs = config.optimizer.total_steps
+    try:
+        volunteer = Volunteer(config, num_threads=args.threads, verbose=args.verbose)
+    except SwarmConnectionError as e:
+        raise CommandError(str(e)) from None
+    with volunteer:
+        print(volunteer.join_line, flush=True)
+        if args.events:
+            emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
+        on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
+        history = volunteer.train(max_epochs=args.max_epochs, max_steps=args.max_steps,
+                                  progress=not args.no_progress, on_epoch=on_epoch)
+        if args.save_params:
+            import torch
+
+            torch.save(volunteer.parameters_snapshot(), args.save_params)
+        if args.events:
+            emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
+                       local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
+                       interrupted=history.interrupted)
+    print(f"join: epochs {history.start_epoch}->{history.final_epoch}, {history.local_steps} local steps, "
+          f"{history.averaged_rounds} averaged rounds{' (interrupted)' if history.interrupted else ''}", flush=True)
+    return 130 if history.interrupted else 0
+
+
+def command_monitor(args: argparse.Namespace) -> int:
+    from collab_kit.local_swarm import emit_event
+    from collab_kit.monitor import run_coordinator
+
+    config = build_config(args)
+    on_ready = None
+    if args.events:
+        def on_ready(dht):
+            from collab_kit.swarm import join_addresses
+
+            emit_event("ready", peer_id=str(dht.peer_id), addresses=join_addresses(dht))
+    run_coordinator(config.swarm, address_file=args.address_file, report_every=args.report_every,
+                    on_ready=on_ready)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the parser
+
+
+def _add_swarm_options(parser: argparse.ArgumentParser):
+    parser.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")
+    parser.add_argument("--run-id", help="peers with the same run id train together")
+    parser.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR",
+                        help="addresses of peers already in the swarm (printed by the first peer)")
+    parser.add_argument("--host", help="address to listen on (127.0.0.1 keeps the peer on this machine)")
+    parser.add_argument("--port", type=int, help="port to listen on (default: any free port)")
+    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                        help="change one configuration field, e.g. --set optimizer.target_batch_size=64")
+    parser.add_argument("--events", action="store_true", help=argparse.SUPPRESS)  # machine-readable lines
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="collab-kit", description="Train transformers together over the Internet.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'collab-kit COMMAND --help' for the options of one command.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser("demo", help="a local collaborative run: a first peer and N volunteers on 127.0.0.1")
+    demo.add_argument("--peers", type=int, default=2, help="volunteers that train (default: 2)")
+    demo.add_argument("--epochs", type=int, default=5, help="global epochs to train (default: 5)")
+    demo.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")
+    demo.add_argument("--workdir", help="keep the dataset and the logs here (default: a temporary folder)")
+    demo.add_argument("--timeout", type=float, default=270.0, help="give up after this many seconds (default: 270)")
+    demo.set_defaults(handler=command_demo)
+
+    join = commands.add_parser("join", help="train with a swarm as a volunteer")
+    _add_swarm_options(join)
+    join.add_argument("--client-mode", action="store_true",
+                      help="behind a NAT or firewall: connect out, accept no incoming connections")
+    join.add_argument("--data", help="folder or glob of parquet shards")
+    join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
+    join.add_argument("--max-steps", type=int, help="stop after this many local steps")
+    join.add_argument("--threads", type=int, help="CPU threads for torch")
+    join.add_argument("--no-progress", action="store_true", help="no progress bar")
+    join.add_argument("--verbose", action="store_true", help="log every stage of the global steps")
+    join.add_argument("--save-params", metavar="PATH", help="save the final parameters here (torch.save)")
+    join.set_defaults(handler=command_join)
+
+    monitor = commands.add_parser("monitor", help="start the swarm's first peer and report its progress")
+    _add_swarm_options(monitor)
+    monitor.add_argument("--address-file", help="also write the join addresses to this file")
+    monitor.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines")
+    monitor.set_defaults(handler=command_monitor)
+    return parser
+
+
+def _interrupt_on_sigterm():
+    """SIGTERM (from a process manager, or the demo) stops a peer as cleanly as Ctrl-C."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _interrupt_on_sigterm()
+    try:
+        return args.handler(args)
+    except (CommandError, ValueError, FileNotFoundError) as e:
+        print(f"collab-kit {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"collab-kit {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Configuration: one dataclass per concern (model, optimizer, swarm, data) and named presets.
+
+Every field is checked when the dataclass is built, so a wrong value fails at once with a
+ValueError that names the field and what is allowed, instead of deep inside torch or hivemind.
+
+Presets:
+- ``tiny``: unit and multi-process tests; a training step takes milliseconds on one CPU core.
+- ``small``: the CPU demo (``make demo``); several peers share two cores and still learn visibly.
+- ``paper``: the values of the paper's run (section 3 of "Training Transformers Together").
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+PRESETS = ("tiny", "small", "paper")
+
+
+def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
+    if not condition:
+        raise ValueError(f"{field_name}={value!r} is not allowed: {allowed}")
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             f"{owner}.{name}", "expected a positive integer", value)
+
+
+def _positive_float(owner: str, name: str, value: Any) -> None:
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+             f"{owner}.{name}", "expected a positive number", value)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only text-to-image transformer.
+
+    A sample is ``[caption tokens (text_length); image codes (image_side ** 2)]``; the model predicts
+    every next token of both parts.
+    """
+
+    hidden_size: int = 1024
+    num_layers: int = 64
+    num_heads: int = 16
+    text_length: int = 256  # caption tokens, padded or cut to this length
+    image_side: int = 32  # the image is image_side x image_side VQGAN codes
+    codebook_size: int = 8192  # VQGAN codes
+    text_vocab_size: int = 32100  # t5-small in the paper
+    pad_token_id: int = 1  # pad = eos, as in the original run's T5 tokenizer
+    ffn_multiplier: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_heads", "text_length", "image_side",
+                     "codebook_size", "text_vocab_size", "ffn_multiplier"):
+            _positive_int("model", name, getattr(self, name))
+        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size",
+                 f"must be divisible by model.num_heads={self.num_heads}", self.hidden_size)
+        _require(0 <= self.pad_token_id < self.text_vocab_size, "model.pad_token_id",
+                 f"must be a token id in [0, text_vocab_size={self.text_vocab_size})", self.pad_token_id)
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)", self.dropout)
+
+    @property
+    def image_length(self) -> int:
+        return self.image_side * self.image_side
+
+    @property
+    def sequence_length(self) -> int:
+        return self.text_length + self.image_length
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class OptimizerConfig:
+    """The paper's optimizer: 8-bit LAMB offloaded to CPU inside hivemind.Optimizer (section 3.3)."""
+
+    learning_rate: float = 2.5e-3
+    betas: Tuple[float, float] = (0.9, 0.96)
+    eps: float = 1e-6
+    weight_decay: float = 0.045  # not applied to biases and norms
+    max_grad_norm: float = 4.0
+    total_steps: int = 31250  # global optimizer steps (= global epochs) of the linear schedule
+    warmup_fraction: float = 0.1
+    target_batch_size: int = 4096  # samples the whole swarm accumulates per global step
+    batch_size_per_step: int = 4  # samples one peer processes per local step
+    compression_threshold: int = 2 ** 16  # tensors this large or larger are averaged in 8 bits, others in fp16
+    matchmaking_time: float = 15.0
+    averaging_timeout: float = 180.0
+    average_state_every: int = 1  # global steps between parameter (state) averaging rounds
+    offload_optimizer: bool = True
+    delay_optimizer_step: bool = True
+    min_8bit_size: int = 4096  # bitsandbytes keeps 32-bit statistics for tensors smaller than this
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        for name in ("learning_rate", "eps", "max_grad_norm", "matchmaking_time", "averaging_timeout"):
+            _positive_float("optimizer", name, getattr(self, name))
+        for name in ("total_steps", "target_batch_size", "batch_size_per_step", "compression_threshold",
+                     "average_state_every", "min_8bit_size"):
+            _positive_int("optimizer", name, getattr(self, name))
+        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer.betas",
+                 "expected two numbers in [0, 1)", self.betas)
+        _require(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, "optimizer.weight_decay",
+                 "expected a number >= 0", self.weight_decay)
+        _require(0.0 <= self.warmup_fraction < 1.0, "optimizer.warmup_fraction", "must be in [0, 1)",
+                 self.warmup_fraction)
+        _require(self.delay_optimizer_step is False or self.offload_optimizer, "optimizer.delay_optimizer_step",
+                 "True needs optimizer.offload_optimizer=True (hivemind runs the delayed step on the offloaded copy)",
+                 self.delay_optimizer_step)
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.total_steps * self.warmup_fraction)
+
+
+@dataclass
+class SwarmConfig:
+    """How a peer finds the others: the run's name, whom to contact first, where to listen."""
+
+    run_id: str = "collab_kit"
+    initial_peers: Sequence[str] = ()  # multiaddrs of peers already in the swarm; empty = start a new swarm
+    host: str = "0.0.0.0"  # 127.0.0.1 for a run that stays on this machine
+    port: int = 0  # 0 = any free port
+    client_mode: bool = False  # True behind a NAT / firewall: this peer connects out but accepts no connections
+    use_auto_relay: bool = False  # look for relays so peers behind NAT can still be reached
+    identity_path: Optional[str] = None  # a private key file keeps the peer ID across restarts
+    announce_maddrs: Sequence[str] = ()  # public addresses to announce, when the host address is not reachable
+
+    def __post_init__(self):
+        self.initial_peers = tuple(self.initial_peers)
+        self.announce_maddrs = tuple(self.announce_maddrs)
+        _require(isinstance(self.run_id, str) and self.run_id.replace("_", "").replace("-", "").isalnum(),
+                 "swarm.run_id", "use letters, digits, '_' and '-' only", self.run_id)
+        _require(isinstance(self.port, int) and 0 <= self.port < 65536, "swarm.port", "must be in [0, 65535]",
+                 self.port)
+        _require(isinstance(self.host, str) and len(self.host) > 0, "swarm.host",
+                 "expected an IP address such as 127.0.0.1 or 0.0.0.0", self.host)
+        # multiaddrs are checked by collab_kit.swarm.parse_initial_peers, which explains what a good one looks like
+        from collab_kit.swarm import parse_initial_peers
+
+        parse_initial_peers(self.initial_peers)
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from and how they are batched."""
+
+    shards: str = "data/shards"  # a folder of parquet shards, or a glob
+    shuffle_buffer: int = 1024
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(isinstance(self.shards, str) and len(self.shards) > 0, "data.shards",
+                 "expected a folder of parquet shards or a glob", self.shards)
+        _require(isinstance(self.shuffle_buffer, int) and self.shuffle_buffer >= 1, "data.shuffle_buffer",
+                 "expected an integer >= 1", self.shuffle_buffer)
+
+
+@dataclass
+class RunConfig:
+    """Everything one peer needs to take part in a run."""
+
+    preset: str = "paper"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        values = dict(values)
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        _require(not unknown, "config", f"unknown keys {sorted(unknown)}", sorted(unknown))
+        return cls(
+            preset=values.get("preset", "custom"),
+            model=ModelConfig(**values.get("model", {})),
+            optimizer=OptimizerConfig(**values.get("optimizer", {})),
+            swarm=SwarmConfig(**values.get("swarm", {})),
+            data=DataConfig(**values.get("data", {})),
+        )
+
+
+def _with(config_cls, base: Any, overrides: dict):
+    """Build ``config_cls`` from ``base`` with ``overrides``, raising a clear error for unknown fields."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise ValueError(f"{config_cls.__name__} has no field(s) {sorted(unknown)}; known fields: {sorted(names)}")
+    return dataclasses.replace(base, **overrides)
+
+
+def get_preset(name: str, **overrides: dict) -> RunConfig:
+    """Return the named preset, optionally with per-section overrides.
+
+    :param name: one of ``tiny``, ``small``, ``paper``
+    :param overrides: ``model=``, ``optimizer=``, ``swarm=``, ``data=`` dictionaries of fields to change
+    :example: ``get_preset("small", optimizer=dict(target_batch_size=64))``
+    """
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not allowed: choose one of {', '.join(PRESETS)}")
+    unknown = set(overrides) - {"model", "optimizer", "swarm", "data"}
+    if unknown:
+        raise ValueError(f"get_preset got unknown section(s) {sorted(unknown)}: use model=, optimizer=, swarm=, data=")
+
+    if name == "paper":
+        model, optimizer = ModelConfig(), OptimizerConfig()
+    elif name == "small":
+        model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=16, image_side=8,
+                            codebook_size=256, text_vocab_size=259, pad_token_id=0)
+        # a short schedule so that a few global steps already leave warm-up; a higher peak rate
+        # because the demo only has a handful of steps to show learning
+        optimizer = OptimizerConfig(learning_rate=5e-3, total_steps=100, warmup_fraction=0.03,
+                                    target_batch_size=256, batch_size_per_step=16,
+                                    matchmaking_time=3.0, averaging_timeout=30.0)
+    else:  # tiny
+        model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
+                            codebook_size=32, text_vocab_size=259, pad_token_id=0)
+        optimizer = OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_fraction=0.02,
+                                    target_batch_size=64, batch_size_per_step=8,
+                                    matchmaking_time=2.0, averaging_timeout=20.0)
+    config = RunConfig(preset=name, model=model, optimizer=optimizer)
+    if name != "paper":
+        config.swarm = SwarmConfig(run_id=f"collab_kit_{name}", host="127.0.0.1")
+    for section, config_cls in (("model", ModelConfig), ("optimizer", OptimizerConfig),
+                                ("swarm", SwarmConfig), ("data", DataConfig)):
+        if section in overrides:
+            setattr(config, section, _with(config_cls, getattr(config, section), overrides[section]))
+    return config

@@ -1,0 +1,153 @@
+"""The paper's optimizer: hivemind.Optimizer around 8-bit LAMB, offloaded to CPU (section 3.3).
+
+What each piece is for:
+- ``hivemind.Optimizer`` accumulates gradients until the whole swarm has processed
+  ``target_batch_size`` samples, averages them with the other peers, then steps. Peers of any speed
+  contribute as many samples as they can, and the result is the same as one synchronous large batch.
+- 8-bit LAMB (bitsandbytes) keeps its two statistics in 8 bits: about 4x less optimizer memory.
+  LAMB's layer-wise trust ratio is what makes batches of thousands of samples trainable.
+- ``offload_optimizer`` keeps the optimizer and its statistics on the CPU, leaving GPU memory to
+  the model; ``delay_optimizer_step`` runs that CPU step in the background while the GPU goes on
+  computing gradients for the next step.
+- Size-adaptive compression: gradients of large tensors travel in 8 bits, small tensors (biases,
+  norms) in fp16, where 8-bit quantization would cost more accuracy than it saves bytes.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Iterable, List, Optional
+
+import bitsandbytes as bnb
+import hivemind
+import torch
+from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
+
+from collab_kit.config import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ClippedLAMB8bit(bnb.optim.LAMB8bit):
+    """bitsandbytes' 8-bit LAMB that first clips the global gradient norm to ``max_grad_norm``.
+
+    Clipping belongs here, not in the training loop: hivemind.Optimizer steps on gradients averaged
+    over the whole swarm, which only exist inside its optimizer step.
+
+    :param params: parameters or parameter groups
+    :param max_grad_norm: clip the norm of all gradients together to this value; None disables clipping
+    :param kwargs: passed to ``bitsandbytes.optim.LAMB8bit`` (lr, betas, eps, weight_decay, min_8bit_size)
+    """
+
+    def __init__(self, params, max_grad_norm: Optional[float] = None, **kwargs):
+        super().__init__(params, **kwargs)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: Optional[float] = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.max_grad_norm is not None:
+            grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm))
+        return super().step(closure)
+
+
+def linear_warmup_then_decay(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate multiplier: rises linearly over warm-up, then falls linearly to 0 at total_steps.
+
+    Step 0 already gets a small non-zero rate, so that the first global step does something.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """Two groups: matrices and embeddings decay; biases and norm weights (1-d tensors) do not."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 else decay).append(param)
+    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+
+
+def gradient_compression(threshold: int) -> SizeAdaptiveCompression:
+    """8-bit uniform quantization for tensors of ``threshold`` elements or more, fp16 for smaller ones."""
+    return SizeAdaptiveCompression(threshold=threshold, less=Float16Compression(),
+                                   greater_equal=Uniform8BitQuantization())
+
+
+def make_lamb8bit(params: Iterable, config: OptimizerConfig) -> ClippedLAMB8bit:
+    """The bare 8-bit LAMB with the paper's hyperparameters (also the baseline of the benchmarks)."""
+    return ClippedLAMB8bit(params, max_grad_norm=config.max_grad_norm, lr=config.learning_rate, betas=config.betas,
+                           eps=config.eps, weight_decay=config.weight_decay, min_8bit_size=config.min_8bit_size)
+
+
+def make_scheduler_factory(config: OptimizerConfig):
+    """A factory hivemind calls with the (offloaded) optimizer to build the linear warm-up schedule."""
+    schedule = partial(linear_warmup_then_decay, warmup_steps=config.warmup_steps, total_steps=config.total_steps)
+    return partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule)
+
+
+class CollaborativeOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that also counts the global steps whose gradients were averaged with peers.
+
+    The count is what the demo and the tests check to know that peers really trained together,
+    rather than each on its own.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other peer
+        self.last_group_size = 1
+
+    # hivemind 1.1.12 (pinned in pyproject): this is the one place where the outcome of a gradient
+    # averaging round is known in the trainer's process; the averagers themselves run as subprocesses.
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        self.last_group_size = 1
+        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
+            if maybe_step_control.exception() is None:
+                group = maybe_step_control.result()
+                self.last_group_size = len(group) if group else 1
+                if self.last_group_size > 1:
+                    self.averaged_rounds += 1
+
+
+def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, config: OptimizerConfig,
+                   client_mode: bool = False, verbose: bool = False, **kwargs) -> CollaborativeOptimizer:
+    """Build the collaborative optimizer for ``model``, connected to the swarm through ``dht``.
+
+    :param model: the model whose parameters the swarm trains
+    :param dht: this peer's DHT (see collab_kit.swarm.start_dht)
+    :param run_id: peers with the same run_id train together; others ignore each other
+    :param config: hyperparameters (collab_kit.config.OptimizerConfig)
+    :param client_mode: True if this peer cannot accept incoming connections
+    :param verbose: log each stage of every global step
+    :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``)
+    """
+    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself
+    request_timeout = min(3.0, config.matchmaking_time / 2)
+    kwargs.setdefault("grad_averager_factory", partial(hivemind.GradientAverager, request_timeout=request_timeout))
+    return CollaborativeOptimizer(
+        dht=dht,
+        run_id=run_id,
+        target_batch_size=config.target_batch_size,
+        batch_size_per_step=config.batch_size_per_step,
+        params=parameter_groups(model, config.weight_decay),
+        optimizer=partial(make_lamb8bit, config=config),
+        scheduler=make_scheduler_factory(config),
+        offload_optimizer=config.offload_optimizer,
+        delay_optimizer_step=config.delay_optimizer_step,
+        delay_grad_averaging=False,
+        average_state_every=config.average_state_every,
+        grad_compression=gradient_compression(config.compression_threshold),
+        state_averaging_compression=Float16Compression(),
+        matchmaking_time=config.matchmaking_time,
+        averaging_timeout=config.averaging_timeout,
+        averager_opts=dict(request_timeout=request_timeout),
+        client_mode=client_mode,
+        verbose=verbose,
+        **kwargs,
+    )

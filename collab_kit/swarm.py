@@ -1,0 +1,102 @@
+"""Joining the swarm: the DHT every peer starts, the addresses peers give each other, reachability.
+
+A swarm starts from one peer (the coordinator, or simply the first volunteer). It prints the
+address others use to join; every later peer passes one or more such addresses as ``initial_peers``.
+Peers behind a NAT or firewall join in client mode: they connect out to others but accept no
+incoming connections, so they can train but never serve state to others.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+from collab_kit.config import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
+
+
+class SwarmConnectionError(RuntimeError):
+    """The peer could not reach any of the initial peers."""
+
+
+def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> List[str]:
+    """Check the multiaddrs of initial peers and return them as a list of strings.
+
+    :param initial_peers: multiaddrs, a list or one string with several separated by spaces or commas
+    :raises ValueError: for an address that is not a full multiaddr, saying what one looks like
+    """
+    if initial_peers is None:
+        return []
+    if isinstance(initial_peers, str):
+        initial_peers = initial_peers.replace(",", " ").split()
+    checked = []
+    for address in initial_peers:
+        address = str(address).strip()
+        if not address:
+            continue
+        try:
+            parsed = Multiaddr(address)
+        except Exception as e:  # the multiaddr package raises several exception types
+            raise ValueError(
+                f"initial peer {address!r} is not a valid multiaddr ({e}). A peer address looks like "
+                f"{ADDRESS_EXAMPLE}: copy it from the 'To join this swarm' line that the first peer prints."
+            ) from None
+        protocols = [p.name for p in parsed.protocols()]
+        if "p2p" not in protocols:
+            raise ValueError(
+                f"initial peer {address!r} has no /p2p/<peer id> part, so it cannot be authenticated. "
+                f"A peer address looks like {ADDRESS_EXAMPLE}."
+            )
+        if not any(p in protocols for p in ("ip4", "ip6", "dns", "dns4", "dns6")):
+            raise ValueError(f"initial peer {address!r} names no host (/ip4/..., /ip6/... or /dns/...). "
+                             f"A peer address looks like {ADDRESS_EXAMPLE}.")
+        checked.append(address)
+    return checked
+
+
+def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
+    """Start this peer's DHT: a new swarm if ``config.initial_peers`` is empty, else join through them.
+
+    :param config: where to listen, whom to contact first, client mode, relays, identity
+    :param dht_kwargs: passed to hivemind.DHT (for instance ``record_validators`` or ``authorizer``)
+    :raises SwarmConnectionError: if none of the initial peers could be reached
+    """
+    initial_peers = parse_initial_peers(config.initial_peers)
+    host_maddrs = [f"/ip{'6' if ':' in config.host else '4'}/{config.host}/tcp/{config.port}"]
+    try:
+        dht = hivemind.DHT(
+            initial_peers=initial_peers,
+            host_maddrs=host_maddrs,
+            announce_maddrs=list(config.announce_maddrs) or None,
+            client_mode=config.client_mode,
+            use_auto_relay=config.use_auto_relay,
+            identity_path=config.identity_path,
+            start=True,
+            **dht_kwargs,
+        )
+    except hivemind.p2p.P2PDaemonError as e:
+        if initial_peers and "bootstrap" in str(e):
+            raise SwarmConnectionError(
+                f"could not reach any initial peer ({', '.join(initial_peers)}): check that the first peer is "
+                f"still running and that its address and port are reachable from here"
+            ) from e
+        raise
+    logger.info(f"DHT started, peer id {dht.peer_id}")
+    return dht
+
+
+def join_addresses(dht: hivemind.DHT) -> List[str]:
+    """The multiaddrs other peers can pass as ``initial_peers`` to join through this one."""
+    return [str(address) for address in dht.get_visible_maddrs()]
+
+
+def join_instructions(dht: hivemind.DHT, run_id: Optional[str] = None) -> str:
+    """One line that tells others how to join through this peer."""
+    addresses = " ".join(join_addresses(dht))
+    run = f" --run-id {run_id}" if run_id else ""
+    return f"To join this swarm: collab-kit join{run} --initial-peers {addresses}"

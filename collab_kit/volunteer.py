@@ -1,0 +1,203 @@
+"""A volunteer: the DHT, the model, the data stream and the collaborative optimizer, and the loop.
+
+    with Volunteer(get_preset("small"), data_shards="demo/shards") as volunteer:
+        history = volunteer.train(max_epochs=5)
+
+Each local step computes gradients on one local batch and hands them to hivemind.Optimizer, which
+accumulates them until the swarm as a whole has processed ``target_batch_size`` samples; then peers
+average their gradients and take one global step together (one "global epoch").
+"""
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from collab_kit.config import RunConfig
+from collab_kit.data import ShardStream, batches
+from collab_kit.model import TextToImageTransformer
+from collab_kit.optim import make_optimizer
+from collab_kit.swarm import join_instructions, start_dht
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochRecord:
+    """What one peer saw of one global epoch."""
+
+    epoch: int  # the global epoch these local steps belonged to
+    loss: float  # mean loss of this peer's local steps in that epoch
+    local_steps: int
+    samples: int  # samples this peer contributed
+    averaged: bool  # gradients of this epoch were averaged with at least one other peer
+    group_size: int  # peers in the gradient averaging group (1 = local gradients only)
+    num_peers: int  # peers the swarm reported when the epoch ended
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainingHistory:
+    epochs: List[EpochRecord] = field(default_factory=list)
+    start_epoch: int = 0  # the global epoch this peer started at (> 0 when it joined late)
+    final_epoch: int = 0
+    local_steps: int = 0
+    averaged_rounds: int = 0
+    interrupted: bool = False
+
+
+def model_seed(run_id: str) -> int:
+    """Every peer of a run builds the same initial parameters, so that averaged gradients keep them equal."""
+    return zlib.crc32(run_id.encode())
+
+
+class Volunteer:
+    """One peer of a collaborative run: builds everything it needs, then trains with the swarm.
+
+    :param config: the run's configuration (a preset from collab_kit.config.get_preset, possibly changed)
+    :param data_shards: folder or glob of parquet shards; defaults to ``config.data.shards``
+    :param data_seed: the order in which this peer reads the data; default: derived from its peer id
+    :param num_threads: torch CPU threads for this peer (None leaves torch's default)
+    :param verbose: log every stage of hivemind's global steps
+    """
+
+    def __init__(self, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
+                 num_threads: Optional[int] = None, verbose: bool = False):
+        self.config = config
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.dht = start_dht(config.swarm)
+        try:
+            self.join_line = join_instructions(self.dht, config.swarm.run_id)
+            torch.manual_seed(model_seed(config.swarm.run_id))
+            self.model = TextToImageTransformer(config.model)
+            if data_seed is None:
+                data_seed = zlib.crc32(self.dht.peer_id.to_bytes()) + config.data.seed
+            self.stream = ShardStream(data_shards or config.data.shards, config.model.text_length,
+                                      config.model.image_length, shuffle_buffer=config.data.shuffle_buffer,
+                                      seed=data_seed)
+            self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
+                                            client_mode=config.swarm.client_mode, verbose=verbose)
+        except BaseException:
+            self.dht.shutdown()
+            raise
+        self._closed = False
+
+    # -- the swarm's view -----------------------------------------------------------------------
+
+    @property
+    def local_epoch(self) -> int:
+        return self.optimizer.local_epoch
+
+    @property
+    def global_progress(self):
+        return self.optimizer.tracker.global_progress
+
+    def catch_up(self, timeout: float = 10.0) -> bool:
+        """If the swarm is ahead, download its current parameters and optimizer state.
+
+        :param timeout: seconds to wait for the swarm's progress before deciding
+        :returns: True if state was loaded from peers
+        """
+        self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
+        if self.optimizer.local_epoch < self.optimizer.tracker.global_epoch:
+            logger.info(f"the swarm is at epoch {self.optimizer.tracker.global_epoch}: loading its state")
+            self.optimizer.load_state_from_peers()
+            return True
+        return False
+
+    # -- training -------------------------------------------------------------------------------
+
+    def train(self, max_epochs: Optional[int] = None, max_steps: Optional[int] = None, progress: bool = True,
+              on_epoch: Optional[Callable[[EpochRecord], None]] = None) -> TrainingHistory:
+        """Train with the swarm until the global epoch reaches ``max_epochs`` or after ``max_steps`` local steps.
+
+        Ctrl-C stops training between steps and returns what was done so far (``interrupted=True``).
+
+        :param max_epochs: stop once the swarm's global epoch reaches this number
+        :param max_steps: stop after this many local steps
+        :param progress: show a progress bar with loss, global epoch, samples accumulated and peers
+        :param on_epoch: called with an EpochRecord each time a global epoch ends
+        """
+        if max_epochs is None and max_steps is None:
+            raise ValueError("train() needs max_epochs or max_steps, otherwise it would never stop")
+        history = TrainingHistory()
+        self.catch_up()
+        history.start_epoch = self.local_epoch
+        bar = tqdm(total=max_epochs - self.local_epoch if max_epochs else max_steps, disable=not progress,
+                   unit="epoch" if max_epochs else "step", desc="training", dynamic_ncols=True)
+        epoch_losses: List[float] = []
+        epoch_start, samples_before = time.perf_counter(), 0
+        batch_size = self.config.optimizer.batch_size_per_step
+        self.model.train()
+        try:
+            for batch in batches(self.stream, batch_size):
+                if (max_epochs is not None and self.local_epoch >= max_epochs) or \
+                        (max_steps is not None and history.local_steps >= max_steps):
+                    break
+                epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
+                loss = self.model(**batch).loss
+                loss.backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+                history.local_steps += 1
+                epoch_losses.append(loss.item())
+
+                if self.local_epoch != epoch_before:
+                    record = EpochRecord(
+                        epoch=epoch_before, loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
+                        samples=len(epoch_losses) * batch_size,
+                        averaged=self.optimizer.averaged_rounds > rounds_before,
+                        group_size=self.optimizer.last_group_size, num_peers=self.global_progress.num_peers,
+                        seconds=time.perf_counter() - epoch_start)
+                    history.epochs.append(record)
+                    epoch_losses, epoch_start = [], time.perf_counter()
+                    if on_epoch is not None:
+                        on_epoch(record)
+                    if max_epochs:
+                        bar.update(self.local_epoch - epoch_before)
+                if not max_epochs:
+                    bar.update(1)
+                progress_now = self.global_progress
+                bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
+                                samples=f"{progress_now.samples_accumulated}/{progress_now.target_batch_size}",
+                                peers=progress_now.num_peers, refresh=False)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
+            history.interrupted = True
+        finally:
+            bar.close()
+        history.final_epoch = self.local_epoch
+        history.averaged_rounds = self.optimizer.averaged_rounds
+        return history
+
+    def parameters_snapshot(self) -> Dict[str, torch.Tensor]:
+        """The model's current parameters, after any optimizer step still running in the background."""
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True)
+        return {name: param.detach().clone() for name, param in self.model.named_parameters()}
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self):
+        """Leave the swarm: stop the optimizer's averagers, then the DHT and its p2p daemon."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.optimizer.shutdown()
+        finally:
+            self.dht.shutdown()
+
+    def __enter__(self) -> "Volunteer":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
