@@ -1,0 +1,54 @@
+"""Shared test setup: an offline Hugging Face cache, a tiny dataset, and peers that always die.
+
+Peers are real processes on 127.0.0.1 (collab_kit.local_swarm.PeerProcess); the ``start_peer``
+fixture kills every one it started, with its p2p daemons, however the test ends.
+"""
+import os
+import tempfile
+
+# before anything imports huggingface_hub or datasets: never reach for the network, never touch ~/.cache
+_HF_HOME = tempfile.mkdtemp(prefix="collab_kit_test_hf_")
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=_HF_HOME,
+                  HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false")
+
+import pytest  # noqa: E402
+
+from collab_kit.config import get_preset  # noqa: E402
+from collab_kit.data import make_synthetic_shards  # noqa: E402
+from collab_kit.local_swarm import PeerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory) -> str:
+    """A folder of parquet shards for the tiny preset."""
+    config = get_preset("tiny")
+    folder = tmp_path_factory.mktemp("tiny_shards")
+    make_synthetic_shards(str(folder), num_samples=512, image_side=config.model.image_side,
+                          codebook_size=config.model.codebook_size, num_shards=2)
+    return str(folder)
+
+
+@pytest.fixture
+def start_peer(tmp_path):
+    """Start ``collab-kit ARGS...`` as a subprocess; every peer started is killed at teardown."""
+    started = []
+
+    def start(name: str, *args: str) -> PeerProcess:
+        peer = PeerProcess(name, list(args), str(tmp_path / f"{name}.log"))
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in reversed(started):
+        peer.kill()
+
+
+@pytest.fixture
+def first_peer(start_peer):
+    """A running first peer (coordinator) for the tiny preset; returns (peer, its join addresses)."""
+    def launch(run_id: str):
+        peer = start_peer("first-peer", "monitor", "--preset", "tiny", "--run-id", run_id,
+                          "--host", "127.0.0.1", "--events", "--report-every", "2")
+        ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")
+        return peer, ready["addresses"]
+    return launch
