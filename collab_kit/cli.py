@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import logging
+import os
 import signal
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -88,12 +89,14 @@ def command_join(args: argparse.Namespace) -> int:
     except SwarmConnectionError as e:
         raise CommandError(str(e)) from None
     with volunteer:
+        _stop_on_signals(volunteer.request_stop)
         print(volunteer.join_line, flush=True)
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
         on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
         history = volunteer.train(max_epochs=args.max_epochs, max_steps=args.max_steps,
-                                  progress=not args.no_progress, on_epoch=on_epoch)
+                                  progress=not args.no_progress, on_epoch=on_epoch,
+                                  wait_for_peers=args.wait_for_peers)
         if args.save_params:
             import torch
 
@@ -163,6 +166,8 @@ def make_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
     join.add_argument("--max-steps", type=int, help="stop after this many local steps")
     join.add_argument("--threads", type=int, help="CPU threads for torch")
+    join.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
+                      help="start training once N peers (this one included) are ready (default: 1)")
     join.add_argument("--no-progress", action="store_true", help="no progress bar")
     join.add_argument("--verbose", action="store_true", help="log every stage of the global steps")
     join.add_argument("--save-params", metavar="PATH", help="save the final parameters here (torch.save)")
@@ -176,9 +181,42 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt_on_sigterm():
-    """SIGTERM (from a process manager, or the demo) stops a peer as cleanly as Ctrl-C."""
+def _stop_on_signals(request_stop):
+    """Ctrl-C or SIGTERM: finish the current step, then leave the swarm cleanly; a second one forces the exit.
+
+    A flag rather than an exception: an exception raised inside hivemind's step could be swallowed
+    by its own error handling.
+    """
+    main_pid = os.getpid()
+    received = []
+
     def handler(signum, frame):
+        if os.getpid() != main_pid:  # a forked hivemind helper: default behaviour
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        received.append(signum)
+        if len(received) > 1:
+            raise KeyboardInterrupt
+        logger.warning("stopping after the current step (press Ctrl-C again to force)")
+        request_stop()
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _interrupt_on_sigterm():
+    """SIGTERM (from a process manager, or the demo) stops a peer as cleanly as Ctrl-C.
+
+    hivemind forks helper processes (the DHT) that inherit this handler; in them SIGTERM keeps its
+    default meaning, since hivemind uses it to end them.
+    """
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, handler)
 

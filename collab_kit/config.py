@@ -90,14 +90,20 @@ class OptimizerConfig:
     compression_threshold: int = 2 ** 16  # tensors this large or larger are averaged in 8 bits, others in fp16
     matchmaking_time: float = 15.0
     averaging_timeout: float = 180.0
+    # how often a peer reads the swarm's progress when it knows of no one else; it reads more or less often
+    # (between a sixth and 10/3 of this) once it can estimate when the next global step is due
+    progress_refresh_period: float = 3.0
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds
+    # how parameters travel in state averaging: "fp16" halves the bytes, "none" (fp32) leaves peers bit-equal
+    state_compression: str = "fp16"
     offload_optimizer: bool = True
     delay_optimizer_step: bool = True
     min_8bit_size: int = 4096  # bitsandbytes keeps 32-bit statistics for tensors smaller than this
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
-        for name in ("learning_rate", "eps", "max_grad_norm", "matchmaking_time", "averaging_timeout"):
+        for name in ("learning_rate", "eps", "max_grad_norm", "matchmaking_time", "averaging_timeout",
+                     "progress_refresh_period"):
             _positive_float("optimizer", name, getattr(self, name))
         for name in ("total_steps", "target_batch_size", "batch_size_per_step", "compression_threshold",
                      "average_state_every", "min_8bit_size"):
@@ -106,6 +112,8 @@ class OptimizerConfig:
                  "expected two numbers in [0, 1)", self.betas)
         _require(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, "optimizer.weight_decay",
                  "expected a number >= 0", self.weight_decay)
+        _require(self.state_compression in ("fp16", "none"), "optimizer.state_compression",
+                 "choose 'fp16' or 'none'", self.state_compression)
         _require(0.0 <= self.warmup_fraction < 1.0, "optimizer.warmup_fraction", "must be in [0, 1)",
                  self.warmup_fraction)
         _require(self.delay_optimizer_step is False or self.offload_optimizer, "optimizer.delay_optimizer_step",
@@ -218,13 +226,13 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
         # because the demo only has a handful of steps to show learning
         optimizer = OptimizerConfig(learning_rate=5e-3, total_steps=100, warmup_fraction=0.03,
                                     target_batch_size=256, batch_size_per_step=16,
-                                    matchmaking_time=3.0, averaging_timeout=30.0)
+                                    matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
     else:  # tiny
         model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
                             codebook_size=32, text_vocab_size=259, pad_token_id=0)
         optimizer = OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_fraction=0.02,
                                     target_batch_size=64, batch_size_per_step=8,
-                                    matchmaking_time=2.0, averaging_timeout=20.0)
+                                    matchmaking_time=2.0, averaging_timeout=20.0, progress_refresh_period=0.6)
     config = RunConfig(preset=name, model=model, optimizer=optimizer)
     if name != "paper":
         config.swarm = SwarmConfig(run_id=f"collab_kit_{name}", host="127.0.0.1")

@@ -91,6 +91,7 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
                 f"volunteer {index + 1}",
                 ["join", "--preset", preset, "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers",
                  *addresses, "--data", shards, "--max-epochs", str(epochs), "--threads", str(threads),
+                 "--wait-for-peers", str(num_volunteers),
                  "--events", "--no-progress"],
                 os.path.join(workdir, f"volunteer_{index + 1}.log")))
         peers.extend(volunteers)

@@ -21,7 +21,8 @@ from typing import Iterable, List, Optional
 import bitsandbytes as bnb
 import hivemind
 import torch
-from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
+from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression, Uniform8BitQuantization
+from hivemind.optim.grad_averager import GradientAverager
 
 from collab_kit.config import OptimizerConfig
 
@@ -34,6 +35,11 @@ class ClippedLAMB8bit(bnb.optim.LAMB8bit):
     Clipping belongs here, not in the training loop: hivemind.Optimizer steps on gradients averaged
     over the whole swarm, which only exist inside its optimizer step.
 
+    bitsandbytes implements LAMB's layer adaptation by limiting each update's norm to
+    ``max_unorm * ||parameter||``, so a parameter that starts at zero (every bias) would never move.
+    As in the LAMB paper, parameter groups with ``layer_adaptation=False`` (biases and norms, see
+    ``parameter_groups``) get plain Adam updates instead.
+
     :param params: parameters or parameter groups
     :param max_grad_norm: clip the norm of all gradients together to this value; None disables clipping
     :param kwargs: passed to ``bitsandbytes.optim.LAMB8bit`` (lr, betas, eps, weight_decay, min_8bit_size)
@@ -41,6 +47,10 @@ class ClippedLAMB8bit(bnb.optim.LAMB8bit):
 
     def __init__(self, params, max_grad_norm: Optional[float] = None, **kwargs):
         super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            if not group.get("layer_adaptation", True):
+                for param in group["params"]:
+                    self.mng.pid2config[id(param)] = dict(max_unorm=0.0)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[float] = None
 
@@ -63,13 +73,14 @@ def linear_warmup_then_decay(step: int, warmup_steps: int, total_steps: int) -> 
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """Two groups: matrices and embeddings decay; biases and norm weights (1-d tensors) do not."""
+    """Two groups: matrices and embeddings decay and adapt their step to their norm (LAMB);
+    biases and norm weights (1-d tensors) do neither."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         (no_decay if param.ndim < 2 else decay).append(param)
-    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0, layer_adaptation=False)]
 
 
 def gradient_compression(threshold: int) -> SizeAdaptiveCompression:
@@ -129,7 +140,7 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     """
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself
     request_timeout = min(3.0, config.matchmaking_time / 2)
-    kwargs.setdefault("grad_averager_factory", partial(hivemind.GradientAverager, request_timeout=request_timeout))
+    kwargs.setdefault("grad_averager_factory", partial(GradientAverager, request_timeout=request_timeout))
     return CollaborativeOptimizer(
         dht=dht,
         run_id=run_id,
@@ -143,10 +154,13 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         delay_grad_averaging=False,
         average_state_every=config.average_state_every,
         grad_compression=gradient_compression(config.compression_threshold),
-        state_averaging_compression=Float16Compression(),
+        state_averaging_compression=Float16Compression() if config.state_compression == "fp16" else NoCompression(),
         matchmaking_time=config.matchmaking_time,
         averaging_timeout=config.averaging_timeout,
         averager_opts=dict(request_timeout=request_timeout),
+        tracker_opts=dict(default_refresh_period=config.progress_refresh_period,
+                          min_refresh_period=config.progress_refresh_period / 6,
+                          max_refresh_period=config.progress_refresh_period * 10 / 3),
         client_mode=client_mode,
         verbose=verbose,
         **kwargs,

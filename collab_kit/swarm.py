@@ -8,9 +8,12 @@ incoming connections, so they can train but never serve state to others.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import List, Optional, Sequence
 
 import hivemind
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from collab_kit.config import SwarmConfig
@@ -100,3 +103,43 @@ def join_instructions(dht: hivemind.DHT, run_id: Optional[str] = None) -> str:
     addresses = " ".join(join_addresses(dht))
     run = f" --run-id {run_id}" if run_id else ""
     return f"To join this swarm: collab-kit join{run} --initial-peers {addresses}"
+
+
+def _presence_key(run_id: str) -> str:
+    return f"{run_id}_present"
+
+
+def announce_presence(dht: hivemind.DHT, run_id: str, ttl: float = 60.0) -> None:
+    """Tell the swarm that this peer is about to train in ``run_id`` (the record expires after ``ttl`` s)."""
+    now = get_dht_time()
+    dht.store(_presence_key(run_id), subkey=dht.peer_id.to_base58(), value=now, expiration_time=now + ttl)
+
+
+def count_present_peers(dht: hivemind.DHT, run_id: str) -> int:
+    """How many peers announced themselves in ``run_id`` within their record's lifetime."""
+    found = dht.get(_presence_key(run_id), latest=True)
+    return len(found.value) if found is not None and isinstance(found.value, dict) else 0
+
+
+def wait_for_peers(dht: hivemind.DHT, run_id: str, count: int, timeout: float,
+                   stop: Optional[threading.Event] = None) -> int:
+    """Announce this peer, then wait until ``count`` peers (this one included) have announced themselves.
+
+    Starting together matters when steps are short: a peer alone would finish global steps by itself
+    before the others arrive.
+
+    :returns: the number of peers present
+    :raises SwarmConnectionError: if fewer than ``count`` peers arrived within ``timeout`` seconds
+    """
+    deadline = time.monotonic() + timeout
+    stop = stop or threading.Event()
+    announce_presence(dht, run_id)
+    while True:
+        present = count_present_peers(dht, run_id)
+        if present >= count:
+            return present
+        if time.monotonic() > deadline:
+            raise SwarmConnectionError(f"only {present} of {count} peers joined run {run_id!r} within "
+                                       f"{timeout:.0f} s")
+        if stop.wait(0.2):
+            raise KeyboardInterrupt

@@ -9,7 +9,9 @@ average their gradients and take one global step together (one "global epoch").
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -23,6 +25,7 @@ from collab_kit.data import ShardStream, batches
 from collab_kit.model import TextToImageTransformer
 from collab_kit.optim import make_optimizer
 from collab_kit.swarm import join_instructions, start_dht
+from collab_kit.swarm import wait_for_peers as wait_for_peers_in_swarm
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,11 @@ class Volunteer:
             self.dht.shutdown()
             raise
         self._closed = False
+        self._stop_requested = threading.Event()
+
+    def request_stop(self):
+        """Ask ``train`` to stop after the current step (safe to call from a signal handler or a thread)."""
+        self._stop_requested.set()
 
     # -- the swarm's view -----------------------------------------------------------------------
 
@@ -117,29 +125,41 @@ class Volunteer:
     # -- training -------------------------------------------------------------------------------
 
     def train(self, max_epochs: Optional[int] = None, max_steps: Optional[int] = None, progress: bool = True,
-              on_epoch: Optional[Callable[[EpochRecord], None]] = None) -> TrainingHistory:
+              on_epoch: Optional[Callable[[EpochRecord], None]] = None, wait_for_peers: int = 1,
+              wait_timeout: float = 120.0) -> TrainingHistory:
         """Train with the swarm until the global epoch reaches ``max_epochs`` or after ``max_steps`` local steps.
 
-        Ctrl-C stops training between steps and returns what was done so far (``interrupted=True``).
+        Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
+        (``interrupted=True``); the swarm goes on without this peer.
 
         :param max_epochs: stop once the swarm's global epoch reaches this number
         :param max_steps: stop after this many local steps
         :param progress: show a progress bar with loss, global epoch, samples accumulated and peers
         :param on_epoch: called with an EpochRecord each time a global epoch ends
+        :param wait_for_peers: first wait until this many peers (this one included) are ready to train
+        :param wait_timeout: seconds to wait for them before raising SwarmConnectionError
         """
         if max_epochs is None and max_steps is None:
             raise ValueError("train() needs max_epochs or max_steps, otherwise it would never stop")
         history = TrainingHistory()
         self.catch_up()
+        stream = batches(self.stream, self.config.optimizer.batch_size_per_step)
+        first_batch = next(stream)  # the data pipeline is warm before the others are told we are ready
+        if wait_for_peers > 1:
+            present = wait_for_peers_in_swarm(self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout,
+                                              stop=self._stop_requested)
+            logger.info(f"{present} peers are ready to train")
         history.start_epoch = self.local_epoch
         bar = tqdm(total=max_epochs - self.local_epoch if max_epochs else max_steps, disable=not progress,
                    unit="epoch" if max_epochs else "step", desc="training", dynamic_ncols=True)
         epoch_losses: List[float] = []
-        epoch_start, samples_before = time.perf_counter(), 0
+        epoch_start = time.perf_counter()
         batch_size = self.config.optimizer.batch_size_per_step
         self.model.train()
         try:
-            for batch in batches(self.stream, batch_size):
+            for batch in itertools.chain([first_batch], stream):
+                if self._stop_requested.is_set():
+                    raise KeyboardInterrupt
                 if (max_epochs is not None and self.local_epoch >= max_epochs) or \
                         (max_steps is not None and history.local_steps >= max_steps):
                     break
@@ -181,7 +201,7 @@ class Volunteer:
 
     def parameters_snapshot(self) -> Dict[str, torch.Tensor]:
         """The model's current parameters, after any optimizer step still running in the background."""
-        self.optimizer.state_averager.step(wait_for_delayed_updates=True)
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
         return {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
     # -- shutdown -------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""Several real peers, each its own process on 127.0.0.1, training the tiny preset together."""
+import time
+
+import pytest
+import torch
+
+from collab_kit.local_swarm import group_is_empty
+
+pytestmark = pytest.mark.slow
+
+# The tiny model steps in milliseconds; a larger target batch makes each global epoch last long
+# enough (about a second per peer) for the peers' progress reports to meet in the DHT.
+TARGET = "optimizer.target_batch_size=4096"
+
+
+def volunteer_args(run_id, addresses, shards, *extra):
+    return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers", *addresses,
+            "--data", shards, "--threads", "1", "--events", "--no-progress", "--set", TARGET, *extra]
+
+
+def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer, start_peer, tiny_shards, tmp_path):
+    run_id = "test_two_peers"
+    _, addresses = first_peer(run_id)
+    volunteers = [
+        start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "3",
+                                                     "--wait-for-peers", "2",
+                                                     # exact (fp32) state averaging: peers end bit-for-bit close
+                                                     "--set", "optimizer.state_compression='none'",
+                                                     "--save-params", str(tmp_path / f"params-{i}.pt")))
+        for i in range(2)
+    ]
+    for volunteer in volunteers:
+        assert volunteer.wait_exit(timeout=180) == 0, volunteer.log_tail()
+
+    initial = None
+    for i, volunteer in enumerate(volunteers):
+        done = volunteer.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
+        epochs = [e for e in volunteer.events if e["type"] == "epoch"]
+        assert done["final_epoch"] == 3
+        assert [e["epoch"] for e in epochs] == [0, 1, 2]
+        # every global step of this peer was taken with gradients averaged across both peers
+        assert done["averaged_rounds"] == 3
+        assert all(e["averaged"] and e["group_size"] == 2 for e in epochs), epochs
+
+    first, second = (torch.load(tmp_path / f"params-{i}.pt") for i in range(2))
+    assert first.keys() == second.keys()
+    from collab_kit.config import get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.volunteer import model_seed
+
+    torch.manual_seed(model_seed(run_id))
+    initial = dict(TextToImageTransformer(get_preset("tiny").model).named_parameters())
+    moved = max((first[name] - initial[name]).abs().max().item() for name in first)
+    differ = max((first[name] - second[name]).abs().max().item() for name in first)
+    assert moved > 1e-3, "training did not change the parameters"
+    assert differ < 1e-6, f"peers ended {differ:.2e} apart after moving {moved:.2e}"
+
+
+def test_late_peer_loads_the_swarm_state_and_continues_at_its_epoch(first_peer, start_peer, tiny_shards):
+    run_id = "test_late_peer"
+    _, addresses = first_peer(run_id)
+    early = [start_peer(f"early-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "6",
+                                                      "--wait-for-peers", "2"))
+             for i in range(2)]
+    early[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= 1, timeout=180, what="epoch 2")
+    swarm_epoch_at_join = max(e["epoch"] + 1 for e in early[0].events if e["type"] == "epoch")
+
+    late = start_peer("late", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "6"))
+    assert late.wait_exit(timeout=180) == 0, late.log_tail()
+    done = late.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
+    assert done["start_epoch"] >= swarm_epoch_at_join >= 2  # it did not start from scratch at epoch 0
+    assert done["final_epoch"] == 6 and done["local_steps"] > 0
+    late_epochs = [e["epoch"] for e in late.events if e["type"] == "epoch"]
+    assert late_epochs and min(late_epochs) >= done["start_epoch"]
+    for peer in early:
+        assert peer.wait_exit(timeout=120) == 0, peer.log_tail()
+
+
+def test_ctrl_c_leaves_the_swarm_cleanly(first_peer, start_peer, tiny_shards):
+    run_id = "test_ctrl_c"
+    _, addresses = first_peer(run_id)
+    volunteer = start_peer("volunteer", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "1000"))
+    volunteer.wait_for(lambda e: e["type"] == "epoch", timeout=120, what="a first epoch")
+    volunteer.interrupt()
+    assert volunteer.wait_exit(timeout=60) == 130, volunteer.log_tail()
+    done = volunteer.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
+    assert done["interrupted"] is True
+    # its p2p daemon and averager processes left with it
+    deadline = time.monotonic() + 15
+    while not group_is_empty(volunteer.process.pid):
+        assert time.monotonic() < deadline, "processes of the interrupted peer are still running"
+        time.sleep(0.2)
