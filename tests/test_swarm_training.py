@@ -11,11 +11,13 @@ pytestmark = pytest.mark.slow
 # The tiny model steps in milliseconds; a larger target batch makes each global epoch last long
 # enough (about a second per peer) for the peers' progress reports to meet in the DHT.
 TARGET = "optimizer.target_batch_size=4096"
+# the tiny model has no tensor of 2**16 elements; a lower threshold sends most gradients in 8 bits
+EIGHT_BIT = "optimizer.compression_threshold=1024"
 
 
 def volunteer_args(run_id, addresses, shards, *extra):
     return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers", *addresses,
-            "--data", shards, "--threads", "1", "--events", "--no-progress", "--set", TARGET, *extra]
+            "--data", shards, "--threads", "1", "--events", "--no-progress", "--set", TARGET, "--set", EIGHT_BIT, *extra]
 
 
 def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer, start_peer, tiny_shards, tmp_path):

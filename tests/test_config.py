@@ -1,0 +1,72 @@
+"""Presets carry the paper's numbers; a wrong value fails at once, naming the field."""
+import pytest
+
+from collab_kit.config import DataConfig, ModelConfig, OptimizerConfig, RunConfig, SwarmConfig, get_preset
+
+
+def test_paper_preset_has_the_papers_values():
+    config = get_preset("paper")
+    model, opt = config.model, config.optimizer
+    assert (model.hidden_size, model.num_layers, model.num_heads, model.head_size) == (1024, 64, 16, 64)
+    assert (model.text_length, model.image_side, model.image_length, model.codebook_size) == (256, 32, 1024, 8192)
+    assert model.text_vocab_size == 32100
+    assert opt.learning_rate == 2.5e-3 and opt.betas == (0.9, 0.96) and opt.eps == 1e-6
+    assert opt.weight_decay == 0.045 and opt.max_grad_norm == 4.0
+    assert opt.total_steps == 31250 and opt.warmup_steps == 3125
+    assert opt.target_batch_size == 4096 and opt.compression_threshold == 2 ** 16
+    assert opt.offload_optimizer and opt.delay_optimizer_step
+    assert opt.averaging_timeout == 180.0 and 15.0 <= opt.matchmaking_time <= 20.0
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_cpu_presets_are_small_and_stay_on_this_machine(name):
+    config = get_preset(name)
+    assert config.model.hidden_size <= 256 and config.model.sequence_length <= 128
+    assert config.swarm.host == "127.0.0.1"
+    assert config.optimizer.target_batch_size % config.optimizer.batch_size_per_step == 0
+
+
+def test_overrides_change_one_field_and_are_validated():
+    config = get_preset("tiny", optimizer=dict(target_batch_size=128), swarm=dict(run_id="other"))
+    assert config.optimizer.target_batch_size == 128 and config.swarm.run_id == "other"
+    assert config.optimizer.learning_rate == get_preset("tiny").optimizer.learning_rate
+    with pytest.raises(ValueError, match="optimizer.target_batch_size"):
+        get_preset("tiny", optimizer=dict(target_batch_size=0))
+    with pytest.raises(ValueError, match="no field"):
+        get_preset("tiny", optimizer=dict(target_batch=128))
+    with pytest.raises(ValueError, match="choose one of"):
+        get_preset("huge")
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: ModelConfig(hidden_size=100, num_heads=16), "model.hidden_size"),
+    (lambda: ModelConfig(num_layers=-1), "model.num_layers"),
+    (lambda: ModelConfig(pad_token_id=40000), "model.pad_token_id"),
+    (lambda: ModelConfig(dropout=1.5), "model.dropout"),
+    (lambda: OptimizerConfig(learning_rate=0), "optimizer.learning_rate"),
+    (lambda: OptimizerConfig(betas=(0.9, 1.2)), "optimizer.betas"),
+    (lambda: OptimizerConfig(warmup_fraction=1.0), "optimizer.warmup_fraction"),
+    (lambda: OptimizerConfig(offload_optimizer=False, delay_optimizer_step=True), "optimizer.delay_optimizer_step"),
+    (lambda: OptimizerConfig(state_compression="zip"), "optimizer.state_compression"),
+    (lambda: SwarmConfig(port=70000), "swarm.port"),
+    (lambda: SwarmConfig(run_id="my run!"), "swarm.run_id"),
+    (lambda: DataConfig(shuffle_buffer=0), "data.shuffle_buffer"),
+])
+def test_a_wrong_value_names_its_field(build, field):
+    with pytest.raises(ValueError) as error:
+        build()
+    assert str(error.value).startswith(field + "=")
+    assert "allowed" in str(error.value)
+
+
+def test_a_malformed_initial_peer_is_refused_by_the_swarm_config():
+    with pytest.raises(ValueError, match="not a valid multiaddr"):
+        SwarmConfig(initial_peers=["127.0.0.1:31337"])
+
+
+def test_config_round_trips_through_a_dict():
+    config = get_preset("small")
+    again = RunConfig.from_dict(config.to_dict())
+    assert again == config
+    with pytest.raises(ValueError, match="unknown keys"):
+        RunConfig.from_dict(dict(config.to_dict(), extra=1))

@@ -1,0 +1,108 @@
+"""The paper's optimizer: schedule, parameter groups, 8-bit LAMB, compression, and the hivemind wiring."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hivemind.compression.base import CompressionInfo
+from hivemind.proto import runtime_pb2
+
+from collab_kit.config import get_preset
+from collab_kit.model import TextToImageTransformer
+from collab_kit.optim import gradient_compression, linear_warmup_then_decay, make_lamb8bit, parameter_groups
+
+
+def test_schedule_warms_up_linearly_then_decays_to_zero():
+    warmup, total = 3125, 31250  # the paper: 10% of 31250 steps
+    rates = [linear_warmup_then_decay(step, warmup, total) for step in range(total + 1)]
+    assert 0 < rates[0] < rates[1000] < rates[3000] <= 1.0
+    assert rates[warmup] == pytest.approx(1.0)
+    assert rates[warmup + (total - warmup) // 2] == pytest.approx(0.5, abs=1e-3)
+    assert rates[total] == 0.0
+    assert all(a <= b for a, b in zip(rates[:warmup], rates[1:warmup + 1]))
+    assert all(a >= b for a, b in zip(rates[warmup:], rates[warmup + 1:]))
+
+
+def test_biases_and_norms_get_no_weight_decay():
+    model = TextToImageTransformer(get_preset("tiny").model)
+    decay, no_decay = parameter_groups(model, weight_decay=0.045)
+    assert decay["weight_decay"] == 0.045 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("numel, expected", [(2 ** 16, "UNIFORM_8BIT"), (2 ** 16 + 5, "UNIFORM_8BIT"),
+                                             (2 ** 16 - 1, "FLOAT16"), (32, "FLOAT16")])
+def test_size_adaptive_compression_follows_the_papers_threshold(numel, expected):
+    compression = gradient_compression(threshold=2 ** 16)
+    tensor = torch.randn(numel)
+    serialized = compression.compress(tensor, CompressionInfo.from_tensor(tensor))
+    assert runtime_pb2.CompressionType.Name(serialized.compression) == expected
+    restored = compression.extract(serialized)  # what the receiving peer decodes
+    error = (restored - tensor).abs()
+    if expected == "UNIFORM_8BIT":
+        assert error.mean() < 0.02 and serialized.ByteSize() < 0.27 * tensor.numel() * 4
+    else:
+        assert error.max() < 1e-2 and serialized.ByteSize() <= 0.5 * tensor.numel() * 4 + 32  # + a small header
+
+
+def test_lamb8bit_keeps_8bit_statistics_clips_gradients_and_moves_biases():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 256)
+    torch.nn.init.zeros_(layer.bias)
+    config = get_preset("paper").optimizer
+    optimizer = make_lamb8bit(parameter_groups(layer, config.weight_decay), config)
+    layer.weight.grad = torch.full_like(layer.weight, 10.0)  # norm 2560, far above max_grad_norm=4
+    layer.bias.grad = torch.ones_like(layer.bias)
+    optimizer.step()
+    assert optimizer.last_grad_norm == pytest.approx((2560.0 ** 2 + 256) ** 0.5, rel=1e-4)
+    clipped = torch.cat([layer.weight.grad.flatten(), layer.bias.grad]).norm()
+    assert clipped == pytest.approx(config.max_grad_norm, rel=1e-4)
+    state = optimizer.state[layer.weight]
+    assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8
+    # a zero-initialized bias moves: no LAMB trust ratio on biases and norms
+    assert layer.bias.abs().max() > 0
+
+
+# hivemind allows one Optimizer per process: this one is built in a process of its own
+WIRING_CHECK = textwrap.dedent("""
+    import json, torch, hivemind
+    from collab_kit.config import get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.optim import ClippedLAMB8bit, make_optimizer
+    from collab_kit.swarm import start_dht
+    config = get_preset("tiny")
+    dht = start_dht(config.swarm)
+    opt = make_optimizer(TextToImageTransformer(config.model), dht, "wiring", config.optimizer)
+    try:
+        inner = opt.state_averager.optimizer
+        print(json.dumps(dict(
+            inner=type(inner).__name__, is_lamb=isinstance(inner, ClippedLAMB8bit),
+            lr=inner.param_groups[0]["lr"], betas=list(inner.param_groups[0]["betas"]),
+            weight_decays=[g["weight_decay"] for g in inner.param_groups],
+            max_grad_norm=inner.max_grad_norm, offload=opt.offload_optimizer, delay=opt.delay_optimizer_step,
+            target=opt.target_batch_size, matchmaking=opt.matchmaking_time, timeout=opt.averaging_timeout,
+            compression=type(opt.grad_averager.compression).__name__,
+            threshold=opt.grad_averager.compression.threshold,
+            state_on_cpu=all(p.device.type == "cpu" for g in inner.param_groups for p in g["params"]),
+        )))
+    finally:
+        opt.shutdown(); dht.shutdown()
+""")
+
+
+def test_make_optimizer_wires_the_papers_choices_into_hivemind():
+    result = subprocess.run([sys.executable, "-c", WIRING_CHECK], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    wiring = json.loads(result.stdout.strip().splitlines()[-1])
+    config = get_preset("tiny").optimizer
+    assert wiring["is_lamb"] and wiring["max_grad_norm"] == config.max_grad_norm
+    # the scheduler has already set step 0's warm-up rate
+    assert 0 < wiring["lr"] < config.learning_rate and wiring["betas"] == list(config.betas)
+    assert wiring["weight_decays"] == [config.weight_decay, 0.0]
+    assert wiring["offload"] and wiring["delay"] and wiring["state_on_cpu"]
+    assert wiring["target"] == config.target_batch_size
+    assert wiring["matchmaking"] == config.matchmaking_time and wiring["timeout"] == config.averaging_timeout
+    assert wiring["compression"] == "SizeAdaptiveCompression" and wiring["threshold"] == 2 ** 16

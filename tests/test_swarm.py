@@ -1,0 +1,66 @@
+"""Real DHTs on 127.0.0.1: addresses, joining, presence, and clear errors for bad addresses."""
+import pytest
+
+from collab_kit.config import SwarmConfig
+from collab_kit.swarm import (SwarmConnectionError, count_present_peers, join_addresses, join_instructions,
+                              parse_initial_peers, start_dht, wait_for_peers)
+
+GOOD = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
+
+
+def test_parse_initial_peers_accepts_lists_and_strings():
+    assert parse_initial_peers(None) == []
+    assert parse_initial_peers([GOOD]) == [GOOD]
+    assert parse_initial_peers(f"{GOOD}, {GOOD.replace('31337', '31338')}") == [GOOD, GOOD.replace("31337", "31338")]
+
+
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:31337", "not a valid multiaddr"),
+    ("/ip4/999.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t", "not a valid multiaddr"),
+    ("/ip4/127.0.0.1/tcp/31337", "no /p2p/"),
+])
+def test_malformed_addresses_explain_what_a_good_one_looks_like(address, message):
+    with pytest.raises(ValueError, match=message) as error:
+        parse_initial_peers([address])
+    assert "/ip4/203.0.113.5/tcp/31337/p2p/" in str(error.value)
+
+
+def test_a_second_peer_joins_the_first_and_they_see_each_other():
+    first = start_dht(SwarmConfig(host="127.0.0.1"))
+    try:
+        addresses = join_addresses(first)
+        assert addresses and all(a.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in a for a in addresses)
+        assert addresses[0] in join_instructions(first, "run1")
+        second = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=addresses))
+        try:
+            second.store("greeting", "hello", expiration_time=10 ** 10)
+            assert first.get("greeting", latest=True).value == "hello"
+            # the presence barrier counts both peers once each has announced itself
+            assert count_present_peers(first, "run1") == 0
+            with pytest.raises(SwarmConnectionError, match="only 1 of 2 peers"):
+                wait_for_peers(second, "run1", count=2, timeout=1.0)
+            assert wait_for_peers(first, "run1", count=2, timeout=10.0) == 2
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
+def test_an_unreachable_initial_peer_is_a_clear_error():
+    # a well-formed address where nobody listens
+    with pytest.raises(SwarmConnectionError, match="could not reach any initial peer"):
+        start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[GOOD.replace("31337", "9")]))
+
+
+def test_client_mode_peer_trains_without_listening():
+    first = start_dht(SwarmConfig(host="127.0.0.1"))
+    try:
+        client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(first)))
+        try:
+            assert client.client_mode
+            client.store("from-client", 1, expiration_time=10 ** 10)
+            assert first.get("from-client", latest=True).value == 1
+        finally:
+            client.shutdown()
+    finally:
+        first.shutdown()
