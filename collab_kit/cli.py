@@ -105,8 +105,7 @@ def command_join(args: argparse.Namespace) -> int:
             emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
                        local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
                        interrupted=history.interrupted)
-    print(f"join: epochs {history.start_epoch}->{history.final_epoch}, {history.local_steps} local steps, "
-          f"{history.averaged_rounds} averaged rounds{' (interrupted)' if history.interrupted else ''}", flush=True)
+    print(f"join: {history.summary()}", flush=True)
     return 130 if history.interrupted else 0
 
 

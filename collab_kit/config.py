@@ -139,7 +139,6 @@ class SwarmConfig:
     announce_maddrs: Sequence[str] = ()  # public addresses to announce, when the host address is not reachable
 
     def __post_init__(self):
-        self.initial_peers = tuple(self.initial_peers)
         self.announce_maddrs = tuple(self.announce_maddrs)
         _require(isinstance(self.run_id, str) and self.run_id.replace("_", "").replace("-", "").isalnum(),
                  "swarm.run_id", "use letters, digits, '_' and '-' only", self.run_id)
@@ -150,7 +149,10 @@ class SwarmConfig:
         # multiaddrs are checked by collab_kit.swarm.parse_initial_peers, which explains what a good one looks like
         from collab_kit.swarm import parse_initial_peers
 
-        parse_initial_peers(self.initial_peers)
+        self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
+        _require(not (self.client_mode and not self.initial_peers), "swarm.client_mode",
+                 "a client-mode peer accepts no connections, so it cannot start a swarm: give initial_peers",
+                 self.client_mode)
 
 
 @dataclass

@@ -15,6 +15,7 @@ What each piece is for:
 from __future__ import annotations
 
 import logging
+import warnings
 from functools import partial
 from typing import Iterable, List, Optional
 
@@ -27,6 +28,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from collab_kit.config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
+# hivemind's 8-bit quantization calls a torch function that torch 2.13 marks as deprecated; nothing to act on
+warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
 
 
 class ClippedLAMB8bit(bnb.optim.LAMB8bit):

@@ -20,6 +20,26 @@ from collab_kit.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
+
+class _QuietShutdownFilter(logging.Filter):
+    """Hide hivemind's noise when a peer leaves, which volunteers would read as a failure.
+
+    When the optimizer's averager processes stop, requests they left in flight make the DHT process
+    log tracebacks (the sender's pipe is gone), and the DHT may need a hard stop. Both are harmless.
+    """
+
+    GONE_CLIENT = (FileNotFoundError, ConnectionResetError, ConnectionRefusedError, EOFError, BrokenPipeError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], self.GONE_CLIENT) and record.funcName == "_run":
+            return False
+        if record.getMessage().startswith("DHT did not shut down within the grace period"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("hivemind.dht.dht").addFilter(_QuietShutdownFilter())
+
 ADDRESS_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
 

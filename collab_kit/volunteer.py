@@ -56,6 +56,39 @@ class TrainingHistory:
     averaged_rounds: int = 0
     interrupted: bool = False
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: epochs trained, loss from first to last epoch, rounds averaged with peers."""
+        if not self.epochs:
+            return f"no global epoch completed (epochs {self.start_epoch}->{self.final_epoch})"
+        return (f"epochs {self.start_epoch}->{self.final_epoch}: loss {self.epochs[0].loss:.4f} -> "
+                f"{self.epochs[-1].loss:.4f}, {self.averaged_rounds} of {len(self.epochs)} global steps averaged "
+                f"with other peers{' (interrupted)' if self.interrupted else ''}")
+
+    def plot(self, ax=None):
+        """Loss per global epoch; epochs averaged with other peers in green, lone ones in grey.
+
+        :param ax: a matplotlib Axes to draw on (default: a new figure)
+        :returns: the Axes
+        """
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5))
+        epochs = [record.epoch for record in self.epochs]
+        ax.plot(epochs, [record.loss for record in self.epochs], color="tab:blue", zorder=1, label="loss")
+        for averaged, color, label in ((True, "tab:green", "averaged with peers"), (False, "tab:gray", "alone")):
+            chosen = [record for record in self.epochs if record.averaged == averaged]
+            if chosen:
+                ax.scatter([r.epoch for r in chosen], [r.loss for r in chosen], color=color, zorder=2, label=label)
+        ax.set_xlabel("global epoch")
+        ax.set_ylabel("mean loss of this peer's steps")
+        ax.set_title("training together")
+        ax.legend()
+        return ax
+
 
 def model_seed(run_id: str) -> int:
     """Every peer of a run builds the same initial parameters, so that averaged gradients keep them equal."""
@@ -124,14 +157,15 @@ class Volunteer:
 
     # -- training -------------------------------------------------------------------------------
 
-    def train(self, max_epochs: Optional[int] = None, max_steps: Optional[int] = None, progress: bool = True,
-              on_epoch: Optional[Callable[[EpochRecord], None]] = None, wait_for_peers: int = 1,
-              wait_timeout: float = 120.0) -> TrainingHistory:
-        """Train with the swarm until the global epoch reaches ``max_epochs`` or after ``max_steps`` local steps.
+    def train(self, epochs: Optional[int] = None, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
+              progress: bool = True, on_epoch: Optional[Callable[[EpochRecord], None]] = None,
+              wait_for_peers: int = 1, wait_timeout: float = 120.0) -> TrainingHistory:
+        """Train with the swarm until one of the limits is reached.
 
         Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
         (``interrupted=True``); the swarm goes on without this peer.
 
+        :param epochs: train this many global epochs from the swarm's current epoch
         :param max_epochs: stop once the swarm's global epoch reaches this number
         :param max_steps: stop after this many local steps
         :param progress: show a progress bar with loss, global epoch, samples accumulated and peers
@@ -139,65 +173,75 @@ class Volunteer:
         :param wait_for_peers: first wait until this many peers (this one included) are ready to train
         :param wait_timeout: seconds to wait for them before raising SwarmConnectionError
         """
-        if max_epochs is None and max_steps is None:
-            raise ValueError("train() needs max_epochs or max_steps, otherwise it would never stop")
+        if epochs is None and max_epochs is None and max_steps is None:
+            raise ValueError("train() needs epochs, max_epochs or max_steps, otherwise it would never stop")
         history = TrainingHistory()
-        self.catch_up()
-        stream = batches(self.stream, self.config.optimizer.batch_size_per_step)
-        first_batch = next(stream)  # the data pipeline is warm before the others are told we are ready
-        if wait_for_peers > 1:
-            present = wait_for_peers_in_swarm(self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout,
-                                              stop=self._stop_requested)
-            logger.info(f"{present} peers are ready to train")
-        history.start_epoch = self.local_epoch
-        bar = tqdm(total=max_epochs - self.local_epoch if max_epochs else max_steps, disable=not progress,
-                   unit="epoch" if max_epochs else "step", desc="training", dynamic_ncols=True)
-        epoch_losses: List[float] = []
-        epoch_start = time.perf_counter()
-        batch_size = self.config.optimizer.batch_size_per_step
-        self.model.train()
+        bar = None
         try:
-            for batch in itertools.chain([first_batch], stream):
-                if self._stop_requested.is_set():
-                    raise KeyboardInterrupt
-                if (max_epochs is not None and self.local_epoch >= max_epochs) or \
-                        (max_steps is not None and history.local_steps >= max_steps):
-                    break
-                epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
-                loss = self.model(**batch).loss
-                loss.backward()
-                self.optimizer.step()
-                self.optimizer.zero_grad()
-                history.local_steps += 1
-                epoch_losses.append(loss.item())
-
-                if self.local_epoch != epoch_before:
-                    record = EpochRecord(
-                        epoch=epoch_before, loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
-                        samples=len(epoch_losses) * batch_size,
-                        averaged=self.optimizer.averaged_rounds > rounds_before,
-                        group_size=self.optimizer.last_group_size, num_peers=self.global_progress.num_peers,
-                        seconds=time.perf_counter() - epoch_start)
-                    history.epochs.append(record)
-                    epoch_losses, epoch_start = [], time.perf_counter()
-                    if on_epoch is not None:
-                        on_epoch(record)
-                    if max_epochs:
-                        bar.update(self.local_epoch - epoch_before)
-                if not max_epochs:
-                    bar.update(1)
-                progress_now = self.global_progress
-                bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
-                                samples=f"{progress_now.samples_accumulated}/{progress_now.target_batch_size}",
-                                peers=progress_now.num_peers, refresh=False)
+            self.catch_up()
+            if epochs is not None:
+                max_epochs = self.local_epoch + epochs if max_epochs is None else min(max_epochs,
+                                                                                       self.local_epoch + epochs)
+            stream = batches(self.stream, self.config.optimizer.batch_size_per_step)
+            first_batch = next(stream)  # the data pipeline is warm before the others are told we are ready
+            if wait_for_peers > 1:
+                present = wait_for_peers_in_swarm(self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout,
+                                                  stop=self._stop_requested)
+                logger.info(f"{present} peers are ready to train")
+            history.start_epoch = self.local_epoch
+            bar = tqdm(total=max(0, max_epochs - self.local_epoch) if max_epochs is not None else max_steps,
+                       disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
+                       dynamic_ncols=True)
+            self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch)
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
             history.interrupted = True
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         history.final_epoch = self.local_epoch
         history.averaged_rounds = self.optimizer.averaged_rounds
         return history
+
+    def _run_steps(self, stream, history: TrainingHistory, bar, max_epochs: Optional[int],
+                   max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]]) -> None:
+        """The training loop proper: one local step per batch until a limit is reached."""
+        epoch_losses: List[float] = []
+        epoch_start = time.perf_counter()
+        batch_size = self.config.optimizer.batch_size_per_step
+        self.model.train()
+        for batch in stream:
+            if self._stop_requested.is_set():
+                raise KeyboardInterrupt
+            if (max_epochs is not None and self.local_epoch >= max_epochs) or \
+                    (max_steps is not None and history.local_steps >= max_steps):
+                return
+            epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
+            loss = self.model(**batch).loss
+            loss.backward()
+            self.optimizer.step()  # accumulates; when the swarm has target_batch_size samples, a global step
+            self.optimizer.zero_grad()
+            history.local_steps += 1
+            epoch_losses.append(loss.item())
+
+            if self.local_epoch != epoch_before:
+                record = EpochRecord(
+                    epoch=epoch_before, loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
+                    samples=len(epoch_losses) * batch_size, averaged=self.optimizer.averaged_rounds > rounds_before,
+                    group_size=self.optimizer.last_group_size, num_peers=self.global_progress.num_peers,
+                    seconds=time.perf_counter() - epoch_start)
+                history.epochs.append(record)
+                epoch_losses, epoch_start = [], time.perf_counter()
+                if on_epoch is not None:
+                    on_epoch(record)
+                if max_epochs is not None:
+                    bar.update(self.local_epoch - epoch_before)
+            if max_epochs is None:
+                bar.update(1)
+            swarm = self.global_progress
+            bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
+                            samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
+                            refresh=False)
 
     def parameters_snapshot(self) -> Dict[str, torch.Tensor]:
         """The model's current parameters, after any optimizer step still running in the background."""

@@ -84,8 +84,8 @@ WIRING_CHECK = textwrap.dedent("""
             weight_decays=[g["weight_decay"] for g in inner.param_groups],
             max_grad_norm=inner.max_grad_norm, offload=opt.offload_optimizer, delay=opt.delay_optimizer_step,
             target=opt.target_batch_size, matchmaking=opt.matchmaking_time, timeout=opt.averaging_timeout,
-            compression=type(opt.grad_averager.compression).__name__,
-            threshold=opt.grad_averager.compression.threshold,
+            compression=type(opt.grad_averager.allreduce_kwargs["compression"]).__name__,
+            threshold=opt.grad_averager.allreduce_kwargs["compression"].threshold,
             state_on_cpu=all(p.device.type == "cpu" for g in inner.param_groups for p in g["params"]),
         )))
     finally:

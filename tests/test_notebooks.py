@@ -1,0 +1,118 @@
+"""The notebooks, run the way a volunteer runs them: papermill executes every cell in a real kernel.
+
+A notebook is tested with tiny parameters against real peers on 127.0.0.1; what it reports (a JSON
+summary written to SUMMARY_PATH, and its cell outputs) is checked, not just that it ran.
+"""
+import ast
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+JOIN = NOTEBOOKS / "join.ipynb"
+
+# the parameters each notebook's test passes: the committed notebook must still define every one of them
+JOIN_PARAMETERS = ("INITIAL_PEERS", "RUN_ID", "PRESET", "MAX_EPOCHS", "DATA_SHARDS", "SYNTHETIC_SAMPLES", "HOST",
+                   "NUM_THREADS", "WAIT_FOR_PEERS", "OPTIMIZER_SETTINGS", "SUMMARY_PATH")
+# the tiny model steps in milliseconds: a larger target batch makes a global epoch last long enough for
+# the two peers' progress reports to meet in the DHT before either takes a step alone (as in
+# test_swarm_training.py)
+TARGET_BATCH_SIZE = 2048
+
+
+def parameter_names(notebook) -> set:
+    """Names assigned in the cell tagged ``parameters``."""
+    [cell] = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    return {target.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_notebook_is_clean_and_parameterized(path):
+    notebook = nbformat.read(str(path), as_version=4)
+    nbformat.validate(notebook)
+    assert notebook.metadata["kernelspec"]["name"] == "python3"
+    dirty = [index for index, cell in enumerate(notebook.cells)
+             if cell.cell_type == "code" and (cell.outputs != [] or cell.execution_count is not None)]
+    assert not dirty, f"{path.name}: code cells {dirty} hold outputs or execution counts; clear them before committing"
+    tagged = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1 and tagged[0].cell_type == "code", \
+        f"{path.name}: needs exactly one code cell tagged 'parameters' (papermill injects test values after it)"
+    if path == JOIN:
+        missing = set(JOIN_PARAMETERS) - parameter_names(notebook)
+        assert not missing, f"the parameters cell of {path.name} no longer defines {sorted(missing)}"
+
+
+@pytest.fixture
+def python3_kernel(monkeypatch):
+    """Make papermill's ``python3`` kernel the one of this interpreter's environment, not a user-wide one."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
+        [os.path.join(sys.prefix, "share", "jupyter"), *filter(None, [os.environ.get("JUPYTER_PATH")])]))
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    if os.path.dirname(spec.argv[0]) != os.path.dirname(sys.executable):
+        pytest.fail(f"the 'python3' kernel runs {spec.argv[0]}, not this environment's Python ({sys.executable}): "
+                    f"run `{sys.executable} -m ipykernel install --sys-prefix --name python3`")
+    return "python3"
+
+
+def cell_texts(notebook) -> str:
+    texts = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            texts.append(output.get("text", "") if output.output_type == "stream"
+                         else output.get("data", {}).get("text/plain", ""))
+    return "\n".join(texts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer, tiny_shards, tmp_path,
+                                                         python3_kernel):
+    import papermill
+
+    run_id, max_epochs = "test_join_notebook", 3
+    _, addresses = first_peer(run_id)
+    # the other volunteer waits until the notebook's peer is ready too, so that both start at epoch 0
+    other = start_peer("volunteer", "join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1",
+                       "--initial-peers", *addresses, "--data", tiny_shards, "--max-epochs", str(max_epochs),
+                       "--threads", "1", "--wait-for-peers", "2",
+                       "--set", f"optimizer.target_batch_size={TARGET_BATCH_SIZE}", "--events", "--no-progress")
+    other.wait_for(lambda e: e["type"] == "ready", timeout=90, what="that it joined the swarm")
+
+    summary_path, output_path = tmp_path / "summary.json", tmp_path / "join.out.ipynb"
+    parameters = dict(INITIAL_PEERS=addresses, RUN_ID=run_id, PRESET="tiny", MAX_EPOCHS=max_epochs,
+                      DATA_SHARDS="", SYNTHETIC_SAMPLES=512, HOST="127.0.0.1", NUM_THREADS=1, WAIT_FOR_PEERS=2,
+                      OPTIMIZER_SETTINGS=dict(target_batch_size=TARGET_BATCH_SIZE), SUMMARY_PATH=str(summary_path))
+    assert set(parameters) == set(JOIN_PARAMETERS)
+    try:
+        papermill.execute_notebook(str(JOIN), str(output_path), parameters=parameters, kernel_name=python3_kernel,
+                                   cwd=str(tmp_path), progress_bar=False, start_timeout=120, execution_timeout=240)
+    except Exception as e:
+        pytest.fail(f"the notebook failed ({type(e).__name__}): {e}\n"
+                    f"the other volunteer's last lines:\n{other.log_tail()}", pytrace=False)
+
+    summary = json.loads(summary_path.read_text())
+    epochs = summary["epochs"]
+    assert summary["final_epoch"] >= max_epochs and not summary["interrupted"], summary
+    assert epochs and all(math.isfinite(e["loss"]) for e in epochs), epochs
+    assert summary["averaged_rounds"] >= 1, f"the notebook's peer never averaged with the other volunteer: {epochs}"
+    assert any(e["averaged"] and e["group_size"] >= 2 for e in epochs), epochs
+
+    # the other side saw the same: it averaged with the notebook's peer (the only other trainer) and ended well
+    assert other.wait_exit(timeout=90) == 0, other.log_tail()
+    done = other.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
+    assert done["final_epoch"] >= max_epochs and done["averaged_rounds"] >= 1, done
+
+    # what a volunteer sees: the join line, the loss plot and the summary
+    executed = nbformat.read(str(output_path), as_version=4)
+    text = cell_texts(executed)
+    assert "To join this swarm:" in text and "/ip4/127.0.0.1/tcp/" in text
+    assert f"epochs {summary['start_epoch']}->{summary['final_epoch']}: loss" in text
+    assert any("image/png" in output.get("data", {}) for cell in executed.cells for output in cell.get("outputs", []))
