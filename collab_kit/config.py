@@ -232,8 +232,10 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
     else:  # tiny
         model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
                             codebook_size=32, text_vocab_size=259, pad_token_id=0)
+        # a tiny step takes milliseconds: a large target batch still makes each global epoch last about
+        # a second, long enough for peers to see each other's progress in the DHT
         optimizer = OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_fraction=0.02,
-                                    target_batch_size=64, batch_size_per_step=8,
+                                    target_batch_size=2048, batch_size_per_step=8,
                                     matchmaking_time=2.0, averaging_timeout=20.0, progress_refresh_period=0.6)
     config = RunConfig(preset=name, model=model, optimizer=optimizer)
     if name != "paper":
