@@ -82,7 +82,7 @@ def command_join(args: argparse.Namespace) -> int:
     from collab_kit.volunteer import Volunteer
 
     config = build_config(args)
-    if args.max_epochs is None and args.max_steps is None:
+    if args.epochs is None and args.max_epochs is None and args.max_steps is None:
         args.max_epochs = config.optimizer.total_steps
     try:
         volunteer = Volunteer(config, num_threads=args.threads, verbose=args.verbose)
@@ -94,7 +94,7 @@ def command_join(args: argparse.Namespace) -> int:
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
         on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
-        history = volunteer.train(max_epochs=args.max_epochs, max_steps=args.max_steps,
+        history = volunteer.train(epochs=args.epochs, max_epochs=args.max_epochs, max_steps=args.max_steps,
                                   progress=not args.no_progress, on_epoch=on_epoch,
                                   wait_for_peers=args.wait_for_peers)
         if args.save_params:
@@ -162,6 +162,7 @@ def make_parser() -> argparse.ArgumentParser:
     join.add_argument("--client-mode", action="store_true",
                       help="behind a NAT or firewall: connect out, accept no incoming connections")
     join.add_argument("--data", help="folder or glob of parquet shards")
+    join.add_argument("--epochs", type=int, help="train this many global epochs from the swarm's current one")
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
     join.add_argument("--max-steps", type=int, help="stop after this many local steps")
     join.add_argument("--threads", type=int, help="CPU threads for torch")

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import hivemind
-from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
 
 from collab_kit.config import SwarmConfig
 from collab_kit.swarm import join_addresses, join_instructions, start_dht
@@ -31,8 +33,19 @@ class SwarmProgress:
     samples_per_second: float  # the whole swarm's throughput
 
 
+def progress_validators(run_id: str) -> list:
+    """The record validators hivemind.Optimizer peers use for ``run_id``'s progress records.
+
+    Progress records are signed: a DHT without these validators cannot even decode them.
+    """
+    return [SchemaValidator(TrainingProgressSchema, prefix=run_id), RSASignatureValidator()]
+
+
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
-    """Read the progress records that hivemind.Optimizer peers publish under ``<run_id>_progress``."""
+    """Read the progress records that hivemind.Optimizer peers publish under ``<run_id>_progress``.
+
+    :param dht: a DHT started with ``record_validators=progress_validators(run_id)``
+    """
     found = dht.get(f"{run_id}_progress", latest=True)
     records = []
     if found is not None and isinstance(found.value, dict):
@@ -72,7 +85,7 @@ def run_coordinator(swarm: SwarmConfig, address_file: Optional[str] = None, repo
     :param on_ready: called with the DHT once the peer is reachable
     """
     stop = stop or threading.Event()
-    dht = start_dht(swarm)
+    dht = start_dht(swarm, record_validators=progress_validators(swarm.run_id))
     try:
         print(join_instructions(dht, swarm.run_id), flush=True)
         if address_file:
