@@ -105,10 +105,12 @@ def make_scheduler_factory(config: OptimizerConfig):
 
 
 class CollaborativeOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer that also counts the global steps whose gradients were averaged with peers.
+    """hivemind.Optimizer that counts the global steps averaged with peers, and idles when alone.
 
     The count is what the demo and the tests check to know that peers really trained together,
-    rather than each on its own.
+    rather than each on its own. A peer alone in the swarm does not look for an averaging group
+    ahead of time: hivemind would otherwise run matchmaking (DHT traffic on every core) during the
+    last ``matchmaking_time`` seconds of every global epoch, for nothing.
     """
 
     def __init__(self, **kwargs):
@@ -116,8 +118,17 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other peer
         self.last_group_size = 1
 
-    # hivemind 1.1.12 (pinned in pyproject): this is the one place where the outcome of a gradient
-    # averaging round is known in the trainer's process; the averagers themselves run as subprocesses.
+    # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_state_averaging()
+
+    # the one place where the outcome of a gradient averaging round is known in the trainer's process
+    # (the averagers themselves run as subprocesses)
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         self.last_group_size = 1
