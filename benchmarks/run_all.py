@@ -1,0 +1,37 @@
+"""Run every benchmark, print a short table and rewrite benchmarks/RESULTS.md (``make bench``).
+
+The exit code is non-zero only when a benchmark failed with an error; a missed target is a result,
+shown as MISSED in RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from benchmarks import gradient_compression, optimizer_state, optimizer_throughput
+
+# one module per figure, in the order of RESULTS.md; a new benchmark is a module with TITLE, HOW
+# and run(quick) -> rows (see benchmarks/__init__.py), added here
+BENCHMARKS = [optimizer_throughput, gradient_compression, optimizer_state]
+
+
+def main(argv=None) -> int:
+    from benchmarks import common
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repeats and steps: a smoke test, not figures (RESULTS.md is not touched)")
+    parser.add_argument("--no-write", action="store_true", help="print the figures without touching RESULTS.md")
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=[common.short_name(m) for m in BENCHMARKS],
+                        help="run only these benchmarks (their rows are replaced, the others kept)")
+    args = parser.parse_args(argv)
+    modules = [m for m in BENCHMARKS if args.only is None or common.short_name(m) in args.only]
+    start = time.perf_counter()
+    code = common.run_modules(modules, quick=args.quick, write=not args.no_write)
+    print(f"benchmarks took {time.perf_counter() - start:.0f} s")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
