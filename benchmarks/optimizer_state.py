@@ -23,8 +23,9 @@ eps, weight decay and parameter groups. The figure is the ratio of the bytes of 
 `optimizer.state` (moments, quantization maps, block scales, norms; a tensor shared by several
 parameters, such as bitsandbytes' quantization map, counted once), also shown per parameter.
 Tensors smaller than `min_8bit_size` (4096 elements: biases, norms) keep 32-bit statistics in both.
-This figure is about memory only: in bitsandbytes 0.50 the 8-bit update of `LAMB8bit` is AdamW's
-(blockwise, without LAMB's trust ratio, which its 32-bit LAMB applies).
+The kit's `collab_kit.optim.LAMB8bit` keeps bitsandbytes' blockwise 8-bit Adam statistics and applies
+LAMB's trust ratio itself (bitsandbytes 0.50's own `LAMB8bit` does not in its 8-bit update); the
+trust ratio needs no stored state, so this figure is the statistics' memory.
 """
 
 

@@ -226,7 +226,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
                             codebook_size=256, text_vocab_size=259, pad_token_id=0)
         # a short schedule so that a few global steps already leave warm-up; a higher peak rate
         # because the demo only has a handful of steps to show learning
-        optimizer = OptimizerConfig(learning_rate=5e-3, total_steps=100, warmup_fraction=0.03,
+        optimizer = OptimizerConfig(learning_rate=2e-2, total_steps=100, warmup_fraction=0.03,
                                     target_batch_size=256, batch_size_per_step=16,
                                     matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
     else:  # tiny

@@ -32,28 +32,28 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
 
 
-class ClippedLAMB8bit(bnb.optim.LAMB8bit):
-    """bitsandbytes' 8-bit LAMB that first clips the global gradient norm to ``max_grad_norm``.
+class LAMB8bit(bnb.optim.AdamW8bit):
+    """8-bit LAMB: bitsandbytes' blockwise 8-bit Adam statistics, LAMB's layer-wise trust ratio, global clipping.
+
+    LAMB takes the Adam(W) direction ``r`` of each weight matrix and rescales the step to
+    ``lr * ||w|| / ||r||`` times ``r``: every layer moves by the same fraction of its norm, whatever
+    its gradients' scale, which is what keeps batches of thousands of samples trainable.
+    bitsandbytes' own ``LAMB8bit`` (0.50) does not apply that ratio in its 8-bit update, so it is
+    applied here, parameter by parameter, after bitsandbytes' 8-bit AdamW update.
+
+    Parameter groups with ``layer_adaptation=False`` (biases and norms, see ``parameter_groups``)
+    get the plain AdamW step, as in the LAMB paper: a bias that starts at zero could never move.
 
     Clipping belongs here, not in the training loop: hivemind.Optimizer steps on gradients averaged
     over the whole swarm, which only exist inside its optimizer step.
 
-    bitsandbytes implements LAMB's layer adaptation by limiting each update's norm to
-    ``max_unorm * ||parameter||``, so a parameter that starts at zero (every bias) would never move.
-    As in the LAMB paper, parameter groups with ``layer_adaptation=False`` (biases and norms, see
-    ``parameter_groups``) get plain Adam updates instead.
-
     :param params: parameters or parameter groups
     :param max_grad_norm: clip the norm of all gradients together to this value; None disables clipping
-    :param kwargs: passed to ``bitsandbytes.optim.LAMB8bit`` (lr, betas, eps, weight_decay, min_8bit_size)
+    :param kwargs: passed to ``bitsandbytes.optim.AdamW8bit`` (lr, betas, eps, weight_decay, min_8bit_size)
     """
 
     def __init__(self, params, max_grad_norm: Optional[float] = None, **kwargs):
         super().__init__(params, **kwargs)
-        for group in self.param_groups:
-            if not group.get("layer_adaptation", True):
-                for param in group["params"]:
-                    self.mng.pid2config[id(param)] = dict(max_unorm=0.0)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[float] = None
 
@@ -63,6 +63,18 @@ class ClippedLAMB8bit(bnb.optim.LAMB8bit):
             grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm))
         return super().step(closure)
+
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        if not group.get("layer_adaptation", True):
+            return super().update_step(group, p, gindex, pindex)
+        before = p.detach().clone()
+        super().update_step(group, p, gindex, pindex)  # p <- p - lr * r, with r = adam direction + wd * p
+        update = p.detach() - before
+        weight_norm, update_norm = before.norm(), update.norm()
+        if weight_norm > 0 and update_norm > 0:
+            # the trust ratio: a step of length lr * ||w|| along r
+            p.copy_(before.add_(update, alpha=float(group["lr"] * weight_norm / update_norm)))
 
 
 def linear_warmup_then_decay(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -92,9 +104,9 @@ def gradient_compression(threshold: int) -> SizeAdaptiveCompression:
                                    greater_equal=Uniform8BitQuantization())
 
 
-def make_lamb8bit(params: Iterable, config: OptimizerConfig) -> ClippedLAMB8bit:
+def make_lamb8bit(params: Iterable, config: OptimizerConfig) -> LAMB8bit:
     """The bare 8-bit LAMB with the paper's hyperparameters (also the baseline of the benchmarks)."""
-    return ClippedLAMB8bit(params, max_grad_norm=config.max_grad_norm, lr=config.learning_rate, betas=config.betas,
+    return LAMB8bit(params, max_grad_norm=config.max_grad_norm, lr=config.learning_rate, betas=config.betas,
                            eps=config.eps, weight_decay=config.weight_decay, min_8bit_size=config.min_8bit_size)
 
 
