@@ -89,7 +89,7 @@ def command_join(args: argparse.Namespace) -> int:
     except SwarmConnectionError as e:
         raise CommandError(str(e)) from None
     with volunteer:
-        _stop_on_signals(volunteer.request_stop)
+        _handle_stop_signals(volunteer.request_stop)
         print(volunteer.join_line, flush=True)
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
@@ -181,22 +181,25 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stop_on_signals(request_stop):
-    """Ctrl-C or SIGTERM: finish the current step, then leave the swarm cleanly; a second one forces the exit.
+def _handle_stop_signals(request_stop=None):
+    """Ctrl-C and SIGTERM (from a process manager, or the demo) stop a peer cleanly.
 
-    A flag rather than an exception: an exception raised inside hivemind's step could be swallowed
-    by its own error handling.
+    With ``request_stop``, the first signal asks training to stop after the current step (a flag,
+    not an exception, which hivemind's own error handling could swallow) and a second one forces the
+    exit; without, a signal raises KeyboardInterrupt. hivemind forks helper processes (the DHT) that
+    inherit these handlers; in them the signal keeps its default meaning, since hivemind uses it to
+    end them.
     """
     main_pid = os.getpid()
     received = []
 
     def handler(signum, frame):
-        if os.getpid() != main_pid:  # a forked hivemind helper: default behaviour
+        if os.getpid() != main_pid:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         received.append(signum)
-        if len(received) > 1:
+        if request_stop is None or len(received) > 1:
             raise KeyboardInterrupt
         logger.warning("stopping after the current step (press Ctrl-C again to force)")
         request_stop()
@@ -204,28 +207,11 @@ def _stop_on_signals(request_stop):
     signal.signal(signal.SIGTERM, handler)
 
 
-def _interrupt_on_sigterm():
-    """SIGTERM (from a process manager, or the demo) stops a peer as cleanly as Ctrl-C.
-
-    hivemind forks helper processes (the DHT) that inherit this handler; in them SIGTERM keeps its
-    default meaning, since hivemind uses it to end them.
-    """
-    main_pid = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() != main_pid:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _interrupt_on_sigterm()
+    _handle_stop_signals()
     try:
         return args.handler(args)
     except (CommandError, ValueError, FileNotFoundError) as e:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
