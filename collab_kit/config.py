@@ -32,12 +32,17 @@ def _positive_float(owner: str, name: str, value: Any) -> None:
              f"{owner}.{name}", "expected a positive number", value)
 
 
+ATTENTION_KINDS = ("row", "column", "conv", "full")
+
+
 @dataclass
 class ModelConfig:
-    """Shape of the decoder-only text-to-image transformer.
+    """Shape of the decoder-only text-to-image transformer (section 3.1 of the paper).
 
     A sample is ``[caption tokens (text_length); image codes (image_side ** 2)]``; the model predicts
-    every next token of both parts.
+    every next token of both parts. Layer ``i`` attends with ``attention_pattern[i % 4]`` (row, column,
+    row, row) and the last layer with ``last_layer_attention`` (conv); with ``share_layer_groups`` the
+    layers that play the same part of the pattern are one block, so 64 layers store 5 blocks.
     """
 
     hidden_size: int = 1024
@@ -48,18 +53,40 @@ class ModelConfig:
     codebook_size: int = 8192  # VQGAN codes
     text_vocab_size: int = 32100  # t5-small in the paper
     pad_token_id: int = 1  # pad = eos, as in the original run's T5 tokenizer
-    ffn_multiplier: int = 4
-    dropout: float = 0.0
+    ffn_multiplier: int = 4  # GEGLU inner width = ffn_multiplier * hidden_size
+    # what each layer sees (collab_kit.attention): "row", "column", "conv" (a window of
+    # conv_kernel_size x conv_kernel_size codes) or "full" (every earlier position)
+    attention_pattern: Tuple[str, ...] = ("row", "column", "row", "row")
+    last_layer_attention: Optional[str] = "conv"  # None: the last layer follows the pattern too
+    conv_kernel_size: int = 11  # DALL-E's convolutional mask is 11 x 11
+    share_layer_groups: bool = True  # one block per part of the pattern (ALBERT-style sharing)
+    reversible: bool = True  # recompute activations in backward: memory does not grow with depth
 
     def __post_init__(self):
+        if isinstance(self.attention_pattern, str):  # "row,column,row,row" from the command line
+            self.attention_pattern = tuple(kind.strip() for kind in self.attention_pattern.split(","))
+        self.attention_pattern = tuple(self.attention_pattern)
         for name in ("hidden_size", "num_layers", "num_heads", "text_length", "image_side",
-                     "codebook_size", "text_vocab_size", "ffn_multiplier"):
+                     "codebook_size", "text_vocab_size", "ffn_multiplier", "conv_kernel_size"):
             _positive_int("model", name, getattr(self, name))
         _require(self.hidden_size % self.num_heads == 0, "model.hidden_size",
                  f"must be divisible by model.num_heads={self.num_heads}", self.hidden_size)
+        # rotary embeddings turn half of each head by the row and half by the column: pairs of pairs
+        _require(self.head_size % 4 == 0, "model.hidden_size",
+                 f"hidden_size / num_heads = {self.head_size} must be a multiple of 4 (2D rotary embeddings)",
+                 self.hidden_size)
         _require(0 <= self.pad_token_id < self.text_vocab_size, "model.pad_token_id",
                  f"must be a token id in [0, text_vocab_size={self.text_vocab_size})", self.pad_token_id)
-        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)", self.dropout)
+        _require(len(self.attention_pattern) > 0 and all(k in ATTENTION_KINDS for k in self.attention_pattern),
+                 "model.attention_pattern", f"expected a non-empty list of {', '.join(ATTENTION_KINDS)}",
+                 self.attention_pattern)
+        _require(self.last_layer_attention in ATTENTION_KINDS + (None,), "model.last_layer_attention",
+                 f"choose one of {', '.join(ATTENTION_KINDS)} or None", self.last_layer_attention)
+        _require(self.conv_kernel_size % 2 == 1, "model.conv_kernel_size",
+                 "expected an odd number (the window is centred on the position)", self.conv_kernel_size)
+        for name in ("share_layer_groups", "reversible"):
+            _require(isinstance(getattr(self, name), bool), f"model.{name}", "expected true or false",
+                     getattr(self, name))
 
     @property
     def image_length(self) -> int:
@@ -72,6 +99,22 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def layer_plan(self) -> Tuple[Tuple[int, str], ...]:
+        """``(block index, attention kind)`` for every layer, in order.
+
+        Without sharing every layer is its own block. With sharing, layer ``i`` uses block
+        ``i % len(attention_pattern)``, and the last layer (when ``last_layer_attention`` is set) has
+        a block of its own: 64 layers, pattern of 4 -> 5 blocks.
+        """
+        pattern, plan, blocks = self.attention_pattern, [], {}
+        for i in range(self.num_layers):
+            if i == self.num_layers - 1 and self.last_layer_attention is not None:
+                key, kind = "last", self.last_layer_attention
+            else:
+                key, kind = (i % len(pattern) if self.share_layer_groups else i), pattern[i % len(pattern)]
+            plan.append((blocks.setdefault(key, len(blocks)), kind))
+        return tuple(plan)
 
 
 @dataclass
@@ -223,7 +266,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
         model, optimizer = ModelConfig(), OptimizerConfig()
     elif name == "small":
         model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=16, image_side=8,
-                            codebook_size=256, text_vocab_size=259, pad_token_id=0)
+                            codebook_size=256, text_vocab_size=259, pad_token_id=0, conv_kernel_size=5)
         # a short schedule so that a few global steps already leave warm-up; a higher peak rate
         # because the demo only has a handful of steps to show learning
         optimizer = OptimizerConfig(learning_rate=2e-2, total_steps=100, warmup_fraction=0.03,
@@ -231,7 +274,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
                                     matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
     else:  # tiny
         model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
-                            codebook_size=32, text_vocab_size=259, pad_token_id=0)
+                            codebook_size=32, text_vocab_size=259, pad_token_id=0, conv_kernel_size=3)
         # a tiny step takes milliseconds: a large target batch still makes each global epoch last about
         # a second, long enough for peers to see each other's progress in the DHT
         optimizer = OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_fraction=0.02,

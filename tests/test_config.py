@@ -42,7 +42,9 @@ def test_overrides_change_one_field_and_are_validated():
     (lambda: ModelConfig(hidden_size=100, num_heads=16), "model.hidden_size"),
     (lambda: ModelConfig(num_layers=-1), "model.num_layers"),
     (lambda: ModelConfig(pad_token_id=40000), "model.pad_token_id"),
-    (lambda: ModelConfig(dropout=1.5), "model.dropout"),
+    (lambda: ModelConfig(attention_pattern=("row", "diagonal")), "model.attention_pattern"),
+    (lambda: ModelConfig(conv_kernel_size=4), "model.conv_kernel_size"),
+    (lambda: ModelConfig(hidden_size=24, num_heads=4), "model.hidden_size"),  # head size 6: no 2D rotary
     (lambda: OptimizerConfig(learning_rate=0), "optimizer.learning_rate"),
     (lambda: OptimizerConfig(betas=(0.9, 1.2)), "optimizer.betas"),
     (lambda: OptimizerConfig(warmup_fraction=1.0), "optimizer.warmup_fraction"),

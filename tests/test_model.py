@@ -1,9 +1,11 @@
-"""The dense baseline decoder: shapes, causality, the loss, and that it learns."""
+"""The paper's decoder: shapes, the loss, what each attention layer sees, reversible layers, shared blocks."""
+import copy
+
 import pytest
 import torch
 
-from collab_kit.config import get_preset
-from collab_kit.model import TextToImageTransformer, count_parameters
+from collab_kit.config import ModelConfig, get_preset
+from collab_kit.model import TextToImageTransformer, count_compute_parameters, count_parameters, describe
 
 
 @pytest.fixture
@@ -60,6 +62,7 @@ def test_wrong_shapes_are_explained(model_and_batch):
 def test_embeddings_are_tied_and_the_model_learns_a_batch(model_and_batch):
     config, model, text, codes = model_and_batch
     assert count_parameters(model) < 100_000
+    assert not hasattr(model, "lm_head") and not any("position" in name for name, _ in model.named_parameters())
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     first = model(text, codes).loss.item()
@@ -69,3 +72,177 @@ def test_embeddings_are_tied_and_the_model_learns_a_batch(model_and_batch):
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.5 * first
+
+
+# --- what each attention layer sees -------------------------------------------------------------
+# One-layer models on a 3-token caption and a 5 x 5 image. The output at position i is the prediction
+# made there; a position j is "seen" when changing the token at j changes that output.
+
+T, S = 3, 5
+
+
+def one_layer_model(kind: str) -> TextToImageTransformer:
+    config = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, text_length=T, image_side=S, codebook_size=20,
+                         text_vocab_size=30, pad_token_id=0, attention_pattern=(kind,), last_layer_attention=None,
+                         conv_kernel_size=3)
+    torch.manual_seed(0)
+    return TextToImageTransformer(config).double().eval()
+
+
+def seen_by(model: TextToImageTransformer, query: int) -> set:
+    """Positions whose token changes the output at ``query`` (caption positions 0..T-1, image T..)."""
+    torch.manual_seed(1)
+    text, codes = torch.randint(1, 30, (1, T)), torch.randint(0, 20, (1, S * S))
+
+    def output():
+        out = model(text, codes, compute_loss=False)
+        return out.text_logits[0, query] if query < T - 1 else out.image_logits[0, query - (T - 1)]
+
+    reference, seen = output(), set()
+    for position in range(T + S * S):
+        tokens, index = (text, position) if position < T else (codes, position - T)
+        original = tokens[0, index].item()
+        tokens[0, index] = (original + 7) % 20
+        if not torch.allclose(output(), reference, rtol=0, atol=1e-12):
+            seen.add(position)
+        tokens[0, index] = original
+    return seen
+
+
+def image(row: int, column: int) -> int:
+    return T + row * S + column
+
+
+CAPTION = {0, 1, 2}
+
+
+@pytest.mark.parametrize("kind, query, expected", [
+    # a row layer: the caption and its own row up to itself
+    ("row", image(2, 2), CAPTION | {image(2, 0), image(2, 1), image(2, 2)}),
+    ("row", image(3, 0), CAPTION | {image(3, 0)}),
+    # a column layer: the caption and its own column up to itself
+    ("column", image(2, 2), CAPTION | {image(0, 2), image(1, 2), image(2, 2)}),
+    ("column", image(0, 4), CAPTION | {image(0, 4)}),
+    # the conv-like layer (3 x 3 window): the caption, the row above within one column, its left neighbour
+    ("conv", image(2, 2), CAPTION | {image(1, 1), image(1, 2), image(1, 3), image(2, 1), image(2, 2)}),
+    ("conv", image(2, 4), CAPTION | {image(1, 3), image(1, 4), image(2, 3), image(2, 4)}),
+    ("conv", image(0, 0), CAPTION | {image(0, 0)}),
+    # caption tokens see the caption up to themselves, in every kind of layer, and never the image
+    ("row", 1, {0, 1}),
+    ("column", 0, {0}),
+    ("conv", 1, {0, 1}),
+    ("full", image(2, 2), CAPTION | set(range(T, image(2, 2) + 1))),
+])
+def test_each_layer_sees_exactly_what_its_mask_allows(kind, query, expected):
+    model = one_layer_model(kind)
+    assert seen_by(model, query) == expected
+    # the written-out rule (used by cached generation) says the same
+    allowed = model.layout.dense_mask(kind)[query]
+    assert set(allowed.nonzero().flatten().tolist()) == expected
+
+
+def test_the_paper_pattern_repeats_row_column_row_row_and_ends_with_conv():
+    plan = ModelConfig().layer_plan()
+    kinds = [kind for _, kind in plan]
+    assert len(plan) == 64 and kinds[:8] == ["row", "column", "row", "row"] * 2 and kinds[-1] == "conv"
+    assert kinds[:63] == (["row", "column", "row", "row"] * 16)[:63]
+    assert sorted({block for block, _ in plan}) == [0, 1, 2, 3, 4]
+
+
+# --- reversible layers and shared blocks -----------------------------------------------------------
+
+def small_config(**changes) -> ModelConfig:
+    values = dict(hidden_size=32, num_layers=9, num_heads=2, text_length=4, image_side=4, codebook_size=24,
+                  text_vocab_size=40, pad_token_id=0, conv_kernel_size=3)
+    values.update(changes)
+    return ModelConfig(**values)
+
+
+def loss_and_gradients(model, text, codes):
+    model.zero_grad()
+    loss = model(text, codes).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_reversible_gradients_equal_the_plain_computation():
+    torch.manual_seed(0)
+    reversible = TextToImageTransformer(small_config(reversible=True)).double().train()
+    plain = copy.deepcopy(reversible)
+    plain.config = small_config(reversible=False)
+    text, codes = torch.randint(1, 40, (3, 4)), torch.randint(0, 24, (3, 16))
+    loss_r, grads_r = loss_and_gradients(reversible, text, codes)
+    loss_p, grads_p = loss_and_gradients(plain, text, codes)
+    assert torch.allclose(loss_r, loss_p, rtol=0, atol=1e-12)
+    assert grads_r.keys() == grads_p.keys()
+    for name in grads_p:
+        assert grads_p[name].abs().max() > 0, name
+        assert torch.allclose(grads_r[name], grads_p[name], rtol=1e-7, atol=1e-10), name
+    # and in float32, as trained: equal within rounding (inputs are rebuilt from outputs in backward)
+    reversible32, plain32 = reversible.float(), plain.float()
+    _, grads_r = loss_and_gradients(reversible32, text, codes)
+    _, grads_p = loss_and_gradients(plain32, text, codes)
+    for name in grads_p:
+        assert torch.allclose(grads_r[name], grads_p[name], rtol=1e-3, atol=1e-6), name
+
+
+def test_reversible_layers_keep_no_activations_per_layer():
+    """What autograd saves for backward does not grow with depth when layers are reversible."""
+    def saved_bytes(config):
+        model = TextToImageTransformer(config).train()
+        text, codes = torch.randint(1, 40, (2, 4)), torch.randint(0, 24, (2, 16))
+        total = [0]
+
+        def pack(tensor):
+            if not isinstance(tensor, torch.nn.Parameter):
+                total[0] += tensor.numel() * tensor.element_size()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(text, codes).loss  # what the forward pass leaves for backward
+        loss.backward()  # (recomputing a layer in backward keeps that layer's activations only for a moment)
+        return total[0]
+
+    torch.manual_seed(0)
+    shallow, deep = saved_bytes(small_config(num_layers=2)), saved_bytes(small_config(num_layers=16))
+    assert deep == shallow
+    assert saved_bytes(small_config(num_layers=16, reversible=False)) > 4 * deep
+
+
+def test_shared_blocks_share_storage_and_sum_their_gradients():
+    torch.manual_seed(0)
+    config = small_config(num_layers=9)  # row column row row | row column row row | conv
+    shared = TextToImageTransformer(config).double()
+    assert len(shared.blocks) == 5 and [b for b, _ in shared.plan] == [0, 1, 2, 3, 0, 1, 2, 3, 4]
+    layers = shared.layers(*[torch.zeros(1)] * 2)
+    assert layers[0][1].__self__ is layers[4][1].__self__ is shared.blocks[0]
+    assert layers[0][0].func.__self__.attention.qkv.weight.data_ptr() == \
+        layers[4][0].func.__self__.attention.qkv.weight.data_ptr()
+    state = shared.state_dict()
+    assert not any(key.startswith("blocks.5") for key in state)
+
+    # the same weights without sharing: nine blocks, copies of the shared ones
+    unshared = TextToImageTransformer(small_config(num_layers=9, share_layer_groups=False)).double()
+    assert len(unshared.blocks) == 9
+    with torch.no_grad():
+        for layer, (b, _) in enumerate(shared.plan):
+            unshared.blocks[layer].load_state_dict(shared.blocks[b].state_dict())
+        for name in ("text_embedding", "image_embedding", "final_norm"):
+            getattr(unshared, name).load_state_dict(getattr(shared, name).state_dict())
+    assert count_compute_parameters(shared) == count_parameters(unshared) == count_compute_parameters(unshared)
+    assert count_parameters(shared) < count_parameters(unshared)
+
+    text, codes = torch.randint(1, 40, (2, 4)), torch.randint(0, 24, (2, 16))
+    loss_s, _ = loss_and_gradients(shared, text, codes)
+    loss_u, _ = loss_and_gradients(unshared, text, codes)
+    assert torch.allclose(loss_s, loss_u, rtol=0, atol=1e-12)
+    # a shared block's gradient is the sum of the gradients of its uses
+    for name, param in shared.blocks[0].named_parameters():
+        uses = [dict(unshared.blocks[layer].named_parameters())[name].grad for layer in (0, 4)]
+        assert torch.allclose(param.grad, uses[0] + uses[1], rtol=1e-9, atol=1e-12), name
+
+
+def test_the_paper_preset_has_about_1_1b_parameters_of_compute_and_8x_fewer_stored():
+    info = describe(get_preset("paper").model)
+    assert info["unique_blocks"] == 5 and info["layers"] == 64
+    assert 1.0e9 <= info["compute_parameters"] <= 1.2e9
+    assert info["compute_parameters"] / info["unique_parameters"] >= 7
