@@ -65,3 +65,42 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_image_codes(model, text_tokens: torch.Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                         top_p: Optional[float] = None, use_cache: bool = True,
+                         generator: Optional[torch.Generator] = None, progress=None) -> torch.Tensor:
+    """Sample the image codes of a batch of captions, one code at a time.
+
+    :param model: a collab_kit.model.TextToImageTransformer
+    :param text_tokens: int64 ``[batch, text_length]``: one caption per image to draw (repeat a caption
+      to draw several images of it)
+    :param temperature: 0 means greedy; otherwise logits are divided by it
+    :param top_k: sample among the k most likely codes (the paper: 256)
+    :param top_p: sample among the most likely codes whose probabilities reach p (the paper: 0.75)
+    :param use_cache: keep every layer's keys and values (each step then costs one position); without it
+      every step runs the whole sequence again (the reference the cache is tested against)
+    :param generator: a torch.Generator, for reproducible samples
+    :param progress: a callable ``progress(steps_done)`` called after every code (e.g. a tqdm bar's update)
+    :returns: int64 ``[batch, image_side ** 2]`` codes in raster order
+    """
+    config = model.config
+    was_training = model.training
+    model.eval()
+    try:
+        codes = text_tokens.new_zeros(text_tokens.shape[0], config.image_length)
+        if use_cache:
+            logits, cache = model.start_decoding(text_tokens)
+        for step in range(config.image_length):
+            if not use_cache:
+                # codes after `step` are still zeros: causal masks make them invisible to this prediction
+                logits = model(text_tokens, codes, compute_loss=False).image_logits[:, step]
+            codes[:, step] = sample_next(logits, temperature, top_k, top_p, generator)
+            if use_cache and step + 1 < config.image_length:
+                logits = model.continue_decoding(codes[:, step], cache)
+            if progress is not None:
+                progress(1)
+        return codes
+    finally:
+        model.train(was_training)

@@ -1,8 +1,10 @@
-"""Top-k, top-p and temperature on crafted logits."""
+"""Top-k, top-p and temperature on crafted logits; generation with a KV cache against without one."""
 import pytest
 import torch
 
-from collab_kit.sampling import sample_next, top_k_filter, top_p_filter
+from collab_kit.config import ModelConfig
+from collab_kit.model import TextToImageTransformer
+from collab_kit.sampling import generate_image_codes, sample_next, top_k_filter, top_p_filter
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -51,3 +53,53 @@ def test_sampling_respects_the_filters_and_temperature():
     assert (cold == 0).float().mean().item() > 0.8
     with pytest.raises(ValueError, match="temperature=-1"):
         sample_next(logits, temperature=-1)
+
+
+def generation_model() -> TextToImageTransformer:
+    """Nine layers (every kind, shared blocks) whose random weights are large enough to vary their choices."""
+    config = ModelConfig(hidden_size=32, num_layers=9, num_heads=2, text_length=5, image_side=6, codebook_size=40,
+                         text_vocab_size=50, pad_token_id=0, conv_kernel_size=3)
+    torch.manual_seed(0)
+    model = TextToImageTransformer(config).double().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def test_cached_decoding_gives_the_logits_of_the_full_forward_pass():
+    model = generation_model()
+    text, codes = torch.randint(1, 50, (3, 5)), torch.randint(0, 40, (3, 36))
+    full = model(text, codes, compute_loss=False).image_logits
+    logits, cache = model.start_decoding(text)
+    steps = [logits]
+    for position in range(35):
+        steps.append(model.continue_decoding(codes[:, position], cache))
+    assert torch.allclose(torch.stack(steps, dim=1), full, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="already decoded"):
+        model.continue_decoding(codes[:, -1], cache)
+
+
+def test_greedy_generation_with_the_cache_equals_generation_without_it():
+    model = generation_model()
+    text = torch.randint(1, 50, (3, 5))
+    steps = []
+    cached = generate_image_codes(model, text, temperature=0, progress=steps.append)
+    uncached = generate_image_codes(model, text, temperature=0, use_cache=False)
+    assert cached.shape == (3, 36) and len(steps) == 36
+    assert torch.equal(cached, uncached)
+    assert cached.unique().numel() > 5  # a varied drawing, not one code repeated
+    # greedy means: each code is the argmax of the model's prediction given the codes before it
+    assert torch.equal(model(text, cached, compute_loss=False).image_logits.argmax(-1), cached)
+
+
+def test_sampled_generation_is_reproducible_and_respects_top_k():
+    model = generation_model()
+    text = torch.randint(1, 50, (2, 5)).repeat(2, 1)  # two captions, twice each
+
+    def draw(seed, **kwargs):
+        return generate_image_codes(model, text, generator=torch.Generator().manual_seed(seed), **kwargs)
+    assert torch.equal(draw(1, top_k=4), draw(1, top_k=4))
+    assert not torch.equal(draw(1), draw(2))
+    codes = draw(3, top_k=1)  # top-1 sampling is greedy
+    assert torch.equal(codes, generate_image_codes(model, text, temperature=0))
