@@ -3,6 +3,7 @@
     collab-kit demo                         a local collaborative run (what `make demo` runs)
     collab-kit join --initial-peers ADDR    train with a swarm as a volunteer
     collab-kit monitor                      start a swarm's first peer and watch its progress
+    collab-kit model-info --preset paper    the model's shape and parameter counts (no memory needed)
 """
 from __future__ import annotations
 
@@ -125,6 +126,40 @@ def command_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def _size(num_bytes: float) -> str:
+    for scale, unit in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} bytes"
+
+
+def command_model_info(args: argparse.Namespace) -> int:
+    from collab_kit.model import describe
+
+    config = build_config(args)
+    model, info = config.model, describe(config.model)
+    pattern = ", ".join(model.attention_pattern)
+    last = f"; the last layer: {model.last_layer_attention}" if model.last_layer_attention else ""
+    unique, compute = info["unique_parameters"], info["compute_parameters"]
+    print(f"preset: {config.preset}")
+    print(f"layers: {model.num_layers} (attention: {pattern}, repeated{last})")
+    print(f"blocks: {info['unique_blocks']} stored" + (", shared by layer groups" if model.share_layer_groups else "")
+          + (", reversible" if model.reversible else ""))
+    print(f"width: hidden {model.hidden_size}, {info['heads']} heads, GEGLU inner {model.ffn_multiplier * model.hidden_size}")
+    print(f"sequence: {info['sequence']} = {model.sequence_length} positions")
+    print(f"params: unique={unique} compute={compute}")
+    print(f"compute / unique: {compute / unique:.1f}x ({_count(unique)} stored, {_count(compute)} of compute)")
+    print(f"weights: {_size(unique * 4)} in fp32, {_size(unique * 2)} in bf16")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # the parser
 
@@ -178,6 +213,12 @@ def make_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--address-file", help="also write the join addresses to this file")
     monitor.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines")
     monitor.set_defaults(handler=command_monitor)
+
+    info = commands.add_parser("model-info", help="the model's shape and parameter counts, built without memory")
+    info.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")
+    info.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                      help="change one configuration field, e.g. --set model.num_layers=32")
+    info.set_defaults(handler=command_model_info)
     return parser
 
 

@@ -1,4 +1,5 @@
 """The command line: help, clear errors for bad input (never a traceback), overrides."""
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ def run_cli(*args, timeout=120):
 def test_help_lists_the_commands():
     result = run_cli("--help")
     assert result.returncode == 0
-    for command in ("demo", "join", "monitor"):
+    for command in ("demo", "join", "monitor", "model-info"):
         assert command in result.stdout
 
 
@@ -51,3 +52,18 @@ def test_overrides_parse_values_and_reject_bad_syntax():
         "optimizer": {"target_batch_size": 64, "betas": (0.9, 0.95)}, "swarm": {"run_id": "abc"}}
     with pytest.raises(CommandError, match="SECTION.FIELD=VALUE"):
         parse_overrides(["target_batch_size=64"])
+
+
+def test_model_info_counts_the_paper_model_without_building_it():
+    result = run_cli("model-info", "--preset", "paper")
+    assert result.returncode == 0, result.stderr
+    counts = re.search(r"^params: unique=(\d+) compute=(\d+)$", result.stdout, re.MULTILINE)
+    unique, compute = int(counts.group(1)), int(counts.group(2))
+    # the paper: about 1.1B parameters of compute, about 8x fewer stored
+    assert 1.0e9 <= compute <= 1.2e9 and compute / unique >= 7
+    assert "layers: 64" in result.stdout and "blocks: 5 stored" in result.stdout
+    # without sharing, every parameter is stored
+    unshared = run_cli("model-info", "--preset", "paper", "--set", "model.share_layer_groups=False")
+    assert f"params: unique={compute} compute={compute}" in unshared.stdout
+    bad = run_cli("model-info", "--preset", "tiny", "--set", "model.attention_pattern=row,diagonal")
+    assert bad.returncode == 2 and "model.attention_pattern" in bad.stderr and "Traceback" not in bad.stderr
