@@ -31,7 +31,7 @@ RUN_TIMEOUT = 240  # seconds for one side's process, start-up and shutdown inclu
 
 TITLE = "Optimizer throughput: hivemind.Optimizer with one peer / plain PyTorch loop"
 HOW = f"""
-Both sides train the `{PRESET}` preset's model (seed 0, about 3.3 M parameters) on the same
+Both sides train the `{PRESET}` preset's model (seed 0, about 4.3 M parameters) on the same
 pre-loaded synthetic batches (`collab_kit.data.make_synthetic_shards` + `ShardStream`, 16 samples per
 micro-batch) with the same `torch.set_num_threads`, each in its own process, measured twice: with
 one torch thread per side (on this 2-core machine, a core is left for hivemind's DHT, p2p daemon,

@@ -14,7 +14,7 @@ position sees of the image depends on the layer's kind (DALL-E, Ramesh et al. 20
 used by the cached generation loop and by tests. ``Layout.attend`` computes the same attention without
 the ``n x n`` matrix: the image is reshaped into rows (or columns, or bands of rows for ``conv``) and
 each group of queries attends only to the caption plus its own group, so a layer costs
-``O(n * (T + S))`` instead of ``O(n^2)``.
+``O(n * (T + S))`` instead of ``O(n^2)`` (``O(n * (T + k * S / 2))`` for conv).
 """
 from __future__ import annotations
 
@@ -66,11 +66,14 @@ class Layout:
             qi, ki, vi = (t.transpose(2, 3) for t in (qi, ki, vi))
         if kind == "conv":  # each row's queries look at a band: the rows above it (half a window) and its own
             ki, vi = self._band_of_rows(ki), self._band_of_rows(vi)
-        batch, heads, groups, _, head_size = ki.shape
-        # every group also sees the whole caption: its keys are [caption; group]
-        keys = torch.cat([k[:, :, None, :T].expand(batch, heads, groups, T, head_size), ki], dim=3)
-        values = torch.cat([v[:, :, None, :T].expand(batch, heads, groups, T, head_size), vi], dim=3)
-        image = F.scaled_dot_product_attention(qi, keys, values, attn_mask=self._group_mask(kind, q.device))
+        # every image query sees the whole caption and its own group: one softmax over [caption; group].
+        # The caption's scores are one large matmul for all queries (no copy of the caption per group).
+        caption_keys, caption_values = k[:, :, :T], v[:, :, :T]
+        qi = qi * q.shape[-1] ** -0.5
+        to_caption = (qi.flatten(2, 3) @ caption_keys.transpose(-1, -2)).unflatten(2, (S, S))
+        to_group = (qi @ ki.transpose(-1, -2)).masked_fill(~self._group_mask(kind, q.device), float("-inf"))
+        weights = torch.softmax(torch.cat([to_caption, to_group], dim=-1), dim=-1)
+        image = (weights[..., :T].flatten(2, 3) @ caption_values).unflatten(2, (S, S)) + weights[..., T:] @ vi
         if kind == "column":
             image = image.transpose(2, 3)
         return torch.cat([caption, image.flatten(2, 3)], dim=2)
@@ -113,16 +116,15 @@ def _dense_mask(layout: Layout, kind: str, device: str) -> torch.Tensor:
 
 @lru_cache(maxsize=64)
 def _group_mask(layout: Layout, kind: str, device: str) -> torch.Tensor:
-    """The mask of ``attend``'s grouped keys ``[caption; group]``.
+    """Which keys of its group each image query of ``attend`` sees (the caption is always visible).
 
-    ``[S, T + S]`` for rows and columns (query i of a line sees the caption and items 0..i of its line);
-    ``[S, S, T + (half + 1) * S]`` for conv (it depends on the row: bands of the top rows reach above the image).
+    ``[S, S]`` for rows and columns (query i of a line sees items 0..i of its line);
+    ``[S, S, (half + 1) * S]`` for conv (it depends on the row: bands of the top rows reach above the image).
     """
-    T, S, half = layout.text_length, layout.image_side, layout.conv_kernel_size // 2
+    S, half = layout.image_side, layout.conv_kernel_size // 2
     index = torch.arange(S, device=device)
-    caption = torch.ones(S, T, dtype=torch.bool, device=device)
     if kind in ("row", "column"):
-        return torch.cat([caption, index[:, None] >= index[None, :]], dim=1)
+        return index[:, None] >= index[None, :]
     # conv: query (r, c); band key (b, c') is row r - half + b, column c'
     band_row = torch.arange(half + 1, device=device)
     key_row = index[:, None] - half + band_row[None, :]  # [r, b]
@@ -130,5 +132,4 @@ def _group_mask(layout: Layout, kind: str, device: str) -> torch.Tensor:
     # rows above r are wholly before it; in row r only columns up to c come before it
     earlier = (band_row[:, None, None] < half) | (index[None, None, :] <= index[None, :, None])  # [b, c, c']
     allowed = (key_row >= 0)[:, :, None, None] & in_window[None, None] & earlier[None]  # [r, b, c, c']
-    band = allowed.permute(0, 2, 1, 3).flatten(2, 3)  # [r, c, b * S + c']
-    return torch.cat([caption.expand(S, S, T), band], dim=2)
+    return allowed.permute(0, 2, 1, 3).flatten(2, 3)  # [r, c, b * S + c']
