@@ -69,8 +69,15 @@ def resolve_checkpoint(location: str, revision: Optional[str] = None) -> str:
         raise ValueError(f"{location!r} is a file: pass the folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}")
     elif location.count("/") == 1 and not location.startswith((".", "/")):
         from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-        folder = snapshot_download(location, revision=revision, allow_patterns=[WEIGHTS_NAME, CONFIG_NAME])
+        try:
+            folder = snapshot_download(location, revision=revision, allow_patterns=[WEIGHTS_NAME, CONFIG_NAME])
+        except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+            raise FileNotFoundError(
+                f"no checkpoint at {location!r}: there is no local folder of that name, and the Hub has no model "
+                f"repository {location!r} at revision {revision or 'main'!r} (or it is private: log in with "
+                f"`hf auth login`)") from e
     else:
         raise FileNotFoundError(f"no checkpoint at {location!r}: pass a local folder or a Hub repository id "
                                 f"such as 'user/model'")

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 from collab_kit.config import get_preset  # noqa: E402
 from collab_kit.data import make_synthetic_shards  # noqa: E402
 from collab_kit.local_swarm import PeerProcess  # noqa: E402
+pytest_plugins = ["hub_server"]  # the stand-in Hub on 127.0.0.1: the `hub_server` fixture
 
 
 @pytest.fixture(scope="session")
