@@ -1,0 +1,163 @@
+"""From a prompt to a grid of pictures: sample image codes, decode them, keep the ones CLIP likes best.
+
+The paper draws 128 images per prompt (top-k 256 or top-p 0.75), decodes them with the VQGAN and
+shows the 4 that CLIP ViT-B/32 finds closest to the prompt (section 3.4)::
+
+    grid = generate_images("a pyramid made of ice", model="user/dalle-run", vqgan="user/vqgan-f8")
+    grid.info["clip_scores"]   # the kept images' scores, best first
+
+Each piece can be passed built (a model, a VQGAN, a ClipRanker) or as a location to load it from
+(a local folder or a Hub repository id).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import List, Optional, Sequence, Union
+
+import torch
+from PIL import Image
+
+from collab_kit.sampling import PAPER_TOP_K, generate_image_codes
+
+logger = logging.getLogger(__name__)
+
+
+def encode_prompt(prompt: str, tokenizer, config) -> List[int]:
+    """A caption's token ids, cut or padded to ``config.text_length``.
+
+    :param tokenizer: collab_kit.data.ByteCaptionTokenizer (the CPU presets) or a Hugging Face tokenizer
+      (t5-small for the paper preset), padded with the model's ``pad_token_id`` (= eos in the paper)
+    :param config: the model's ModelConfig
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"expected a prompt: a non-empty string, got {prompt!r}")
+    length = config.text_length
+    if hasattr(tokenizer, "offset"):  # ByteCaptionTokenizer: encode(caption, length)
+        ids = tokenizer.encode(prompt, length)
+    else:
+        ids = tokenizer(prompt, truncation=True, max_length=length)["input_ids"]
+        ids = list(ids) + [config.pad_token_id] * (length - len(ids))
+    if max(ids) >= config.text_vocab_size:
+        raise ValueError(f"the tokenizer gave token {max(ids)}, beyond the model's text vocabulary of "
+                         f"{config.text_vocab_size}: pass the tokenizer the model was trained with")
+    return ids
+
+
+def default_tokenizer(config):
+    """The byte tokenizer for the CPU presets; t5-small's (downloaded once) for a 32,100-token vocabulary."""
+    from collab_kit.data import ByteCaptionTokenizer
+
+    if config.text_vocab_size == ByteCaptionTokenizer.vocab_size:
+        return ByteCaptionTokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained("t5-small")
+
+
+def _load_pieces(model, vqgan, ranker):
+    if isinstance(model, str):
+        from collab_kit.checkpoint import load_checkpoint
+
+        model = load_checkpoint(model)[0]
+    if isinstance(vqgan, str):
+        from collab_kit.vqgan import load_vqgan
+
+        vqgan = load_vqgan(vqgan)
+    if isinstance(ranker, str):
+        from collab_kit.clip_rank import ClipRanker
+
+        ranker = ClipRanker.from_pretrained(ranker)
+    config = model.config
+    if vqgan.codebook_size != config.codebook_size or vqgan.grid_size != config.image_side:
+        raise ValueError(f"the model draws {config.image_side}x{config.image_side} codes from {config.codebook_size}, "
+                         f"but the VQGAN decodes {vqgan.grid_size}x{vqgan.grid_size} codes from {vqgan.codebook_size}: "
+                         f"pass the VQGAN the model's dataset was encoded with")
+    return model, vqgan, ranker
+
+
+@torch.no_grad()
+def draw_images(prompt: str, n: int, *, model, vqgan, tokenizer=None, temperature: float = 1.0,
+                top_k: Optional[int] = PAPER_TOP_K, top_p: Optional[float] = None, batch_size: int = 32,
+                seed: Optional[int] = None, progress: bool = True) -> torch.Tensor:
+    """Sample ``n`` images of one prompt: float ``[n, 3, H, W]`` in [0, 1] (no ranking).
+
+    Arguments as in ``generate_images``.
+    """
+    model, vqgan, _ = _load_pieces(model, vqgan, None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} is not allowed: expected the number of images to draw, at least 1")
+    config = model.config
+    tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config)
+    device = next(model.parameters()).device
+    caption = torch.tensor(encode_prompt(prompt, tokenizer, config), device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+
+    from tqdm.auto import tqdm
+
+    images = []
+    with tqdm(total=n * config.image_length, unit="code", unit_scale=True, disable=not progress,
+              desc=f"drawing {n} image{'s' if n > 1 else ''}") as bar:
+        for start in range(0, n, batch_size):
+            count = min(batch_size, n - start)
+            codes = generate_image_codes(model, caption.expand(count, -1), temperature=temperature, top_k=top_k,
+                                         top_p=top_p, generator=generator, progress=lambda _: bar.update(count))
+            images.append(vqgan.decode(codes).cpu())
+    return torch.cat(images)
+
+
+def image_grid(images: Sequence[Image.Image], columns: Optional[int] = None) -> Image.Image:
+    """Paste equally sized images into a grid, row by row (``columns`` default: as square as possible)."""
+    if not images:
+        raise ValueError("no images to put in a grid")
+    columns = columns or math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    width, height = images[0].size
+    grid = Image.new("RGB", (columns * width, rows * height), "white")
+    for index, image in enumerate(images):
+        grid.paste(image, ((index % columns) * width, (index // columns) * height))
+    return grid
+
+
+def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
+                    ranker: Union[None, str, object] = "openai/clip-vit-base-patch32", tokenizer=None,
+                    temperature: float = 1.0, top_k: Optional[int] = PAPER_TOP_K, top_p: Optional[float] = None,
+                    batch_size: int = 32, seed: Optional[int] = None, columns: Optional[int] = None,
+                    progress: bool = True) -> Image.Image:
+    """Draw ``n`` images of ``prompt`` and return the ``keep`` best as one PIL grid.
+
+    :param prompt: what to draw
+    :param n: images to sample (the paper: 128)
+    :param keep: images CLIP keeps, best first (the paper: 4)
+    :param model: a TextToImageTransformer, or a checkpoint location (local folder or Hub repo id)
+    :param vqgan: a collab_kit.vqgan.VQGAN, or its location (see collab_kit.vqgan.load_vqgan)
+    :param ranker: a collab_kit.clip_rank.ClipRanker, a CLIP model name or folder, or None to keep the
+      first ``keep`` images unranked
+    :param tokenizer: the model's caption tokenizer (default: collab_kit.generate.default_tokenizer)
+    :param temperature: 0 is greedy (every image alike); 1 samples the model's distribution
+    :param top_k: sample among the k most likely codes (the paper: 256); None for all
+    :param top_p: sample among the most likely codes reaching probability p (the paper's alternative: 0.75)
+    :param batch_size: images sampled at once (memory grows with it: every layer caches keys and values)
+    :param seed: for the same images again
+    :param columns: of the grid (default: as square as possible)
+    :param progress: show progress bars
+    :returns: a PIL image; ``grid.info["clip_scores"]`` holds the kept images' scores, best first
+    """
+    if not isinstance(keep, int) or not 1 <= keep <= n:
+        raise ValueError(f"keep={keep!r} is not allowed: expected a number of images between 1 and n={n}")
+    model, vqgan, ranker = _load_pieces(model, vqgan, ranker)
+    images = draw_images(prompt, n, model=model, vqgan=vqgan, tokenizer=tokenizer, temperature=temperature,
+                         top_k=top_k, top_p=top_p, batch_size=batch_size, seed=seed, progress=progress)
+    if ranker is None:
+        kept, scores = images[:keep], None
+    else:
+        if progress:
+            logger.info(f"ranking {n} images with CLIP")
+        kept, scores, _ = ranker.rank(prompt, images, keep=keep)
+    from collab_kit.vqgan import images_to_pil
+
+    grid = image_grid(images_to_pil(kept), columns)
+    grid.info["clip_scores"] = None if scores is None else [float(s) for s in scores]
+    grid.info["prompt"] = prompt
+    return grid

@@ -1,0 +1,72 @@
+"""From a prompt to a grid: sample codes, decode them with the VQGAN, keep what CLIP ranks best."""
+import pytest
+import torch
+
+from collab_kit.checkpoint import save_checkpoint
+from collab_kit.clip_rank import tiny_random_clip
+from collab_kit.config import get_preset
+from collab_kit.data import ByteCaptionTokenizer
+from collab_kit.generate import draw_images, encode_prompt, generate_images
+from collab_kit.model import TextToImageTransformer
+from collab_kit.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil, save_vqgan
+
+
+@pytest.fixture(scope="module")
+def pieces():
+    """The tiny preset's model and the tiny VQGAN agree: 4 x 4 codes from a codebook of 32."""
+    torch.manual_seed(0)
+    model = TextToImageTransformer(get_preset("tiny").model).eval()
+    return model, build_vqgan(TINY_VQGAN_CONFIG).eval(), tiny_random_clip(seed=0)
+
+
+def test_the_grid_holds_the_images_clip_ranks_best(pieces):
+    model, vqgan, ranker = pieces
+    drawn = draw_images("a red circle", 6, model=model, vqgan=vqgan, seed=3, batch_size=4, progress=False)
+    assert drawn.shape == (6, 3, 16, 16) and 0 <= drawn.min() and drawn.max() <= 1
+    grid = generate_images("a red circle", n=6, keep=4, model=model, vqgan=vqgan, ranker=ranker, seed=3,
+                           batch_size=4, progress=False)
+    assert grid.size == (2 * 16, 2 * 16)  # 4 images, 2 x 2
+    # the same seed draws the same 6 images; the grid shows CLIP's best 4 of them, best first
+    scores = ranker.score("a red circle", drawn)
+    best = scores.argsort(descending=True)[:4]
+    assert grid.info["clip_scores"] == pytest.approx(scores[best].tolist(), abs=1e-5)
+    tiles = [grid.crop((x, y, x + 16, y + 16)) for y in (0, 16) for x in (0, 16)]
+    expected = images_to_pil(drawn[best])
+    assert [tile.tobytes() for tile in tiles] == [image.tobytes() for image in expected]
+
+
+def test_sampling_settings_matter_and_a_seed_repeats(pieces):
+    model, vqgan, _ = pieces
+
+    def draw(**kwargs):
+        return draw_images("a blue square", 4, model=model, vqgan=vqgan, progress=False, **kwargs)
+    assert torch.equal(draw(seed=1), draw(seed=1))
+    assert not torch.equal(draw(seed=1), draw(seed=2))
+    greedy = draw(temperature=0)
+    assert torch.equal(greedy[0], greedy[3])  # greedy decoding draws one image, whatever the seed
+    assert torch.equal(draw(seed=5, top_k=1), greedy)
+
+
+def test_pieces_load_from_folders_and_a_progress_bar_counts_codes(pieces, tmp_path, capsys):
+    model, vqgan, ranker = pieces
+    save_checkpoint(model, get_preset("tiny"), str(tmp_path / "model"))
+    save_vqgan(vqgan, str(tmp_path / "vqgan"))
+    ranker.save_pretrained(str(tmp_path / "clip"))
+    from_folders = generate_images("a green star", n=3, keep=2, model=str(tmp_path / "model"),
+                                   vqgan=str(tmp_path / "vqgan"), ranker=str(tmp_path / "clip"), seed=4, columns=2)
+    in_memory = generate_images("a green star", n=3, keep=2, model=model, vqgan=vqgan, ranker=ranker, seed=4,
+                                columns=2, progress=False)
+    assert from_folders.tobytes() == in_memory.tobytes() and from_folders.size == (32, 16)
+    assert "drawing 3 images" in capsys.readouterr().err  # 3 images x 16 codes
+
+
+def test_mismatches_and_bad_arguments_are_explained(pieces):
+    model, vqgan, ranker = pieces
+    other = TextToImageTransformer(get_preset("tiny", model=dict(image_side=5)).model)
+    with pytest.raises(ValueError, match="the VQGAN decodes 4x4 codes from 32"):
+        generate_images("x", n=2, keep=1, model=other, vqgan=vqgan, ranker=ranker, progress=False)
+    with pytest.raises(ValueError, match="keep=5"):
+        generate_images("x", n=4, keep=5, model=model, vqgan=vqgan, ranker=ranker, progress=False)
+    with pytest.raises(ValueError, match="non-empty string"):
+        encode_prompt("  ", ByteCaptionTokenizer(), model.config)
+    assert encode_prompt("ab", ByteCaptionTokenizer(), model.config) == [97 + 3, 98 + 3, 1] + [0] * 5
