@@ -47,6 +47,11 @@ class _ReversibleFunction(torch.autograd.Function):
         # autograd.Function.forward runs without recording a graph: nothing here is kept
         y1, y2 = run_plain(x1, x2, layers)
         ctx.layers = layers
+        # backward recomputes the layers: under the same autocast as the forward pass, or the rebuilt
+        # inputs would not be the ones the forward pass used
+        device_type = x1.device.type
+        ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                            dtype=torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(y1, y2)
         return y1, y2
 
@@ -55,7 +60,12 @@ class _ReversibleFunction(torch.autograd.Function):
         y1, y2 = ctx.saved_tensors
         grad_y1 = torch.zeros_like(y1) if grad_y1 is None else grad_y1
         grad_y2 = torch.zeros_like(y2) if grad_y2 is None else grad_y2
-        for f, g in reversed(ctx.layers):
+        with torch.autocast(**ctx.autocast):
+            return _ReversibleFunction._backward(ctx.layers, y1, y2, grad_y1, grad_y2)
+
+    @staticmethod
+    def _backward(layers, y1, y2, grad_y1, grad_y2):
+        for f, g in reversed(layers):
             # y2 = x2 + g(y1): rebuild x2, and send grad_y2 through g (to its parameters and to y1)
             with torch.enable_grad():
                 y1 = y1.detach().requires_grad_(True)

@@ -246,3 +246,21 @@ def test_the_paper_preset_has_about_1_1b_parameters_of_compute_and_8x_fewer_stor
     assert info["unique_blocks"] == 5 and info["layers"] == 64
     assert 1.0e9 <= info["compute_parameters"] <= 1.2e9
     assert info["compute_parameters"] / info["unique_parameters"] >= 7
+
+
+def test_reversible_layers_train_under_bf16_autocast():
+    """Backward recomputes the layers under the forward pass's autocast; gradients stay those of plain layers."""
+    torch.manual_seed(0)
+    reversible = TextToImageTransformer(small_config(reversible=True)).train()
+    plain = copy.deepcopy(reversible)
+    plain.config = small_config(reversible=False)
+    text, codes = torch.randint(1, 40, (3, 4)), torch.randint(0, 24, (3, 16))
+    grads = []
+    for model in (reversible, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(text, codes).loss
+        loss.backward()
+        grads.append(dict((name, p.grad) for name, p in model.named_parameters()))
+    for name, grad in grads[1].items():
+        assert grads[0][name].dtype == torch.float32
+        assert ((grads[0][name] - grad).norm() / grad.norm()).item() < 2e-2, name
