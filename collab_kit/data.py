@@ -7,9 +7,10 @@ Every peer reads the shards in its own shuffled order, so peers contribute diffe
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import brotli
 import numpy as np
@@ -19,34 +20,90 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SHARD_SCHEMA = pa.schema([("caption", pa.string()), ("codes", pa.binary())])
-MAX_CODEBOOK_SIZE = 2 ** 15  # codes are stored as int16
+MAX_CODEBOOK_SIZE = 2 ** 16  # a code is stored in at most 16 bits
+MAX_CODES_PER_IMAGE = 2 ** 16 - 1  # the count is stored in 16 bits
+_BROTLI_FLAG = 0x80  # header bit: the payload is Brotli-compressed
 
 
 # ---------------------------------------------------------------------------------------------
-# the code codec: int16 codes <-> brotli bytes
+# the code codec: integer codes <-> a few bytes
+#
+# One image's codes are stored as ``[header: 1 byte][count: uint16 LE][payload]``. The header's low
+# bits give the bits per code b; the payload packs every code in b bits (little-endian bit order),
+# Brotli-compressed when that is smaller. A codebook of 8192 needs 13 bits: 1024 codes take 1664
+# bytes however random they are, where int16 + Brotli takes about 1775. Codes of a trained tokenizer
+# repeat patterns that byte-aligned int16 shows Brotli better, so the encoder also tries that (b = 16)
+# and keeps the smallest form.
 
 
-def encode_codes(codes: np.ndarray, quality: int = 11) -> bytes:
-    """Compress one image's codes (any integer array with values in [0, 32767]) to Brotli bytes."""
-    codes = np.asarray(codes)
-    if codes.size and (codes.min() < 0 or codes.max() >= MAX_CODEBOOK_SIZE):
-        raise ValueError(f"codes must lie in [0, {MAX_CODEBOOK_SIZE}) to be stored as int16, "
-                         f"got values in [{codes.min()}, {codes.max()}]")
-    return brotli.compress(codes.astype("<i2").tobytes(), quality=quality)
+def bits_per_code(codebook_size: int) -> int:
+    """The bits one code needs: 13 for a codebook of 8192."""
+    if not 2 <= codebook_size <= MAX_CODEBOOK_SIZE:
+        raise ValueError(f"codebook_size={codebook_size} is not allowed: expected 2 .. {MAX_CODEBOOK_SIZE}")
+    return int(codebook_size - 1).bit_length()
+
+
+def _pack(codes: np.ndarray, bits: int) -> bytes:
+    if bits == 16:
+        return codes.astype("<u2").tobytes()
+    bit_matrix = (codes.astype(np.uint32)[:, None] >> np.arange(bits, dtype=np.uint32)) & 1
+    return np.packbits(bit_matrix.astype(np.uint8).ravel(), bitorder="little").tobytes()
+
+
+def _unpack(payload: bytes, bits: int, count: int) -> np.ndarray:
+    if len(payload) != (count * bits + 7) // 8:
+        raise ValueError(f"holds {len(payload)} bytes of codes where its header says {count} codes of {bits} bits")
+    if bits == 16:
+        codes = np.frombuffer(payload, dtype="<u2")
+    else:
+        flat = np.unpackbits(np.frombuffer(payload, dtype=np.uint8), count=count * bits, bitorder="little")
+        codes = flat.reshape(count, bits).astype(np.uint32) @ (1 << np.arange(bits, dtype=np.uint32))
+    return codes.astype(np.int64)
+
+
+def encode_codes(codes: np.ndarray, codebook_size: Optional[int] = None, quality: int = 11) -> bytes:
+    """Store one image's codes in as few bytes as this codec can.
+
+    :param codes: integers in [0, codebook_size), any shape (stored flat, in C order)
+    :param codebook_size: the tokenizer's codebook (8192 in the paper); default: just enough for the largest code
+    :param quality: Brotli's effort, 0..11
+    """
+    codes = np.asarray(codes).ravel()
+    if codes.size > MAX_CODES_PER_IMAGE:
+        raise ValueError(f"an image of {codes.size} codes is too large: at most {MAX_CODES_PER_IMAGE}")
+    largest = int(codes.max()) if codes.size else 0
+    if codebook_size is None:
+        codebook_size = max(2, largest + 1)
+    if codes.size and (codes.min() < 0 or largest >= codebook_size):
+        raise ValueError(f"codes must lie in [0, {codebook_size}) (the codebook), got values in "
+                         f"[{codes.min()}, {largest}]")
+    header_count = codes.size.to_bytes(2, "little")
+    candidates = []
+    for bits in sorted({bits_per_code(codebook_size), 16}):
+        packed = _pack(codes, bits)
+        candidates.append(bytes([bits]) + header_count + packed)
+        candidates.append(bytes([bits | _BROTLI_FLAG]) + header_count + brotli.compress(packed, quality=quality))
+    return min(candidates, key=len)
 
 
 def decode_codes(data: bytes, expected_length: Optional[int] = None) -> np.ndarray:
-    """Decompress Brotli bytes back to a flat int16 array of codes.
+    """The codes ``encode_codes`` stored, as a flat int64 array.
 
     :param expected_length: if given, raise a ValueError when the sample holds another number of codes
     """
+    if len(data) < 3 or not 1 <= (data[0] & ~_BROTLI_FLAG) <= 16:
+        raise ValueError("a sample's codes are not in collab_kit's format (a header of bits per code and a "
+                         "count): the shard is corrupt or was written by something else")
+    bits, count, payload = data[0] & ~_BROTLI_FLAG, int.from_bytes(data[1:3], "little"), data[3:]
+    if data[0] & _BROTLI_FLAG:
+        try:
+            payload = brotli.decompress(payload)
+        except brotli.error as e:
+            raise ValueError(f"a sample's codes are not valid Brotli data ({e}): the shard is corrupt") from None
     try:
-        raw = brotli.decompress(data)
-    except brotli.error as e:
-        raise ValueError(f"a sample's codes are not valid Brotli data ({e}): the shard is corrupt or was not "
-                         f"written by collab_kit") from None
-    codes = np.frombuffer(raw, dtype="<i2")
+        codes = _unpack(payload, bits, count)
+    except ValueError as e:
+        raise ValueError(f"a sample's codes are damaged: it {e}") from None
     if expected_length is not None and codes.size != expected_length:
         raise ValueError(f"a sample holds {codes.size} image codes but the model expects {expected_length}: "
                          f"the shards were made for another image size")
@@ -80,16 +137,52 @@ class ByteCaptionTokenizer:
 # shards
 
 
-def write_shard(path: str, captions: Sequence[str], codes: Sequence[np.ndarray]) -> str:
-    """Write one parquet shard of (caption, compressed codes) rows; returns the path."""
-    if len(captions) != len(codes):
-        raise ValueError(f"got {len(captions)} captions but {len(codes)} code arrays")
-    table = pa.table({"caption": list(captions), "codes": [encode_codes(c) for c in codes]}, schema=SHARD_SCHEMA)
+SHARD_FORMAT = 2  # 2: codes in the bit-packed codec above, with width / height / source_id columns
+SHARD_SCHEMA = pa.schema([
+    ("caption", pa.string()),
+    ("codes", pa.binary()),  # encode_codes(...) of the image's codes, raster order
+    ("width", pa.int32()),  # the original image's size, before resizing and cropping (0 if unknown)
+    ("height", pa.int32()),
+    ("source_id", pa.string()),  # where the sample came from (file name, dataset row, ...)
+])
+
+
+def write_shard(path: str, captions: Sequence[str], codes: Sequence[np.ndarray], *,
+                codebook_size: Optional[int] = None, sizes: Optional[Sequence[Tuple[int, int]]] = None,
+                source_ids: Optional[Sequence[str]] = None, image_side: Optional[int] = None) -> str:
+    """Write one parquet shard; returns the path. The file appears whole or not at all.
+
+    :param captions: one caption per sample
+    :param codes: one array of image codes per sample
+    :param codebook_size: the tokenizer's codebook, recorded in the file and used to pack the codes
+    :param sizes: (width, height) of each original image (default: unknown, 0)
+    :param source_ids: where each sample came from (default: its row number in this shard)
+    :param image_side: the code grid's side, recorded in the file
+    """
+    count = len(captions)
+    sizes = sizes if sizes is not None else [(0, 0)] * count
+    source_ids = source_ids if source_ids is not None else [str(i) for i in range(count)]
+    if not len(codes) == len(sizes) == len(source_ids) == count:
+        raise ValueError(f"got {count} captions, {len(codes)} code arrays, {len(sizes)} sizes and "
+                         f"{len(source_ids)} source ids: expected one of each per sample")
+    metadata = dict(format=SHARD_FORMAT, codebook_size=codebook_size, image_side=image_side)
+    schema = SHARD_SCHEMA.with_metadata({b"collab_kit": json.dumps(metadata).encode()})
+    table = pa.table({"caption": list(captions), "codes": [encode_codes(c, codebook_size) for c in codes],
+                      "width": [int(w) for w, _ in sizes], "height": [int(h) for _, h in sizes],
+                      "source_id": [str(i) for i in source_ids]}, schema=schema)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp_path = path + ".tmp"
-    pq.write_table(table, tmp_path)
+    # the codes are compressed already; captions and the rest compress well with zstd
+    pq.write_table(table, tmp_path, compression=dict(caption="zstd", codes="none", width="zstd", height="zstd",
+                                                     source_id="zstd"))
     os.replace(tmp_path, path)  # a crash never leaves a half-written shard under the real name
     return path
+
+
+def shard_metadata(path: str) -> dict:
+    """What ``write_shard`` recorded in a shard: format, codebook_size, image_side (None where not recorded)."""
+    raw = (pq.read_schema(path).metadata or {}).get(b"collab_kit")
+    return json.loads(raw) if raw else {}
 
 
 def list_shards(shards: str) -> List[str]:
@@ -211,5 +304,7 @@ def make_synthetic_shards(folder: str, num_samples: int, image_side: int, codebo
             shape = int(rng.integers(len(SHAPES)))
             captions.append(f"a {COLORS[color]} {SHAPES[shape]} on {COLORS[background]}")
             codes.append(_synthetic_image(int(color), shape, int(background), image_side, codebook_size, rng))
-        paths.append(write_shard(os.path.join(folder, f"shard-{shard_index:05d}.parquet"), captions, codes))
+        paths.append(write_shard(os.path.join(folder, f"shard-{shard_index:05d}.parquet"), captions, codes,
+                                 codebook_size=codebook_size, image_side=image_side,
+                                 source_ids=[f"synthetic-{shard_index}-{i}" for i in range(count)]))
     return paths

@@ -3,25 +3,36 @@ import numpy as np
 import pytest
 import torch
 
-from collab_kit.data import (COLORS, SHAPES, ByteCaptionTokenizer, ShardStream, batches, decode_codes, encode_codes,
-                             list_shards, make_synthetic_shards, write_shard)
+from collab_kit.data import (COLORS, SHAPES, ByteCaptionTokenizer, ShardStream, batches, bits_per_code, decode_codes,
+                             encode_codes, list_shards, make_synthetic_shards, shard_metadata, write_shard)
 
 
-def test_codes_round_trip_through_brotli_and_compress():
+def test_codes_round_trip_and_take_the_bits_the_codebook_needs():
     rng = np.random.default_rng(0)
-    codes = rng.integers(0, 8192, size=(32, 32))
-    codes[:16] = 7  # an image's codes repeat: Brotli should find that
-    data = encode_codes(codes)
+    uniform = rng.integers(0, 8192, size=(32, 32))
+    data = encode_codes(uniform, codebook_size=8192)
     decoded = decode_codes(data, expected_length=1024)
-    assert decoded.dtype == np.int16 and np.array_equal(decoded, codes.ravel())
-    assert len(data) < codes.size * 2  # smaller than the raw int16 codes
+    assert decoded.dtype == np.int64 and np.array_equal(decoded, uniform.ravel())
+    # random codes cannot be compressed: 13 bits each (1664 bytes) plus a 3-byte header
+    assert bits_per_code(8192) == 13 and len(data) == 1664 + 3
+    repetitive = uniform.copy()
+    repetitive[:16] = 7  # an image's codes repeat: the codec finds that
+    assert len(encode_codes(repetitive, 8192)) < 0.6 * len(data)
+    assert np.array_equal(decode_codes(encode_codes(repetitive, 8192)), repetitive.ravel())
+    for codebook_size in (2, 3, 32, 255, 256, 257, 2 ** 16):
+        codes = rng.integers(0, codebook_size, size=77)
+        assert np.array_equal(decode_codes(encode_codes(codes, codebook_size)), codes), codebook_size
 
 
 def test_codec_rejects_bad_input_with_clear_errors():
-    with pytest.raises(ValueError, match="int16"):
-        encode_codes(np.array([0, 40000]))
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 32\)"):
+        encode_codes(np.array([0, 40]), codebook_size=32)
+    with pytest.raises(ValueError, match="not in collab_kit's format"):
+        decode_codes(b"\x00not codes at all")
     with pytest.raises(ValueError, match="not valid Brotli"):
-        decode_codes(b"not brotli at all")
+        decode_codes(bytes([13 | 0x80, 4, 0]) + b"not brotli at all")
+    with pytest.raises(ValueError, match="damaged"):
+        decode_codes(encode_codes(np.arange(16), 16)[:-1])  # cut short
     with pytest.raises(ValueError, match="another image size"):
         decode_codes(encode_codes(np.zeros(16, dtype=np.int16)), expected_length=64)
 
@@ -81,3 +92,19 @@ def test_synthetic_images_follow_their_captions(tmp_path):
         # apart from a few noisy codes, every code is the shape's color or the background's
         expected = {COLORS.index(color), COLORS.index(background)}
         assert (sum(int(b) in expected for b in bands) / 64) > 0.8
+
+
+def test_a_shard_records_its_format_sizes_and_sources(tmp_path):
+    import pyarrow.parquet as pq
+
+    codes = [np.arange(16) % 32, np.full(16, 31)]
+    path = write_shard(str(tmp_path / "s.parquet"), ["one", "two"], codes, codebook_size=32, image_side=4,
+                       sizes=[(640, 480), (100, 120)], source_ids=["a.jpg", "b.jpg"])
+    assert shard_metadata(path) == dict(format=2, codebook_size=32, image_side=4)
+    table = pq.read_table(path)
+    assert table.column_names == ["caption", "codes", "width", "height", "source_id"]
+    assert table.column("width").to_pylist() == [640, 100] and table.column("source_id").to_pylist() == ["a.jpg", "b.jpg"]
+    assert np.array_equal(decode_codes(table.column("codes")[1].as_py(), 16), codes[1])
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(ValueError, match="one of each per sample"):
+        write_shard(str(tmp_path / "t.parquet"), ["one"], codes)
