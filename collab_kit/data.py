@@ -10,6 +10,7 @@ import glob
 import json
 import logging
 import os
+import zlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import brotli
@@ -185,65 +186,176 @@ def shard_metadata(path: str) -> dict:
     return json.loads(raw) if raw else {}
 
 
+def is_hub_dataset(source: str) -> bool:
+    """``user/name`` (or ``hf://datasets/user/name``) that is not a local path: a Hub dataset repository."""
+    if source.startswith("hf://datasets/"):
+        return True
+    return (source.count("/") == 1 and not os.path.exists(source) and not source.startswith((".", "/", "~"))
+            and not any(char in source for char in "*?[]"))
+
+
 def list_shards(shards: str) -> List[str]:
-    """The parquet files of a folder, or those matching a glob, sorted."""
-    if os.path.isdir(shards):
+    """The parquet files of a local folder, a glob, or a Hub dataset repository (``hf://`` paths), sorted."""
+    if is_hub_dataset(shards):
+        from huggingface_hub import HfFileSystem
+
+        repo = shards[len("hf://datasets/"):] if shards.startswith("hf://") else shards
+        try:
+            paths = sorted("hf://" + path for path in HfFileSystem().glob(f"datasets/{repo}/**/*.parquet"))
+        except FileNotFoundError:
+            paths = []
+        where = f"the Hub dataset {repo!r}"
+    elif os.path.isdir(shards):
         paths = sorted(glob.glob(os.path.join(shards, "**", "*.parquet"), recursive=True))
+        where = f"the folder {shards!r}"
     else:
         paths = sorted(glob.glob(shards, recursive=True))
+        where = f"{shards!r}"
     if not paths:
-        raise FileNotFoundError(f"no parquet shards found at {shards!r}: pass a folder of .parquet files or a glob, "
-                                f"or make a demo dataset with collab_kit.data.make_synthetic_shards")
+        raise FileNotFoundError(f"no parquet shards found in {where}: pass a folder of .parquet files, a glob, or a "
+                                f"Hub dataset id (user/name); `collab-kit preprocess` makes shards from images, and "
+                                f"collab_kit.data.make_synthetic_shards makes a demo dataset")
     return paths
 
 
+def peer_data_seed(peer_id: bytes, seed: int = 0) -> int:
+    """The order in which one peer reads the data: derived from its identity, so peers read different samples.
+
+    :param peer_id: the peer's identity (``dht.peer_id.to_bytes()``)
+    :param seed: the run's data seed (``config.data.seed``), shifting every peer's order at once
+    """
+    return (zlib.crc32(peer_id) + seed) % 2 ** 32
+
+
+class SkippedSamples:
+    """What a stream skipped, by reason, and the shards it could not read; logged at most once per ``log_every``."""
+
+    REASONS = ("invalid codes", "wrong number of codes", "codes outside the codebook", "empty caption")
+
+    def __init__(self, log_every: int = 1000):
+        self.counts: Dict[str, int] = {reason: 0 for reason in self.REASONS}
+        self.unreadable_shards: List[str] = []
+        self.log_every = log_every
+
+    def add(self, reason: str, source: str, detail: str) -> None:
+        self.counts[reason] += 1
+        count = self.counts[reason]
+        if count == 1 or count % self.log_every == 0:
+            logger.warning(f"skipped sample {source} ({reason}: {detail}); {count} skipped for this reason so far")
+
+    def shard_failed(self, path: str, error: Exception) -> None:
+        if path not in self.unreadable_shards:
+            self.unreadable_shards.append(path)
+            logger.error(f"cannot read shard {path} ({type(error).__name__}: {error}); skipping it")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _shard_rows(shards: List[str], skipped: SkippedSamples) -> Iterator[dict]:
+    """The raw rows of each shard in ``shards`` (a generator for datasets.IterableDataset.from_generator)."""
+    for path in shards:
+        try:
+            if path.startswith("hf://"):
+                from huggingface_hub import HfFileSystem
+
+                source = HfFileSystem().open(path[len("hf://"):], "rb")
+            else:
+                source = path
+            columns = ["caption", "codes", "source_id"]
+            parquet = pq.ParquetFile(source)
+            if "source_id" not in parquet.schema_arrow.names:  # shards written before source ids
+                columns = columns[:2]
+            for batch in parquet.iter_batches(batch_size=256, columns=columns):
+                values = batch.to_pydict()
+                ids = values.get("source_id") or [str(i) for i in range(batch.num_rows)]
+                for caption, codes, source_id in zip(values["caption"], values["codes"], ids):
+                    yield dict(caption=caption, codes=codes, source=f"{os.path.basename(path)}:{source_id}")
+        except Exception as e:  # a damaged or vanished shard must not end training: the others go on
+            skipped.shard_failed(path, e)
+
+
 class ShardStream(torch.utils.data.IterableDataset):
-    """An endless stream of training samples from parquet shards, shuffled with a buffer.
+    """An endless stream of training samples from parquet shards, shuffled, with bad samples skipped.
 
-    Each pass visits the shards in a new random order; rows go through a shuffle buffer so that
-    consecutive samples come from different places. Different ``seed`` values (one per peer) give
-    different orders.
+    The shards are read with a ``datasets`` streaming ``IterableDataset``: each pass visits the
+    shards in a new order and mixes rows through a shuffle buffer; the order depends on ``seed``
+    (each peer derives its own from its identity) and on the pass, so passes are repeatable. Rows
+    are read as they are needed, from local files or over HTTP from a Hub dataset repository.
 
-    :param shards: a folder of parquet shards or a glob
+    A bad sample never stops training: invalid codes, a wrong number of codes, codes outside the
+    codebook or an empty caption are skipped and counted in ``stream.skipped.counts``; a shard that
+    cannot be read is reported by name (``stream.skipped.unreadable_shards``) and skipped.
+
+    :param shards: a folder of parquet shards, a glob, or a Hub dataset id ``user/name``
     :param text_length: captions are tokenized, cut and padded to this many tokens
     :param image_length: the number of codes every sample must hold
-    :param tokenizer: turns captions into ids (default: ByteCaptionTokenizer)
-    :param shuffle_buffer: rows held for shuffling; 1 disables shuffling
+    :param tokenizer: turns captions into ids: ``encode(caption, length)`` (default: ByteCaptionTokenizer)
+    :param codebook_size: codes must lie in [0, codebook_size) (default: not checked beyond int16)
+    :param shuffle_buffer: rows held for shuffling; 1 disables shuffling within shards
     :param seed: the order's seed
+    :param log_every: log a skipped reason on its first occurrence and then every this many
     """
 
     def __init__(self, shards: str, text_length: int, image_length: int, tokenizer=None,
-                 shuffle_buffer: int = 1024, seed: int = 0):
+                 shuffle_buffer: int = 1024, seed: int = 0, codebook_size: Optional[int] = None,
+                 log_every: int = 1000):
         super().__init__()
         self.paths = list_shards(shards)
-        self.text_length, self.image_length = text_length, image_length
+        self.text_length, self.image_length, self.codebook_size = text_length, image_length, codebook_size
         self.tokenizer = tokenizer if tokenizer is not None else ByteCaptionTokenizer()
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.skipped = SkippedSamples(log_every)
+        self.passes = 0  # passes started over the shards
 
-    def _rows(self, rng: np.random.Generator) -> Iterator[Dict[str, torch.Tensor]]:
-        passes = 0
-        while True:
-            for path in rng.permutation(self.paths):
-                for batch in pq.ParquetFile(path).iter_batches(batch_size=256, columns=["caption", "codes"]):
-                    for caption, data in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
-                        codes = decode_codes(data, self.image_length)
-                        yield dict(
-                            text_tokens=torch.tensor(self.tokenizer.encode(caption, self.text_length)),
-                            image_codes=torch.from_numpy(codes.astype(np.int64)),
-                        )
-            passes += 1
-            logger.debug(f"finished pass {passes} over {len(self.paths)} shards")
+    def _dataset(self):
+        import datasets
+
+        # datasets waits 5 s for its reader threads at the end of each shuffled pass; ours has none
+        datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.0
+        rows = datasets.IterableDataset.from_generator(_shard_rows, gen_kwargs=dict(shards=self.paths,
+                                                                                    skipped=self.skipped))
+        # seeds above 2**32 are folded: numpy's generators take 32-bit seeds here
+        return rows.shuffle(seed=self.seed % 2 ** 32, buffer_size=self.shuffle_buffer)
+
+    def _sample(self, row: dict) -> Optional[Dict[str, torch.Tensor]]:
+        """A training sample, or None (counted) if the row is unusable."""
+        caption, source = row["caption"], row["source"]
+        if not caption or not caption.strip():
+            self.skipped.add("empty caption", source, "no text")
+            return None
+        try:
+            codes = decode_codes(row["codes"] or b"")
+        except ValueError as e:
+            self.skipped.add("invalid codes", source, str(e))
+            return None
+        if codes.size != self.image_length:
+            self.skipped.add("wrong number of codes", source, f"{codes.size} codes, the model takes {self.image_length}")
+            return None
+        if self.codebook_size is not None and codes.size and codes.max() >= self.codebook_size:
+            self.skipped.add("codes outside the codebook", source,
+                             f"code {codes.max()} in a codebook of {self.codebook_size}")
+            return None
+        return dict(text_tokens=torch.tensor(self.tokenizer.encode(caption, self.text_length)),
+                    image_codes=torch.from_numpy(codes))
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
-        rng = np.random.default_rng(self.seed)
-        buffer: List[Dict[str, torch.Tensor]] = []
-        for row in self._rows(rng):
-            if len(buffer) < self.shuffle_buffer:
-                buffer.append(row)
-                continue
-            index = int(rng.integers(len(buffer)))
-            yield buffer[index]
-            buffer[index] = row
+        dataset = self._dataset()
+        while True:
+            dataset.set_epoch(self.passes)
+            self.passes += 1
+            usable = 0
+            for row in dataset:
+                sample = self._sample(row)
+                if sample is not None:
+                    usable += 1
+                    yield sample
+            logger.debug(f"finished pass {self.passes} over {len(self.paths)} shards ({usable} samples)")
+            if usable == 0:
+                raise RuntimeError(f"no usable sample in {len(self.paths)} shard(s): skipped {self.skipped.counts}, "
+                                   f"unreadable shards {self.skipped.unreadable_shards}; check that the shards "
+                                   f"were made for this model (image codes, codebook)")
 
 
 def batches(stream: ShardStream, batch_size: int) -> Iterator[Dict[str, torch.Tensor]]:

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_kit.config import RunConfig
-from collab_kit.data import ShardStream, batches
+from collab_kit.data import ShardStream, batches, peer_data_seed
 from collab_kit.model import TextToImageTransformer
 from collab_kit.optim import make_optimizer
 from collab_kit.swarm import join_instructions, start_dht
@@ -116,10 +116,10 @@ class Volunteer:
             torch.manual_seed(model_seed(config.swarm.run_id))
             self.model = TextToImageTransformer(config.model)
             if data_seed is None:
-                data_seed = zlib.crc32(self.dht.peer_id.to_bytes()) + config.data.seed
+                data_seed = peer_data_seed(self.dht.peer_id.to_bytes(), config.data.seed)
             self.stream = ShardStream(data_shards or config.data.shards, config.model.text_length,
                                       config.model.image_length, shuffle_buffer=config.data.shuffle_buffer,
-                                      seed=data_seed)
+                                      seed=data_seed, codebook_size=config.model.codebook_size)
             self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
                                             client_mode=config.swarm.client_mode, verbose=verbose)
         except BaseException:

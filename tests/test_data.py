@@ -108,3 +108,78 @@ def test_a_shard_records_its_format_sizes_and_sources(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(ValueError, match="one of each per sample"):
         write_shard(str(tmp_path / "t.parquet"), ["one"], codes)
+
+
+def write_raw_shard(path, rows):
+    """A shard with exactly these (caption, codes bytes, source id) rows, bad ones included."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from collab_kit.data import SHARD_SCHEMA
+
+    captions, codes, ids = zip(*rows)
+    pq.write_table(pa.table({"caption": list(captions), "codes": list(codes), "width": [0] * len(rows),
+                             "height": [0] * len(rows), "source_id": list(ids)}, schema=SHARD_SCHEMA), path)
+
+
+def test_bad_samples_and_unreadable_shards_are_skipped_counted_and_training_goes_on(tmp_path, caplog):
+    good = [(f"good {i}", encode_codes(np.full(16, i % 32), 32), f"good-{i}") for i in range(6)]
+    bad = [
+        ("bad brotli", bytes([5 | 0x80, 16, 0]) + b"garbage", "b1"),
+        ("not our format", b"\x00\x01", "b2"),
+        ("too few codes", encode_codes(np.zeros(9, dtype=np.int64), 32), "b3"),
+        ("outside the codebook", encode_codes(np.full(16, 40), 64), "b4"),
+        ("", encode_codes(np.zeros(16, dtype=np.int64), 32), "b5"),
+        ("   ", encode_codes(np.zeros(16, dtype=np.int64), 32), "b6"),
+        (None, encode_codes(np.zeros(16, dtype=np.int64), 32), "b7"),
+    ]
+    write_raw_shard(str(tmp_path / "a.parquet"), good[:3] + bad[:4])
+    write_raw_shard(str(tmp_path / "b.parquet"), bad[4:] + good[3:])
+    (tmp_path / "c.parquet").write_bytes(b"PAR1 this is not a parquet file")
+    stream = ShardStream(str(tmp_path), text_length=8, image_length=16, codebook_size=32, shuffle_buffer=4, seed=0)
+    samples = iter(stream)
+    for _ in range(5):  # the stream goes on, pass after pass, with every good sample once per pass
+        one_pass = [next(samples) for _ in range(6)]
+        assert sorted(int(s["image_codes"][0]) for s in one_pass) == [0, 1, 2, 3, 4, 5]
+    per_pass = {"invalid codes": 2, "wrong number of codes": 1, "codes outside the codebook": 1, "empty caption": 3}
+    # rows are read ahead of the samples handed out: the last pass may be partly read
+    for reason, count in per_pass.items():
+        assert count * (stream.passes - 1) <= stream.skipped.counts[reason] <= count * stream.passes, reason
+    assert stream.passes in (5, 6)
+    assert [p.rsplit("/", 1)[-1] for p in stream.skipped.unreadable_shards] == ["c.parquet"]
+    assert "cannot read shard" in caplog.text and "c.parquet" in caplog.text
+
+
+def test_a_skip_reason_is_logged_at_most_once_per_n(tmp_path, caplog):
+    rows = [("", encode_codes(np.zeros(16, dtype=np.int64), 32), f"e{i}") for i in range(7)]
+    write_raw_shard(str(tmp_path / "a.parquet"), rows + [("fine", encode_codes(np.ones(16, dtype=np.int64), 32), "ok")])
+    stream = ShardStream(str(tmp_path), 8, 16, codebook_size=32, shuffle_buffer=1, log_every=3)
+    next(iter(stream))
+    assert stream.skipped.counts["empty caption"] == 7
+    assert caplog.text.count("empty caption") == 3  # the 1st, 3rd and 6th
+
+
+def test_a_stream_with_nothing_usable_says_why(tmp_path):
+    write_raw_shard(str(tmp_path / "a.parquet"), [("x", encode_codes(np.zeros(9, dtype=np.int64), 32), "s")])
+    with pytest.raises(RuntimeError, match="no usable sample"):
+        next(iter(ShardStream(str(tmp_path), 8, 16)))
+
+
+def test_peers_with_different_identities_read_different_orders_and_passes_repeat(tmp_path):
+    from collab_kit.data import peer_data_seed
+
+    make_synthetic_shards(str(tmp_path), num_samples=96, image_side=4, codebook_size=32, num_shards=4)
+
+    def order(peer_id: bytes, count=40):
+        stream = iter(ShardStream(str(tmp_path), 16, 16, shuffle_buffer=16, seed=peer_data_seed(peer_id, 0)))
+        return [tuple(next(stream)["image_codes"].tolist()) for _ in range(count)]
+    alice, bob = order(b"peer alice"), order(b"peer bob")
+    assert alice != bob and sorted(alice[:24]) != sorted(bob[:24])  # not just shuffled within the same rows
+    assert order(b"peer alice") == alice  # the same identity reads the same order again
+    assert peer_data_seed(b"peer alice", 1) != peer_data_seed(b"peer alice", 0)
+    # passes differ from each other, and a restart repeats them
+    stream = iter(ShardStream(str(tmp_path), 16, 16, shuffle_buffer=16, seed=7))
+    passes = [[tuple(next(stream)["image_codes"].tolist()) for _ in range(96)] for _ in range(2)]
+    assert passes[0] != passes[1] and sorted(passes[0]) == sorted(passes[1])
+    again = iter(ShardStream(str(tmp_path), 16, 16, shuffle_buffer=16, seed=7))
+    assert [tuple(next(again)["image_codes"].tolist()) for _ in range(192)] == passes[0] + passes[1]
