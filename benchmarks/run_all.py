@@ -9,13 +9,13 @@ import argparse
 import sys
 import time
 
-from benchmarks import (axial_attention, generation_cache, gradient_compression, optimizer_state,
+from benchmarks import (axial_attention, code_storage, generation_cache, gradient_compression, optimizer_state,
                         optimizer_throughput, reversible_memory)
 
 # one module per figure, in the order of RESULTS.md; a new benchmark is a module with TITLE, HOW
 # and run(quick) -> rows (see benchmarks/__init__.py), added here
 BENCHMARKS = [optimizer_throughput, gradient_compression, optimizer_state, reversible_memory, generation_cache,
-              axial_attention]
+              axial_attention, code_storage]
 
 
 def main(argv=None) -> int:

@@ -173,9 +173,12 @@ def write_shard(path: str, captions: Sequence[str], codes: Sequence[np.ndarray],
                       "source_id": [str(i) for i in source_ids]}, schema=schema)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp_path = path + ".tmp"
-    # the codes are compressed already; captions and the rest compress well with zstd
+    # the codes are compressed already and unique: no compression, dictionary or min / max statistics for them
+    # (those would cost ~9 bytes per sample); captions and the rest compress well with zstd
+    small_columns = ["caption", "width", "height", "source_id"]
     pq.write_table(table, tmp_path, compression=dict(caption="zstd", codes="none", width="zstd", height="zstd",
-                                                     source_id="zstd"))
+                                                     source_id="zstd"),
+                   use_dictionary=small_columns, write_statistics=small_columns)
     os.replace(tmp_path, path)  # a crash never leaves a half-written shard under the real name
     return path
 
