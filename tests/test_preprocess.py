@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from collab_kit.cli import PREPROCESS_SOURCE_FORMATS
-from collab_kit.data import decode_codes, shard_metadata
+from collab_kit.data import ByteCaptionTokenizer, ShardStream, decode_codes, shard_metadata
 from collab_kit.preprocess import (ASPECT_RATIO, MISSING_CAPTION, MISSING_IMAGE, NSFW, SHORT_CAPTION, SOURCE_FORMATS,
                                    UNREADABLE_IMAGE, PushError, drop_reason, preprocess, read_pairs)
 from collab_kit.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor, save_vqgan
@@ -440,3 +440,38 @@ def test_a_hub_dataset_is_a_source(tmp_path, vqgan, hub_server):
     assert [(row["source_id"], row["caption"]) for row in rows] == [("0", "first"), ("3", "fourth")]
     assert [row["codes"] for row in rows] == [direct_codes(vqgan, images[0]), direct_codes(vqgan, images[3])]
     assert hub_server.unserved == []
+
+
+def test_images_to_shards_to_the_training_stream_give_the_direct_codes(tmp_path, vqgan):
+    """The whole path: images -> preprocess -> shards -> ShardStream (as a volunteer reads) -> a direct encode's codes."""
+    images = make_captioned_folder(tmp_path / "images", 9)
+    preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, rows_per_shard=4, progress=False)
+    tokenizer = ByteCaptionTokenizer()
+    stream = iter(ShardStream(str(tmp_path / "shards"), text_length=24, image_length=16, codebook_size=32,
+                              shuffle_buffer=4, seed=1))
+    streamed = sorted((tokenizer.decode(s["text_tokens"].tolist()), s["image_codes"].tolist())
+                      for s in (next(stream) for _ in range(9)))
+    expected = sorted((f"picture number {int(name[3:6])}", direct_codes(vqgan, image)) for name, image in images.items())
+    assert streamed == expected
+
+
+def test_the_training_stream_reads_a_hub_dataset_by_its_id(tmp_path, vqgan, hub_server):
+    make_captioned_folder(tmp_path / "images", 7)
+    preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, rows_per_shard=3, progress=False)
+    hub_server.add_repo("someone/codes", str(tmp_path / "shards"), repo_type="dataset")
+    stdout = hub_server.run_python("""
+        import json
+        from collab_kit.data import ShardStream
+        stream = ShardStream("someone/codes", text_length=24, image_length=16, codebook_size=32, shuffle_buffer=4)
+        samples = iter(stream)
+        for _ in range(14):  # two passes
+            print(json.dumps(next(samples)["image_codes"].tolist()))
+        print(json.dumps(dict(shards=stream.paths, skipped=stream.skipped.total, passes=stream.passes)))
+    """)
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith(("[", "{"))]
+    codes, info = lines[:-1], lines[-1]
+    local = sorted(row["codes"] for row in read_shard_rows(tmp_path / "shards"))
+    assert sorted(codes[:7]) == local and sorted(codes[7:]) == local
+    assert info["shards"] == [f"hf://datasets/someone/codes/shard-0000{i}.parquet" for i in range(3)]
+    assert info["skipped"] == 0 and info["passes"] == 2
+    assert any(r.startswith("GET cdn:/lfs/") for r in hub_server.requests)
