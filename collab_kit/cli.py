@@ -221,7 +221,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_swarm_options(join)
     join.add_argument("--client-mode", action="store_true",
                       help="behind a NAT or firewall: connect out, accept no incoming connections")
-    join.add_argument("--data", help="folder or glob of parquet shards")
+    join.add_argument("--data", help="parquet shards: a folder, a glob, or a Hub dataset id (user/name)")
     join.add_argument("--epochs", type=int, help="train this many global epochs from the swarm's current one")
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
     join.add_argument("--max-steps", type=int, help="stop after this many local steps")

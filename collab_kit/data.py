@@ -423,3 +423,51 @@ def make_synthetic_shards(folder: str, num_samples: int, image_side: int, codebo
                                  codebook_size=codebook_size, image_side=image_side,
                                  source_ids=[f"synthetic-{shard_index}-{i}" for i in range(count)]))
     return paths
+
+
+# synthetic pictures: what the demo sends through the whole path (images -> preprocess -> shards -> stream)
+
+PALETTE = dict(red=(220, 30, 30), green=(30, 180, 60), blue=(40, 60, 220), yellow=(240, 220, 40),
+               purple=(140, 40, 160), orange=(250, 140, 20), white=(245, 245, 245), black=(15, 15, 15))
+
+
+def draw_synthetic_picture(color: str, shape: str, background: str, size: int = 32):
+    """A PIL picture of ``shape`` (one of SHAPES) in ``color`` on ``background`` (names from COLORS)."""
+    from PIL import Image, ImageDraw
+
+    picture = Image.new("RGB", (size, size), PALETTE[background])
+    draw, fill, quarter, last = ImageDraw.Draw(picture), PALETTE[color], size // 4, size - 1
+    if shape == "square":
+        draw.rectangle([quarter, quarter, last - quarter, last - quarter], fill=fill)
+    elif shape == "cross":
+        draw.rectangle([size // 2 - size // 16, 0, size // 2 + size // 16 - 1, last], fill=fill)
+        draw.rectangle([0, size // 2 - size // 16, last, size // 2 + size // 16 - 1], fill=fill)
+    elif shape == "stripe":
+        for top in range(0, size, quarter):
+            draw.rectangle([0, top, last, top + quarter // 2 - 1], fill=fill)
+    elif shape == "frame":
+        draw.rectangle([0, 0, last, last], outline=fill, width=max(1, size // 8))
+    else:
+        raise ValueError(f"shape={shape!r} is not known: choose one of {', '.join(SHAPES)}")
+    return picture
+
+
+def make_synthetic_images(folder: str, num_samples: int, size: int = 32, seed: int = 0) -> str:
+    """Write ``num_samples`` captioned PNG pictures and a ``captions.jsonl``, what ``collab-kit preprocess`` reads.
+
+    :returns: the folder
+    """
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    lines = []
+    for index in range(num_samples):
+        color, background = rng.choice(len(COLORS), size=2, replace=False)
+        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+        name = f"picture-{index:06d}.png"
+        draw_synthetic_picture(COLORS[color], shape, COLORS[background], size).save(os.path.join(folder, name))
+        lines.append(json.dumps(dict(file=name, caption=f"a {COLORS[color]} {shape} on {COLORS[background]}")))
+    tmp_path = os.path.join(folder, "captions.jsonl.tmp")
+    with open(tmp_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp_path, os.path.join(folder, "captions.jsonl"))
+    return folder

@@ -18,7 +18,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from collab_kit.config import get_preset
-from collab_kit.data import make_synthetic_shards
+from collab_kit.data import make_synthetic_images
 from collab_kit.local_swarm import PeerFailed, PeerProcess
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,25 @@ class DemoResult:
                 f"loss_last={self.loss_last:.4f} averaged_rounds={self.averaged_rounds}")
 
 
+def prepare_demo_data(workdir: str, num_samples: int, config) -> str:
+    """The demo's data, made as a real run's is: pictures -> ``preprocess`` (VQGAN codes) -> shards.
+
+    The pictures are synthetic ("a red cross on blue") and the VQGAN is untrained (nothing can be
+    downloaded here), but the path is the one of a real dataset; returns the shards' folder.
+    """
+    from collab_kit.preprocess import preprocess
+    from collab_kit.vqgan import untrained_vqgan
+
+    started = time.monotonic()
+    vqgan = untrained_vqgan(config.model.image_side, config.model.codebook_size)
+    images = make_synthetic_images(os.path.join(workdir, "pictures"), num_samples, size=vqgan.image_size)
+    report = preprocess(images, os.path.join(workdir, "shards"), vqgan, rows_per_shard=max(1, num_samples // 8),
+                        batch_size=256, progress=False)
+    print(f"demo: {report.kept} synthetic pictures -> VQGAN codes in {len(report.shards)} shards "
+          f"({report.bytes_total / 1024:.0f} KiB, {time.monotonic() - started:.0f} s)", flush=True)
+    return report.output
+
+
 class DemoFailed(RuntimeError):
     """The demo could not show a collaborative run; the message says which part failed."""
 
@@ -51,7 +70,7 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
     :param preset: the configuration preset
     :param workdir: where the dataset and the peers' logs go (default: a temporary folder, removed on success)
     :param timeout: seconds the whole run may take before the demo gives up
-    :param num_samples: size of the synthetic dataset
+    :param num_samples: synthetic pictures in the dataset
     :param keep_workdir: keep the logs even after a successful run
     :raises DemoFailed: with what went wrong and where the logs are
     """
@@ -64,8 +83,7 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
     workdir = workdir or tempfile.mkdtemp(prefix="collab_kit_demo_")
     os.makedirs(workdir, exist_ok=True)
     config = get_preset(preset)
-    shards = os.path.join(workdir, "shards")
-    make_synthetic_shards(shards, num_samples, config.model.image_side, config.model.codebook_size)
+    shards = prepare_demo_data(workdir, num_samples, config)
     run_id = f"demo_{os.getpid()}"
     address_file = os.path.join(workdir, "first_peer.addr")
     threads = max(1, (os.cpu_count() or 2) // num_volunteers)

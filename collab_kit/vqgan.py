@@ -491,6 +491,21 @@ def _dump_yaml(yaml, content: dict, path: str):
         yaml.safe_dump(content, f, sort_keys=False)
 
 
+def untrained_vqgan(grid_size: int, codebook_size: int, seed: int = 0) -> VQGAN:
+    """A small VQGAN with random weights whose code grid is ``grid_size`` (f=4, images of 4 x grid_size pixels).
+
+    For the demo and tests, where no trained tokenizer can be downloaded: its codes are not a good
+    image code, but they follow the picture (a color, a shape give the same codes every time), so a
+    model trained on them has something real to learn.
+    """
+    config = copy.deepcopy(TINY_VQGAN_CONFIG)
+    config["params"]["n_embed"] = codebook_size
+    config["params"]["ddconfig"].update(resolution=4 * grid_size, attn_resolutions=[])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_vqgan(config).eval()
+
+
 # ---------------------------------------------------------------------------------------------
 # PIL images <-> tensors
 

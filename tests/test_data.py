@@ -183,3 +183,24 @@ def test_peers_with_different_identities_read_different_orders_and_passes_repeat
     assert passes[0] != passes[1] and sorted(passes[0]) == sorted(passes[1])
     again = iter(ShardStream(str(tmp_path), 16, 16, shuffle_buffer=16, seed=7))
     assert [tuple(next(again)["image_codes"].tolist()) for _ in range(192)] == passes[0] + passes[1]
+
+
+def test_synthetic_pictures_match_their_captions(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from collab_kit.data import PALETTE, make_synthetic_images
+
+    folder = make_synthetic_images(str(tmp_path / "pictures"), num_samples=12, size=32, seed=3)
+    entries = [json.loads(line) for line in open(tmp_path / "pictures" / "captions.jsonl")]
+    assert len(entries) == 12 and sorted(e["file"] for e in entries) == sorted(
+        p.name for p in (tmp_path / "pictures").glob("*.png"))
+    for entry in entries:
+        _, color, shape, _, background = entry["caption"].split()
+        pixels = np.asarray(Image.open(f"{folder}/{entry['file']}"))
+        assert pixels.shape == (32, 32, 3)
+        colors = {tuple(p) for p in pixels.reshape(-1, 3)}
+        assert colors == {PALETTE[color], PALETTE[background]}, entry  # the caption's two colors, nothing else
+        corner = tuple(pixels[0, 0])
+        assert corner == (PALETTE[color] if shape in ("frame", "stripe") else PALETTE[background]), entry

@@ -341,3 +341,20 @@ def test_load_from_a_hub_repository(hub_server, tmp_path):
     assert torch.equal(torch.load(tmp_path / "decoded.pt", weights_only=True), model.decode(model.encode(x)))
     assert lines[2]["error"] == "RepositoryNotFoundError"
     assert any(f"/collab/tiny-vqgan/resolve/main/{CONFIG_NAME}" in request for request in hub_server.requests)
+
+
+def test_an_untrained_vqgan_gives_codes_that_follow_the_picture():
+    from collab_kit.data import draw_synthetic_picture
+    from collab_kit.vqgan import untrained_vqgan
+
+    vqgan = untrained_vqgan(grid_size=8, codebook_size=256, seed=0)
+    assert (vqgan.grid_size, vqgan.codebook_size, vqgan.image_size) == (8, 256, 32)
+    again = untrained_vqgan(grid_size=8, codebook_size=256, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(vqgan.state_dict().values(), again.state_dict().values()))
+
+    def codes(color, shape, background):
+        return vqgan.encode(pil_to_tensor(draw_synthetic_picture(color, shape, background, 32)))[0]
+    red_square = codes("red", "square", "blue")
+    assert torch.equal(red_square, codes("red", "square", "blue"))
+    assert not torch.equal(red_square, codes("green", "square", "blue"))
+    assert not torch.equal(red_square, codes("red", "frame", "blue"))
