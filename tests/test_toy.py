@@ -1,0 +1,71 @@
+"""The toy world: deterministic captioned pictures, its word tokenizer, colours measured on pixels."""
+import json
+
+import numpy as np
+import pytest
+
+from collab_kit.toy import (BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, Scene, ToyTokenizer, dominant_color, draw,
+                            pictures, scenes, world_words, write_toy_images)
+
+
+def test_the_same_seed_draws_the_same_pictures_and_another_seed_others():
+    first = [(np.asarray(image), caption) for image, caption in pictures(20, seed=4)]
+    again = [(np.asarray(image), caption) for image, caption in pictures(20, seed=4)]
+    other = [(np.asarray(image), caption) for image, caption in pictures(20, seed=5)]
+    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(first, again))
+    assert [c for _, c in first] != [c for _, c in other]
+    assert first[0][0].shape == (64, 64, 3) and first[0][0].dtype == np.uint8
+
+
+def test_a_picture_holds_exactly_its_caption():
+    for scene in scenes(200, seed=1):
+        pixels = np.asarray(draw(scene)).reshape(-1, 3)
+        colors = {tuple(p) for p in pixels}
+        assert colors == {COLORS[scene.color], BACKGROUNDS[scene.background]}, scene
+        share = (pixels == COLORS[scene.color]).all(1).mean()
+        assert (0.02 < share < 0.12) if scene.size == "small" else (0.08 < share < 0.4), (scene, share)
+        # the shape's centre of mass lies in the caption's part of the picture
+        ys, xs = np.nonzero((np.asarray(draw(scene)) == COLORS[scene.color]).all(-1))
+        x, y = POSITIONS[scene.position]
+        assert abs(xs.mean() - x) < 9 and abs(ys.mean() - y) < 9, scene  # jitter 3, a triangle sits low by r / 3
+        assert dominant_color(draw(scene)) == scene.color
+    assert Scene("circle", "red", "small", "center", "sand").caption == "a small red circle in the center"
+    assert Scene("cross", "pink", "large", "top left", "sand").caption == "a large pink cross at the top left"
+
+
+def test_the_world_has_every_combination():
+    seen = scenes(3000, seed=0)
+    for attribute, values in (("shape", SHAPES), ("color", COLORS), ("size", SIZES), ("position", POSITIONS),
+                              ("background", BACKGROUNDS)):
+        assert {getattr(s, attribute) for s in seen} == set(values), attribute
+
+
+def test_the_tokenizer_round_trips_every_caption(tmp_path):
+    tokenizer = ToyTokenizer()
+    assert tokenizer.vocab_size == 3 + len(world_words())
+    for scene in scenes(300, seed=2):
+        ids = tokenizer.encode(scene.caption, 12)
+        assert len(ids) == 12 and tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == scene.caption
+    ids = tokenizer.encode("A Small RED unicorn", 6)
+    assert ids[3] == tokenizer.unk_token_id and tokenizer.decode(ids) == "a small red [UNK]"
+    assert tokenizer.encode("a small red circle in the center", 4)[-1] == tokenizer.eos_token_id  # cut, then eos
+    loaded = ToyTokenizer.load(tokenizer.save(str(tmp_path / "tokenizer.json")))
+    assert loaded.encode("a large blue square at the top right", 10) == tokenizer.encode(
+        "a large blue square at the top right", 10)
+
+
+def test_dominant_colour_reads_blurry_pictures_and_knows_when_there_is_none():
+    scene = Scene("square", "orange", "large", "center", "dark grey")
+    pixels = np.asarray(draw(scene)).astype(float)
+    noisy = np.clip(pixels + np.random.default_rng(0).normal(0, 20, pixels.shape), 0, 255)
+    assert dominant_color(noisy.astype(np.uint8)) == "orange"
+    empty = np.full((64, 64, 3), BACKGROUNDS["sand"], dtype=np.uint8)
+    assert dominant_color(empty) is None
+
+
+def test_toy_images_are_written_for_preprocess(tmp_path):
+    folder = write_toy_images(str(tmp_path / "toy"), 5, seed=3)
+    entries = [json.loads(line) for line in open(f"{folder}/captions.jsonl")]
+    assert [e["caption"] for e in entries] == [caption for _, caption in pictures(5, seed=3)]
+    assert sorted(p.name for p in (tmp_path / "toy").glob("*.png")) == [e["file"] for e in entries]
