@@ -202,13 +202,18 @@ class SwarmConfig:
 class DataConfig:
     """Where training samples come from and how they are batched."""
 
-    shards: str = "data/shards"  # a folder of parquet shards, or a glob
+    shards: str = "data/shards"  # a folder of parquet shards, a glob, or a Hub dataset id
     shuffle_buffer: int = 1024
     seed: int = 0
+    # how captions become tokens: "bytes" (UTF-8 bytes, no download), "toy" (the toy world's words), or the
+    # name of a Hugging Face tokenizer ("t5-small" in the paper)
+    tokenizer: str = "t5-small"
 
     def __post_init__(self):
         _require(isinstance(self.shards, str) and len(self.shards) > 0, "data.shards",
-                 "expected a folder of parquet shards or a glob", self.shards)
+                 "expected a folder of parquet shards, a glob or a Hub dataset id", self.shards)
+        _require(isinstance(self.tokenizer, str) and len(self.tokenizer) > 0, "data.tokenizer",
+                 "expected 'bytes', 'toy' or a Hugging Face tokenizer name", self.tokenizer)
         _require(isinstance(self.shuffle_buffer, int) and self.shuffle_buffer >= 1, "data.shuffle_buffer",
                  "expected an integer >= 1", self.shuffle_buffer)
 
@@ -283,6 +288,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
     config = RunConfig(preset=name, model=model, optimizer=optimizer)
     if name != "paper":
         config.swarm = SwarmConfig(run_id=f"collab_kit_{name}", host="127.0.0.1")
+        config.data = DataConfig(tokenizer="bytes")
     for section, config_cls in (("model", ModelConfig), ("optimizer", OptimizerConfig),
                                 ("swarm", SwarmConfig), ("data", DataConfig)):
         if section in overrides:

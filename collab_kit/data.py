@@ -134,6 +134,48 @@ class ByteCaptionTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
+class PretrainedCaptionTokenizer:
+    """A Hugging Face tokenizer (t5-small in the paper) behind ``encode(caption, length)``, padded with ``pad_token_id``.
+
+    The paper pads with eos (pad = eos = 1 for t5-small), so the model sees one token for "nothing more".
+    """
+
+    def __init__(self, name: str, pad_token_id: Optional[int] = None):
+        from transformers import AutoTokenizer
+
+        self.name = name
+        self.tokenizer = AutoTokenizer.from_pretrained(name)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else self.tokenizer.pad_token_id
+        self.vocab_size = len(self.tokenizer)
+
+    def encode(self, caption: str, length: int) -> List[int]:
+        ids = list(self.tokenizer(caption, truncation=True, max_length=length)["input_ids"])
+        return ids + [self.pad_token_id] * (length - len(ids))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i != self.pad_token_id], skip_special_tokens=True)
+
+
+def caption_tokenizer(name: str, pad_token_id: Optional[int] = None):
+    """The caption tokenizer a configuration names (``config.data.tokenizer``).
+
+    :param name: "bytes" (ByteCaptionTokenizer), "toy" (collab_kit.toy.ToyTokenizer) or a Hugging Face
+      tokenizer name or folder ("t5-small" in the paper; downloaded once)
+    :param pad_token_id: the model's pad id, for Hugging Face tokenizers
+    """
+    if name == "bytes":
+        return ByteCaptionTokenizer()
+    if name == "toy":
+        from collab_kit.toy import ToyTokenizer
+
+        return ToyTokenizer()
+    try:
+        return PretrainedCaptionTokenizer(name, pad_token_id)
+    except OSError as e:
+        raise ValueError(f"data.tokenizer={name!r} could not be loaded ({e}); use 'bytes', 'toy' or a Hugging Face "
+                         f"tokenizer name or folder") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # shards
 

@@ -26,18 +26,12 @@ logger = logging.getLogger(__name__)
 def encode_prompt(prompt: str, tokenizer, config) -> List[int]:
     """A caption's token ids, cut or padded to ``config.text_length``.
 
-    :param tokenizer: collab_kit.data.ByteCaptionTokenizer (the CPU presets) or a Hugging Face tokenizer
-      (t5-small for the paper preset), padded with the model's ``pad_token_id`` (= eos in the paper)
+    :param tokenizer: a caption tokenizer with ``encode(caption, length)`` (collab_kit.data.caption_tokenizer)
     :param config: the model's ModelConfig
     """
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"expected a prompt: a non-empty string, got {prompt!r}")
-    length = config.text_length
-    if hasattr(tokenizer, "offset"):  # ByteCaptionTokenizer: encode(caption, length)
-        ids = tokenizer.encode(prompt, length)
-    else:
-        ids = tokenizer(prompt, truncation=True, max_length=length)["input_ids"]
-        ids = list(ids) + [config.pad_token_id] * (length - len(ids))
+    ids = tokenizer.encode(prompt, config.text_length)
     if max(ids) >= config.text_vocab_size:
         raise ValueError(f"the tokenizer gave token {max(ids)}, beyond the model's text vocabulary of "
                          f"{config.text_vocab_size}: pass the tokenizer the model was trained with")
@@ -45,21 +39,24 @@ def encode_prompt(prompt: str, tokenizer, config) -> List[int]:
 
 
 def default_tokenizer(config):
-    """The byte tokenizer for the CPU presets; t5-small's (downloaded once) for a 32,100-token vocabulary."""
-    from collab_kit.data import ByteCaptionTokenizer
+    """The caption tokenizer of a model whose run configuration is unknown, guessed from its vocabulary size:
+    UTF-8 bytes (259), the toy world's words, or t5-small's (32,100, downloaded once)."""
+    from collab_kit.data import ByteCaptionTokenizer, caption_tokenizer
+    from collab_kit.toy import ToyTokenizer
 
     if config.text_vocab_size == ByteCaptionTokenizer.vocab_size:
         return ByteCaptionTokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained("t5-small")
+    if config.text_vocab_size == ToyTokenizer().vocab_size:
+        return ToyTokenizer()
+    return caption_tokenizer("t5-small", config.pad_token_id)
 
 
 def _load_pieces(model, vqgan, ranker):
     if isinstance(model, str):
         from collab_kit.checkpoint import load_checkpoint
 
-        model = load_checkpoint(model)[0]
+        model, run_config, _ = load_checkpoint(model)
+        model.caption_tokenizer_name = run_config.data.tokenizer  # the tokenizer it was trained with
     if isinstance(vqgan, str):
         from collab_kit.vqgan import load_vqgan
 
@@ -88,7 +85,11 @@ def draw_images(prompt: str, n: int, *, model, vqgan, tokenizer=None, temperatur
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} is not allowed: expected the number of images to draw, at least 1")
     config = model.config
-    tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config)
+    if tokenizer is None:
+        from collab_kit.data import caption_tokenizer
+
+        name = getattr(model, "caption_tokenizer_name", None)
+        tokenizer = caption_tokenizer(name, config.pad_token_id) if name else default_tokenizer(config)
     device = next(model.parameters()).device
     caption = torch.tensor(encode_prompt(prompt, tokenizer, config), device=device)
     generator = torch.Generator(device=device)

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_kit.config import RunConfig
-from collab_kit.data import ShardStream, batches, peer_data_seed
+from collab_kit.data import ShardStream, batches, caption_tokenizer, peer_data_seed
 from collab_kit.model import TextToImageTransformer
 from collab_kit.optim import make_optimizer
 from collab_kit.swarm import join_instructions, start_dht
@@ -117,9 +117,14 @@ class Volunteer:
             self.model = TextToImageTransformer(config.model)
             if data_seed is None:
                 data_seed = peer_data_seed(self.dht.peer_id.to_bytes(), config.data.seed)
+            tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
+            if tokenizer.vocab_size > config.model.text_vocab_size:
+                raise ValueError(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens "
+                                 f"but the model reads {config.model.text_vocab_size}: set model.text_vocab_size")
             self.stream = ShardStream(data_shards or config.data.shards, config.model.text_length,
-                                      config.model.image_length, shuffle_buffer=config.data.shuffle_buffer,
-                                      seed=data_seed, codebook_size=config.model.codebook_size)
+                                      config.model.image_length, tokenizer=tokenizer,
+                                      shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
+                                      codebook_size=config.model.codebook_size)
             self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
                                             client_mode=config.swarm.client_mode, verbose=verbose)
         except BaseException:

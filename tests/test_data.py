@@ -204,3 +204,17 @@ def test_synthetic_pictures_match_their_captions(tmp_path):
         assert colors == {PALETTE[color], PALETTE[background]}, entry  # the caption's two colors, nothing else
         corner = tuple(pixels[0, 0])
         assert corner == (PALETTE[color] if shape in ("frame", "stripe") else PALETTE[background]), entry
+
+
+def test_the_configured_caption_tokenizer(tmp_path):
+    from collab_kit.config import get_preset
+    from collab_kit.data import caption_tokenizer
+    from collab_kit.toy import ToyTokenizer
+
+    assert get_preset("paper").data.tokenizer == "t5-small" and get_preset("small").data.tokenizer == "bytes"
+    assert isinstance(caption_tokenizer("bytes"), ByteCaptionTokenizer)
+    toy = caption_tokenizer("toy")
+    assert isinstance(toy, ToyTokenizer) and toy.decode(toy.encode("a small red circle", 8)) == "a small red circle"
+    # a Hugging Face tokenizer that is neither cached nor reachable (the tests run offline): a clear error
+    with pytest.raises(ValueError, match="use 'bytes', 'toy' or a Hugging Face tokenizer"):
+        caption_tokenizer("someone/no-such-tokenizer")
