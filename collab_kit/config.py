@@ -5,7 +5,8 @@ ValueError that names the field and what is allowed, instead of deep inside torc
 
 Presets:
 - ``tiny``: unit and multi-process tests; a training step takes milliseconds on one CPU core.
-- ``small``: the CPU demo (``make demo``); several peers share two cores and still learn visibly.
+- ``small``: a CPU run on synthetic codes; several peers share two cores and still learn visibly.
+- ``toy``: the toy world (collab_kit.toy): its word captions, its VQGAN's 8x8 codes of 512; what ``make demo`` trains.
 - ``paper``: the values of the paper's run (section 3 of "Training Transformers Together").
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
-PRESETS = ("tiny", "small", "paper")
+PRESETS = ("tiny", "small", "toy", "paper")
 
 
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
@@ -277,6 +278,13 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
         optimizer = OptimizerConfig(learning_rate=2e-2, total_steps=100, warmup_fraction=0.03,
                                     target_batch_size=256, batch_size_per_step=16,
                                     matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
+    elif name == "toy":
+        # the small preset's model on the toy world: 12 word tokens, the toy VQGAN's 8 x 8 codes from 512
+        model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=12, image_side=8,
+                            codebook_size=512, text_vocab_size=27, pad_token_id=0, conv_kernel_size=5)
+        optimizer = OptimizerConfig(learning_rate=2e-2, total_steps=100, warmup_fraction=0.03,
+                                    target_batch_size=256, batch_size_per_step=16,
+                                    matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
     else:  # tiny
         model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
                             codebook_size=32, text_vocab_size=259, pad_token_id=0, conv_kernel_size=3)
@@ -288,7 +296,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
     config = RunConfig(preset=name, model=model, optimizer=optimizer)
     if name != "paper":
         config.swarm = SwarmConfig(run_id=f"collab_kit_{name}", host="127.0.0.1")
-        config.data = DataConfig(tokenizer="bytes")
+        config.data = DataConfig(tokenizer="toy" if name == "toy" else "bytes")
     for section, config_cls in (("model", ModelConfig), ("optimizer", OptimizerConfig),
                                 ("swarm", SwarmConfig), ("data", DataConfig)):
         if section in overrides:

@@ -69,3 +69,14 @@ def test_toy_images_are_written_for_preprocess(tmp_path):
     entries = [json.loads(line) for line in open(f"{folder}/captions.jsonl")]
     assert [e["caption"] for e in entries] == [caption for _, caption in pictures(5, seed=3)]
     assert sorted(p.name for p in (tmp_path / "toy").glob("*.png")) == [e["file"] for e in entries]
+
+
+def test_the_toy_preset_fits_the_toy_world():
+    from collab_kit.config import get_preset
+
+    config = get_preset("toy")
+    tokenizer = ToyTokenizer()
+    assert config.data.tokenizer == "toy" and config.model.text_vocab_size == tokenizer.vocab_size
+    assert config.model.pad_token_id == tokenizer.pad_token_id
+    longest = max((scene.caption for scene in scenes(2000, seed=0)), key=lambda c: len(c.split()))
+    assert len(longest.split()) + 1 <= config.model.text_length  # every caption and its end fit
