@@ -15,9 +15,18 @@ from collab_kit.toy_clip import (HELD_OUT_SEED, METRICS_FILE, TOY_CLIP_DIR, TRAI
 ACCURACY_FLOOR = 0.8  # the least the shipped CLIP may state; it must then measure within 0.05 of what it states
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small models: one thread is as fast and leaves the machine to others; restored after, since torch's thread
+    count is global and later tests compare results computed with the default."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def shipped() -> ClipRanker:
-    torch.set_num_threads(1)  # small models: one thread is as fast, and leaves the machine to others
     return load_toy_clip(device="cpu")
 
 
@@ -75,7 +84,6 @@ def test_training_batches_hold_distinct_captions_and_never_the_held_out_pictures
 
 
 def test_a_short_training_run_writes_a_loadable_clip_and_its_figures(tmp_path, capsys):
-    torch.set_num_threads(1)
     folder = str(tmp_path / "clip")
     metrics = train_toy_clip(folder, steps=2, batch_size=8, held_out=32, progress=False)
     assert capsys.readouterr().out.startswith("toy CLIP: steps=2 batch=8 ")

@@ -338,7 +338,9 @@ def test_load_from_a_hub_repository(hub_server, tmp_path):
     lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     x = images()
     assert lines[0]["codes"] == lines[1]["codes"] == model.encode(x).tolist()
-    assert torch.equal(torch.load(tmp_path / "decoded.pt", weights_only=True), model.decode(model.encode(x)))
+    # another process may sum convolutions in another order (thread counts): equal up to float rounding
+    assert torch.allclose(torch.load(tmp_path / "decoded.pt", weights_only=True), model.decode(model.encode(x)),
+                          rtol=0, atol=1e-5)
     assert lines[2]["error"] == "RepositoryNotFoundError"
     assert any(f"/collab/tiny-vqgan/resolve/main/{CONFIG_NAME}" in request for request in hub_server.requests)
 
