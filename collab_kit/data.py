@@ -494,22 +494,35 @@ def draw_synthetic_picture(color: str, shape: str, background: str, size: int = 
     return picture
 
 
-def make_synthetic_images(folder: str, num_samples: int, size: int = 32, seed: int = 0) -> str:
-    """Write ``num_samples`` captioned PNG pictures and a ``captions.jsonl``, what ``collab-kit preprocess`` reads.
+def write_captioned_images(folder: str, pairs) -> str:
+    """Save ``(PIL image, caption)`` pairs as PNG files plus ``captions.jsonl``, what ``collab-kit preprocess`` reads.
 
-    :returns: the folder
+    The captions file is written last and atomically: a folder that has it is complete. Returns the folder.
     """
-    rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
     lines = []
-    for index in range(num_samples):
-        color, background = rng.choice(len(COLORS), size=2, replace=False)
-        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    for index, (image, caption) in enumerate(pairs):
         name = f"picture-{index:06d}.png"
-        draw_synthetic_picture(COLORS[color], shape, COLORS[background], size).save(os.path.join(folder, name))
-        lines.append(json.dumps(dict(file=name, caption=f"a {COLORS[color]} {shape} on {COLORS[background]}")))
+        image.save(os.path.join(folder, name))
+        lines.append(json.dumps(dict(file=name, caption=caption)))
     tmp_path = os.path.join(folder, "captions.jsonl.tmp")
     with open(tmp_path, "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(tmp_path, os.path.join(folder, "captions.jsonl"))
     return folder
+
+
+def make_synthetic_images(folder: str, num_samples: int, size: int = 32, seed: int = 0) -> str:
+    """Write ``num_samples`` captioned PNG pictures and a ``captions.jsonl`` (``write_captioned_images``).
+
+    :returns: the folder
+    """
+    rng = np.random.default_rng(seed)
+
+    def pairs():
+        for _ in range(num_samples):
+            color, background = rng.choice(len(COLORS), size=2, replace=False)
+            shape = SHAPES[int(rng.integers(len(SHAPES)))]
+            yield (draw_synthetic_picture(COLORS[color], shape, COLORS[background], size),
+                   f"a {COLORS[color]} {shape} on {COLORS[background]}")
+    return write_captioned_images(folder, pairs())

@@ -12,8 +12,6 @@ besides its background).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -99,17 +97,9 @@ def pictures(count: int, seed: int = 0) -> Iterator[tuple]:
 
 def write_toy_images(folder: str, count: int, seed: int = 0) -> str:
     """``count`` pictures as PNG files plus ``captions.jsonl``: what ``collab-kit preprocess`` reads. Returns the folder."""
-    os.makedirs(folder, exist_ok=True)
-    lines = []
-    for index, (image, caption) in enumerate(pictures(count, seed)):
-        name = f"toy-{index:06d}.png"
-        image.save(os.path.join(folder, name))
-        lines.append(json.dumps(dict(file=name, caption=caption)))
-    tmp_path = os.path.join(folder, "captions.jsonl.tmp")
-    with open(tmp_path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp_path, os.path.join(folder, "captions.jsonl"))  # the folder is complete once this exists
-    return folder
+    from collab_kit.data import write_captioned_images
+
+    return write_captioned_images(folder, pictures(count, seed))
 
 
 # ---------------------------------------------------------------------------------------------
