@@ -6,6 +6,8 @@
     collab-kit model-info --preset paper    the model's shape and parameter counts (no memory needed)
     collab-kit preprocess SOURCE --vqgan LOCATION --output FOLDER
                                             images + captions -> filters -> VQGAN codes -> parquet shards (-> Hub)
+    collab-kit toy train-vqgan | train-clip | make-dataset
+                                            the toy world's tokenizer, ranker and dataset
 """
 from __future__ import annotations
 
@@ -130,6 +132,22 @@ def command_monitor(args: argparse.Namespace) -> int:
             emit_event("ready", peer_id=str(dht.peer_id), addresses=join_addresses(dht))
     run_coordinator(config.swarm, address_file=args.address_file, report_every=args.report_every,
                     on_ready=on_ready)
+    return 0
+
+
+def command_toy(args: argparse.Namespace) -> int:
+    if args.toy_command == "train-vqgan":
+        from collab_kit.toy_vqgan import main as train
+
+        return train(args.options) or 0
+    if args.toy_command == "train-clip":
+        from collab_kit.toy_clip import main as train
+
+        return train(args.options) or 0
+    from collab_kit.toy import prepare_toy_dataset
+
+    shards = prepare_toy_dataset(args.samples, seed=args.seed, cache_dir=args.cache_dir, progress=not args.no_progress)
+    print(f"toy dataset: {shards}", flush=True)
     return 0
 
 
@@ -272,6 +290,20 @@ def make_parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, help="threads that decode images (default: up to 8)")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.set_defaults(handler=command_preprocess)
+
+    toy = commands.add_parser("toy", help="the toy world: train its VQGAN and CLIP, make its dataset")
+    toy_commands = toy.add_subparsers(dest="toy_command", metavar="ACTION", required=True)
+    for action, what in (("train-vqgan", "train the toy VQGAN (the weights shipped in collab_kit/toy_assets)"),
+                         ("train-clip", "train the toy CLIP (the weights shipped in collab_kit/toy_assets)")):
+        # the training script parses its own options: `collab-kit toy train-vqgan --help` lists them
+        trainer = toy_commands.add_parser(action, help=what, add_help=False)
+        trainer.add_argument("options", nargs=argparse.REMAINDER)
+    dataset = toy_commands.add_parser("make-dataset", help="the toy pictures as shards, made by preprocess (cached)")
+    dataset.add_argument("--samples", type=int, default=8192, help="pictures (default: 8192)")
+    dataset.add_argument("--seed", type=int, default=0, help="the pictures' seed (default: 0)")
+    dataset.add_argument("--cache-dir", help="where to keep it (default: $COLLAB_KIT_CACHE or ~/.cache/collab_kit)")
+    dataset.add_argument("--no-progress", action="store_true", help="no progress bar")
+    toy.set_defaults(handler=command_toy)
     return parser
 
 
@@ -303,7 +335,16 @@ def _handle_stop_signals(request_stop=None):
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = make_parser()
+    # `collab-kit toy train-vqgan OPTIONS...`: the training script parses its own options (argparse's REMAINDER
+    # would not take options that come first)
+    argv, script_options = list(sys.argv[1:] if argv is None else argv), []
+    for i in range(len(argv) - 1):
+        if argv[i] == "toy" and argv[i + 1] in ("train-vqgan", "train-clip"):
+            argv, script_options = argv[:i + 2], argv[i + 2:]
+            break
     args = parser.parse_args(argv)
+    if getattr(args, "toy_command", None) in ("train-vqgan", "train-clip"):
+        args.options = script_options
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _handle_stop_signals()
     try:

@@ -12,6 +12,7 @@ besides its background).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -194,3 +195,48 @@ def world_words() -> List[str]:
     for position in POSITIONS:
         words.update(position.split())
     return sorted(words)
+
+
+# ---------------------------------------------------------------------------------------------
+# the toy dataset: the world's pictures through the real preprocessing path, cached on first use
+
+
+def default_cache_dir() -> str:
+    """Where made datasets are kept: ``$COLLAB_KIT_CACHE`` or ``~/.cache/collab_kit``."""
+    return os.environ.get("COLLAB_KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "collab_kit")
+
+
+def prepare_toy_dataset(num_samples: int = 8192, seed: int = 0, cache_dir: Optional[str] = None, vqgan=None,
+                        rows_per_shard: int = 1024, progress: bool = True) -> str:
+    """Shards of ``num_samples`` toy pictures made by ``collab_kit.preprocess`` (VQGAN codes, Brotli, parquet).
+
+    Made once per (samples, seed, VQGAN) in the cache folder and reused; an interrupted run is resumed
+    (preprocess skips finished shards). Returns the shards' folder.
+
+    :param vqgan: the tokenizer (default: the shipped toy VQGAN, collab_kit.toy_vqgan.load_toy_vqgan)
+    """
+    import hashlib
+
+    from collab_kit.preprocess import preprocess
+
+    if vqgan is None:
+        from collab_kit.toy_vqgan import load_toy_vqgan
+
+        vqgan = load_toy_vqgan()
+    fingerprint = hashlib.sha256()
+    for name, tensor in sorted(vqgan.state_dict().items()):
+        fingerprint.update(name.encode())
+        fingerprint.update(tensor.detach().cpu().numpy().tobytes())
+    folder = os.path.join(cache_dir or default_cache_dir(), "toy",
+                          f"{num_samples}-seed{seed}-vqgan{fingerprint.hexdigest()[:12]}")
+    shards = os.path.join(folder, "shards")
+    done_marker = os.path.join(folder, "complete")
+    if os.path.exists(done_marker):
+        return shards
+    pictures_folder = os.path.join(folder, "pictures")
+    if not os.path.exists(os.path.join(pictures_folder, "captions.jsonl")):
+        write_toy_images(pictures_folder, num_samples, seed)
+    preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress)
+    with open(done_marker, "w") as f:
+        f.write("preprocess finished\n")
+    return shards

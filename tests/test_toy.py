@@ -80,3 +80,30 @@ def test_the_toy_preset_fits_the_toy_world():
     assert config.model.pad_token_id == tokenizer.pad_token_id
     longest = max((scene.caption for scene in scenes(2000, seed=0)), key=lambda c: len(c.split()))
     assert len(longest.split()) + 1 <= config.model.text_length  # every caption and its end fit
+
+
+def test_the_toy_dataset_is_made_by_preprocess_once_and_streamed_with_the_toy_tokenizer(tmp_path):
+    import os
+
+    from collab_kit.data import ShardStream, shard_metadata
+    from collab_kit.toy import prepare_toy_dataset
+    from collab_kit.vqgan import untrained_vqgan
+
+    vqgan = untrained_vqgan(grid_size=8, codebook_size=512)
+    shards = prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=vqgan, rows_per_shard=16, progress=False)
+    names = sorted(os.listdir(shards))
+    assert names == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+    assert shard_metadata(os.path.join(shards, names[0])) == dict(format=2, codebook_size=512, image_side=8)
+    stamps = [os.stat(os.path.join(shards, name)).st_mtime_ns for name in names]
+    # the second call finds the finished dataset in the cache and writes nothing
+    assert prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=vqgan, progress=False) == shards
+    assert [os.stat(os.path.join(shards, name)).st_mtime_ns for name in names] == stamps
+    # another VQGAN is another dataset
+    other = untrained_vqgan(grid_size=8, codebook_size=512, seed=1)
+    assert prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=other, rows_per_shard=16,
+                               progress=False) != shards
+
+    tokenizer = ToyTokenizer()
+    stream = iter(ShardStream(shards, 12, 64, tokenizer=tokenizer, codebook_size=512, shuffle_buffer=8))
+    captions = sorted(tokenizer.decode(next(stream)["text_tokens"].tolist()) for _ in range(40))
+    assert captions == sorted(caption for _, caption in pictures(40, seed=1))
