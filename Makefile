@@ -17,7 +17,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 .PHONY: venv demo test test-fast bench clean help
 
 help:
-	@echo "make demo   - a local collaborative training run (first peer + 2 volunteers on 127.0.0.1)"
+	@echo "make demo   - a local collaborative run on the toy world (first peer + 2 volunteers on 127.0.0.1) -> demo_out/"
 	@echo "make test   - every test, notebooks included"
 	@echo "make bench  - measured figures written to benchmarks/RESULTS.md"
 	@echo "make clean  - remove the virtual environment and caches"

@@ -78,7 +78,8 @@ def command_demo(args: argparse.Namespace) -> int:
 
     try:
         result = run_demo(num_volunteers=args.peers, epochs=args.epochs, preset=args.preset, workdir=args.workdir,
-                          timeout=args.timeout)
+                          timeout=args.timeout, num_samples=args.samples,
+                          output_dir=None if args.output == "" else args.output, overrides=args.set or ())
     except DemoFailed as e:
         print(f"demo failed: {e}", file=sys.stderr, flush=True)
         return 1
@@ -111,6 +112,8 @@ def command_join(args: argparse.Namespace) -> int:
             import torch
 
             torch.save(volunteer.parameters_snapshot(), args.save_params)
+        if args.save_checkpoint:
+            volunteer.save_checkpoint(args.save_checkpoint)
         if args.events:
             emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
                        local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
@@ -229,10 +232,16 @@ def make_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="a local collaborative run: a first peer and N volunteers on 127.0.0.1")
     demo.add_argument("--peers", type=int, default=2, help="volunteers that train (default: 2)")
-    demo.add_argument("--epochs", type=int, default=5, help="global epochs to train (default: 5)")
-    demo.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")
-    demo.add_argument("--workdir", help="keep the dataset and the logs here (default: a temporary folder)")
-    demo.add_argument("--timeout", type=float, default=270.0, help="give up after this many seconds (default: 270)")
+    demo.add_argument("--epochs", type=int, help="global epochs to train (default: 60 for toy, 5 for others)")
+    demo.add_argument("--preset", choices=PRESETS, default="toy", help="configuration preset (default: toy)")
+    demo.add_argument("--workdir", help="keep the logs here (default: a temporary folder)")
+    demo.add_argument("--timeout", type=float,
+                      help="give up training after this many seconds (default: 480 for toy, 270 for others)")
+    demo.add_argument("--samples", type=int, default=4096, help="pictures in the dataset (default: 4096)")
+    demo.add_argument("--output", default="demo_out",
+                      help="where samples.png, loss.png and the model go (default: demo_out; '' for nowhere)")
+    demo.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                      help="change a field of the preset for every peer (repeatable)")
     demo.set_defaults(handler=command_demo)
 
     join = commands.add_parser("join", help="train with a swarm as a volunteer")
@@ -249,6 +258,8 @@ def make_parser() -> argparse.ArgumentParser:
     join.add_argument("--no-progress", action="store_true", help="no progress bar")
     join.add_argument("--verbose", action="store_true", help="log every stage of the global steps")
     join.add_argument("--save-params", metavar="PATH", help="save the final parameters here (torch.save)")
+    join.add_argument("--save-checkpoint", metavar="FOLDER",
+                      help="save the final model and its configuration here (a checkpoint generate_images reads)")
     join.set_defaults(handler=command_join)
 
     monitor = commands.add_parser("monitor", help="start the swarm's first peer and report its progress")
@@ -299,7 +310,7 @@ def make_parser() -> argparse.ArgumentParser:
         trainer = toy_commands.add_parser(action, help=what, add_help=False)
         trainer.add_argument("options", nargs=argparse.REMAINDER)
     dataset = toy_commands.add_parser("make-dataset", help="the toy pictures as shards, made by preprocess (cached)")
-    dataset.add_argument("--samples", type=int, default=8192, help="pictures (default: 8192)")
+    dataset.add_argument("--samples", type=int, default=4096, help="pictures (default: 4096)")
     dataset.add_argument("--seed", type=int, default=0, help="the pictures' seed (default: 0)")
     dataset.add_argument("--cache-dir", help="where to keep it (default: $COLLAB_KIT_CACHE or ~/.cache/collab_kit)")
     dataset.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -1,10 +1,19 @@
-"""``make demo``: a whole collaborative run on this machine.
+"""``make demo``: a whole collaborative run on this machine, on the toy world, and what it learned.
 
 A first peer (the coordinator) and N volunteers start as separate processes on 127.0.0.1; the
-volunteers train the ``small`` preset together for E global epochs on a dataset made on the spot.
-The demo shows each global epoch as it ends and finishes with one summary line:
+volunteers train the ``toy`` preset together for E global epochs on the toy world's dataset (shapes
+drawn by collab_kit.toy, encoded by the shipped toy VQGAN through ``preprocess`` once, then cached).
+Then the trained model draws pictures for a fixed set of prompts through ``generate_images`` (toy
+VQGAN decode, toy CLIP rerank) and the demo writes, in ``demo_out/``:
 
-    demo: peers=2 epochs=5 loss_first=5.61 loss_last=3.20 averaged_rounds=5
+- ``samples.png``: for each prompt, CLIP's best pictures of the ones drawn, below the prompt;
+- ``loss.png``: each volunteer's loss per global epoch;
+- ``model/``: the trained model as a checkpoint (``generate_images(model="demo_out/model", ...)``).
+
+It finishes with one summary line; ``color_match`` is the share of the kept pictures whose dominant
+colour (pixel statistics, no model) is the colour the prompt asks for (chance: 0.125):
+
+    demo: peers=2 epochs=40 loss_first=5.61 loss_last=1.62 averaged_rounds=40 color_match=0.938
 """
 from __future__ import annotations
 
@@ -15,13 +24,25 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from collab_kit.config import get_preset
 from collab_kit.data import make_synthetic_images
 from collab_kit.local_swarm import PeerFailed, PeerProcess
 
 logger = logging.getLogger(__name__)
+
+# one prompt per colour, with every shape, both sizes and several places: what samples.png shows
+DEMO_PROMPTS = (
+    "a large red circle in the center",
+    "a large orange square at the top left",
+    "a large yellow triangle in the center",
+    "a large green diamond at the bottom right",
+    "a small cyan cross in the center",
+    "a large blue circle at the top right",
+    "a large purple square at the bottom left",
+    "a small pink triangle in the center",
+)
 
 
 @dataclasses.dataclass
@@ -32,22 +53,35 @@ class DemoResult:
     loss_last: float  # ... in the last one
     averaged_rounds: int  # global steps every volunteer averaged with others (the minimum over volunteers)
     seconds: float
+    color_match: Optional[float] = None  # share of the kept toy pictures in the prompt's colour (toy preset only)
+    outputs: Dict[str, str] = dataclasses.field(default_factory=dict)  # what was written: name -> path
 
     def summary_line(self) -> str:
-        return (f"demo: peers={self.peers} epochs={self.epochs} loss_first={self.loss_first:.4f} "
+        line = (f"demo: peers={self.peers} epochs={self.epochs} loss_first={self.loss_first:.4f} "
                 f"loss_last={self.loss_last:.4f} averaged_rounds={self.averaged_rounds}")
+        if self.color_match is not None:
+            line += f" color_match={self.color_match:.3f}"
+        return line
 
 
 def prepare_demo_data(workdir: str, num_samples: int, config) -> str:
     """The demo's data, made as a real run's is: pictures -> ``preprocess`` (VQGAN codes) -> shards.
 
-    The pictures are synthetic ("a red cross on blue") and the VQGAN is untrained (nothing can be
-    downloaded here), but the path is the one of a real dataset; returns the shards' folder.
+    The ``toy`` preset reads the toy world's dataset (collab_kit.toy.prepare_toy_dataset: made once,
+    then taken from the cache). Other presets get synthetic pictures ("a red cross on blue") encoded
+    by an untrained VQGAN of their code grid, in ``workdir``. Returns the shards' folder.
     """
     from collab_kit.preprocess import preprocess
     from collab_kit.vqgan import untrained_vqgan
 
     started = time.monotonic()
+    if config.data.tokenizer == "toy":
+        from collab_kit.toy import prepare_toy_dataset
+
+        shards = prepare_toy_dataset(num_samples, progress=True)
+        print(f"demo: the toy world's dataset ({num_samples} pictures as toy VQGAN codes) in {shards} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
+        return shards
     vqgan = untrained_vqgan(config.model.image_side, config.model.codebook_size)
     images = make_synthetic_images(os.path.join(workdir, "pictures"), num_samples, size=vqgan.image_size)
     report = preprocess(images, os.path.join(workdir, "shards"), vqgan, rows_per_shard=max(1, num_samples // 8),
@@ -61,32 +95,53 @@ class DemoFailed(RuntimeError):
     """The demo could not show a collaborative run; the message says which part failed."""
 
 
-def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", workdir: Optional[str] = None,
-             timeout: float = 270.0, num_samples: int = 4096, keep_workdir: bool = False) -> DemoResult:
-    """Start a coordinator and ``num_volunteers`` volunteers on 127.0.0.1 and train for ``epochs`` global epochs.
+DEFAULT_EPOCHS = {"toy": 60}  # global epochs the demo trains by default (5 for other presets): all of its schedule
+
+
+def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str = "toy",
+             workdir: Optional[str] = None, timeout: Optional[float] = None, num_samples: int = 4096,
+             keep_workdir: bool = False, output_dir: Optional[str] = "demo_out",
+             overrides: Sequence[str] = (), prompts: Sequence[str] = DEMO_PROMPTS, draws_per_prompt: int = 32,
+             keep: int = 4) -> DemoResult:
+    """Start a coordinator and ``num_volunteers`` volunteers on 127.0.0.1, train, then show what was learned.
 
     :param num_volunteers: training peers (each its own process)
-    :param epochs: global epochs to train
-    :param preset: the configuration preset
-    :param workdir: where the dataset and the peers' logs go (default: a temporary folder, removed on success)
-    :param timeout: seconds the whole run may take before the demo gives up
-    :param num_samples: synthetic pictures in the dataset
+    :param epochs: global epochs to train (default: 60 for the toy preset, its whole schedule; 5 for the others)
+    :param preset: the configuration preset (``toy``: the toy world, with samples and color_match at the end)
+    :param workdir: where the peers' logs (and a non-toy dataset) go (default: a temporary folder, removed on
+      success)
+    :param timeout: seconds the training may take before the demo gives up (default: 480 toy, 270 others)
+    :param num_samples: pictures in the dataset (the toy demo's 60 steps read about 6,000)
     :param keep_workdir: keep the logs even after a successful run
+    :param output_dir: where loss.png (and for the toy preset samples.png and the model) are written;
+      None writes nothing
+    :param overrides: ``SECTION.FIELD=VALUE`` changes to the preset, given to every peer (as ``--set``)
+    :param prompts: what the trained toy model draws
+    :param draws_per_prompt: pictures drawn per prompt, of which CLIP keeps ``keep``
     :raises DemoFailed: with what went wrong and where the logs are
     """
+    from collab_kit.cli import parse_overrides
+
+    epochs = epochs if epochs is not None else DEFAULT_EPOCHS.get(preset, 5)
     if num_volunteers < 1 or epochs < 1:
         raise ValueError(f"the demo needs at least one volunteer and one epoch (got peers={num_volunteers}, "
                          f"epochs={epochs})")
-    started = time.monotonic()
-    deadline = started + timeout
+    timeout = timeout if timeout is not None else (480.0 if preset == "toy" else 270.0)
+    config = get_preset(preset, **parse_overrides(overrides))
+    toy_world = config.data.tokenizer == "toy"
     own_workdir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="collab_kit_demo_")
     os.makedirs(workdir, exist_ok=True)
-    config = get_preset(preset)
+    if output_dir is not None:
+        os.makedirs(output_dir, exist_ok=True)
     shards = prepare_demo_data(workdir, num_samples, config)
+    started = time.monotonic()
+    deadline = started + timeout
     run_id = f"demo_{os.getpid()}"
     address_file = os.path.join(workdir, "first_peer.addr")
     threads = max(1, (os.cpu_count() or 2) // num_volunteers)
+    settings = [argument for assignment in overrides for argument in ("--set", assignment)]
+    checkpoint = os.path.join(output_dir if output_dir is not None else workdir, "model") if toy_world else None
 
     peers: List[PeerProcess] = []
     succeeded = False
@@ -94,7 +149,7 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
         print(f"demo: starting the first peer and {num_volunteers} volunteers on 127.0.0.1 "
               f"(preset {preset}, logs in {workdir})", flush=True)
         first = PeerProcess("first peer", ["monitor", "--preset", preset, "--run-id", run_id, "--host", "127.0.0.1",
-                                           "--address-file", address_file, "--events"],
+                                           "--address-file", address_file, "--events", *settings],
                             os.path.join(workdir, "first_peer.log"))
         peers.append(first)
         try:
@@ -105,12 +160,12 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
 
         volunteers = []
         for index in range(num_volunteers):
+            saves = ["--save-checkpoint", checkpoint] if checkpoint and index == 0 else []
             volunteers.append(PeerProcess(
                 f"volunteer {index + 1}",
                 ["join", "--preset", preset, "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers",
                  *addresses, "--data", shards, "--max-epochs", str(epochs), "--threads", str(threads),
-                 "--wait-for-peers", str(num_volunteers),
-                 "--events", "--no-progress"],
+                 "--wait-for-peers", str(num_volunteers), "--events", "--no-progress", *saves, *settings],
                 os.path.join(workdir, f"volunteer_{index + 1}.log")))
         peers.extend(volunteers)
         for volunteer in volunteers:
@@ -155,6 +210,21 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
         if num_volunteers > 1 and averaged_rounds == 0:
             raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
                              f"meet in the swarm. Logs in {workdir}")
+        for peer in reversed(peers):  # the swarm's work is done: free the cores for drawing
+            peer.kill()
+        if output_dir is not None:
+            result.outputs["loss"] = plot_losses(losses, os.path.join(output_dir, "loss.png"))
+        if toy_world:
+            if not os.path.exists(os.path.join(checkpoint, "model.safetensors")):
+                raise DemoFailed(f"volunteer 1 finished but left no checkpoint in {checkpoint}; see "
+                                 f"{volunteers[0].log_path}")
+            result.outputs["model"] = checkpoint
+            samples = os.path.join(output_dir, "samples.png") if output_dir is not None else None
+            result.color_match = draw_toy_samples(checkpoint, prompts, samples, n=draws_per_prompt, keep=keep)
+            if samples is not None:
+                result.outputs["samples"] = samples
+        for name, path in result.outputs.items():
+            print(f"demo: wrote {name}: {path}", flush=True)
         succeeded = True
         return result
     finally:
@@ -162,6 +232,74 @@ def run_demo(num_volunteers: int = 2, epochs: int = 5, preset: str = "small", wo
             peer.kill()
         if succeeded and own_workdir and not keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+# sample among the 32 most likely of the 512 codes: the paper's top-k of 256 among 8192 is a smaller share
+# still; with all 256 of 512 the rare unlikely code scatters stray colour over the toy pictures
+DEMO_TOP_K = 32
+
+
+def draw_toy_samples(checkpoint: str, prompts: Sequence[str], path: Optional[str], n: int = 32, keep: int = 4,
+                     seed: int = 0, top_k: int = DEMO_TOP_K) -> float:
+    """Draw ``n`` pictures per prompt with a toy-world model, keep CLIP's best ``keep``, save them as a sheet.
+
+    The pictures come from ``generate_images`` with the shipped toy VQGAN and toy CLIP; the same
+    checkpoint and seed give the same pictures.
+
+    :param checkpoint: a checkpoint folder (or Hub id) of a model trained on the toy world
+    :param path: where to save the sheet (prompt above each row); None saves nothing
+    :returns: color_match of the kept pictures (collab_kit.toy.color_match)
+    """
+    from collab_kit.checkpoint import load_checkpoint
+    from collab_kit.generate import generate_images, prompt_sheet
+    from collab_kit.toy import ToyTokenizer, color_match
+    from collab_kit.toy_clip import load_toy_clip
+    from collab_kit.toy_vqgan import load_toy_vqgan
+
+    from transformers.utils import logging as transformers_logging
+
+    model, _, _ = load_checkpoint(checkpoint)
+    model.eval()
+    transformers_logging.disable_progress_bar()  # loading the small CLIP needs no bar of its own
+    vqgan, ranker, tokenizer = load_toy_vqgan(), load_toy_clip(), ToyTokenizer()
+    grids = []
+    from tqdm.auto import tqdm
+
+    for index, prompt in enumerate(tqdm(prompts, desc="demo: drawing", unit="prompt", dynamic_ncols=True)):
+        grids.append(generate_images(prompt, n=n, keep=keep, model=model, vqgan=vqgan, ranker=ranker,
+                                     tokenizer=tokenizer, seed=seed + index, columns=keep, top_k=top_k,
+                                     progress=False))
+    kept = [image for grid in grids for image in grid.info["images"]]
+    wanted = [grid.info["prompt"] for grid in grids for _ in grid.info["images"]]
+    if path is not None:
+        prompt_sheet(grids).save(path)
+    return color_match(kept, wanted)
+
+
+def plot_losses(losses: Dict[int, Dict[str, float]], path: str) -> str:
+    """Each volunteer's mean loss per global epoch, and their mean, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(7, 4))
+    names = sorted({name for per_peer in losses.values() for name in per_peer})
+    for name in names:
+        epochs = [epoch for epoch in sorted(losses) if name in losses[epoch]]
+        ax.plot([e + 1 for e in epochs], [losses[e][name] for e in epochs], alpha=0.6, linewidth=1, label=name)
+    complete = [epoch for epoch in sorted(losses) if len(losses[epoch]) == len(names)]
+    ax.plot([e + 1 for e in complete], [sum(losses[e].values()) / len(names) for e in complete], color="black",
+            linewidth=2, label="mean")
+    ax.set_xlabel("global epoch (one averaged step of the swarm)")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{len(names)} volunteers training together")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
 
 
 def _show_epoch(losses: Dict[int, Dict[str, float]], event: dict, name: str, num_volunteers: int, epochs: int):

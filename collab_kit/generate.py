@@ -161,4 +161,34 @@ def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
     grid = image_grid(images_to_pil(kept), columns)
     grid.info["clip_scores"] = None if scores is None else [float(s) for s in scores]
     grid.info["prompt"] = prompt
+    grid.info["images"] = images_to_pil(kept)  # the kept images one by one, best first
     return grid
+
+
+def prompt_sheet(grids: Sequence[Image.Image], prompts: Optional[Sequence[str]] = None, scale: int = 2,
+                 font_size: int = 14) -> Image.Image:
+    """Stack image grids into one picture, each below its prompt (what ``make demo`` saves as samples.png).
+
+    :param grids: one grid per prompt (from ``generate_images``)
+    :param prompts: the rows' titles (default: each grid's ``info["prompt"]``)
+    :param scale: enlarge the pictures this many times (nearest neighbour, so small pictures stay sharp)
+    """
+    from PIL import ImageDraw, ImageFont
+
+    if not grids:
+        raise ValueError("no grids to put on a sheet")
+    prompts = list(prompts) if prompts is not None else [grid.info.get("prompt", "") for grid in grids]
+    if len(prompts) != len(grids):
+        raise ValueError(f"expected one prompt per grid: got {len(prompts)} prompts for {len(grids)} grids")
+    font = ImageFont.load_default(size=font_size)
+    line = font_size + 8
+    grids = [grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST) for grid in grids]
+    width = max(max(grid.width for grid in grids),
+                max(int(font.getlength(prompt)) for prompt in prompts) + 8)
+    sheet = Image.new("RGB", (width, sum(line + grid.height + 6 for grid in grids)), "white")
+    pen, top = ImageDraw.Draw(sheet), 0
+    for prompt, grid in zip(prompts, grids):
+        pen.text((4, top + 3), prompt, fill="black", font=font)
+        sheet.paste(grid, (0, top + line))
+        top += line + grid.height + 6
+    return sheet

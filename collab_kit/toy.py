@@ -13,6 +13,7 @@ besides its background).
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -132,6 +133,27 @@ def dominant_color(image, background_share: float = 0.0) -> Optional[str]:
     return names[int(counts.argmax())]
 
 
+def prompt_color(prompt: str) -> Optional[str]:
+    """The named colour a caption asks for ("a small red circle ..." -> "red"), or None if it names none."""
+    words = prompt.lower().replace(",", " ").split()
+    named = [word for word in words if word in COLORS]
+    return named[0] if named else None
+
+
+def color_match(images: Sequence, prompts: Sequence[str]) -> float:
+    """The share of ``images`` whose dominant colour (``dominant_color``) is the colour of their prompt.
+
+    Chance is 1/8 for a drawing that ignores the prompt. :param images: PIL images (or arrays), one per prompt
+    """
+    if len(images) != len(prompts) or not images:
+        raise ValueError(f"expected one prompt per image and at least one image, got {len(images)} images and "
+                         f"{len(prompts)} prompts")
+    wanted = [prompt_color(prompt) for prompt in prompts]
+    if None in wanted:
+        raise ValueError(f"the prompt {prompts[wanted.index(None)]!r} names none of the colours {list(COLORS)}")
+    return sum(dominant_color(image) == color for image, color in zip(images, wanted)) / len(images)
+
+
 # ---------------------------------------------------------------------------------------------
 # the world's caption tokenizer
 
@@ -206,7 +228,7 @@ def default_cache_dir() -> str:
     return os.environ.get("COLLAB_KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "collab_kit")
 
 
-def prepare_toy_dataset(num_samples: int = 8192, seed: int = 0, cache_dir: Optional[str] = None, vqgan=None,
+def prepare_toy_dataset(num_samples: int = 4096, seed: int = 0, cache_dir: Optional[str] = None, vqgan=None,
                         rows_per_shard: int = 1024, progress: bool = True) -> str:
     """Shards of ``num_samples`` toy pictures made by ``collab_kit.preprocess`` (VQGAN codes, Brotli, parquet).
 
@@ -239,4 +261,5 @@ def prepare_toy_dataset(num_samples: int = 8192, seed: int = 0, cache_dir: Optio
     preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress)
     with open(done_marker, "w") as f:
         f.write("preprocess finished\n")
+    shutil.rmtree(pictures_folder, ignore_errors=True)  # the shards hold all a volunteer reads
     return shards

@@ -253,6 +253,15 @@ class Volunteer:
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
         return {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
+    def save_checkpoint(self, folder: str, metadata: Optional[dict] = None) -> str:
+        """Write the model as it is now, with the run's configuration, as a checkpoint folder
+        (collab_kit.checkpoint: what ``generate_images`` and ``load_checkpoint`` read)."""
+        from collab_kit.checkpoint import save_checkpoint
+
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+        metadata = dict(dict(global_epoch=self.local_epoch, run_id=self.config.swarm.run_id), **(metadata or {}))
+        return save_checkpoint(self.model, self.config, folder, metadata=metadata)
+
     # -- shutdown -------------------------------------------------------------------------------
 
     def close(self):

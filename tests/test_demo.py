@@ -1,29 +1,64 @@
-"""`collab-kit demo`: the whole local run, and its one summary line."""
+"""`collab-kit demo`: the whole local run, and its one summary line; on the toy world, what it learned."""
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 pytestmark = pytest.mark.slow
 
-SUMMARY = re.compile(r"^demo: peers=(\d+) epochs=(\d+) loss_first=([\d.]+) loss_last=([\d.]+) averaged_rounds=(\d+)$")
+SUMMARY = re.compile(r"^demo: peers=(\d+) epochs=(\d+) loss_first=([\d.]+) loss_last=([\d.]+) averaged_rounds=(\d+)"
+                     r"( color_match=([\d.]+))?$")
 
 
 def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "collab_kit.cli", "demo", "--preset", "tiny", "--peers", "2", "--epochs", "3",
-         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+         "--workdir", str(tmp_path), "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds = SUMMARY.match(summaries[0]).groups()
+    peers, epochs, loss_first, loss_last, rounds, toy_part, _ = SUMMARY.match(summaries[0]).groups()
+    assert toy_part is None  # colours are only measured on the toy world
     assert (int(peers), int(epochs)) == (2, 3)
     assert int(rounds) >= 1 and float(loss_last) < float(loss_first)
     # live progress: one line per global epoch before the summary
     assert len([line for line in result.stdout.splitlines() if line.startswith("demo: epoch ")]) == 3
-    # the peers' logs stay in the workdir
+    # the peers' logs stay in the workdir; the loss plot is written, no samples without the toy world
     assert (tmp_path / "volunteer_1.log").exists() and (tmp_path / "first_peer.log").exists()
+    assert Image.open(tmp_path / "out" / "loss.png").size == (700, 400)
+    assert not (tmp_path / "out" / "samples.png").exists()
+
+
+def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
+    """What `make demo` runs, in full: 60 global steps on the toy world, then samples of 8 prompts."""
+    from collab_kit.demo import DEMO_PROMPTS, draw_toy_samples
+
+    env = dict(os.environ, COLLAB_KIT_CACHE=str(tmp_path / "cache"))  # the toy dataset is made from scratch
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "collab_kit.cli", "demo", "--workdir", str(tmp_path / "work"),
+                             "--output", str(out)], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
+    assert len(summaries) == 1, result.stdout
+    peers, epochs, loss_first, loss_last, rounds, _, color_match = SUMMARY.match(summaries[0]).groups()
+    assert (int(peers), int(epochs)) == (2, 60), summaries
+    assert int(rounds) >= 48, summaries  # nearly every step averaged (a round may time out on a busy machine)
+    assert float(loss_last) < 0.5 * float(loss_first), summaries
+    assert float(color_match) >= 0.6, summaries  # chance: 1/8
+    # the dataset went through preprocess into the cache, the pictures themselves were not kept
+    cached = list((tmp_path / "cache" / "toy").glob("*/shards/*.parquet"))
+    assert len(cached) == 4 and list((tmp_path / "cache" / "toy").glob("*/complete"))
+    # samples.png: a title band and a row of 4 pictures (64 px, shown at 128) per prompt
+    sheet = Image.open(out / "samples.png")
+    assert sheet.size[0] >= 4 * 128 and sheet.size[1] == len(DEMO_PROMPTS) * (22 + 128 + 6)
+    assert Image.open(out / "loss.png").size == (700, 400)
+    # the saved model draws the same pictures again from the same seed, and its colours score the same
+    again = draw_toy_samples(str(out / "model"), DEMO_PROMPTS, str(tmp_path / "again.png"))
+    assert again == pytest.approx(float(color_match), abs=1e-3), (again, summaries)
+    assert Image.open(tmp_path / "again.png").tobytes() == sheet.tobytes()
 
 
 def test_demo_that_cannot_start_fails_with_a_message(tmp_path):

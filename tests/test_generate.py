@@ -6,7 +6,7 @@ from collab_kit.checkpoint import save_checkpoint
 from collab_kit.clip_rank import tiny_random_clip
 from collab_kit.config import get_preset
 from collab_kit.data import ByteCaptionTokenizer
-from collab_kit.generate import draw_images, encode_prompt, generate_images
+from collab_kit.generate import draw_images, encode_prompt, generate_images, prompt_sheet
 from collab_kit.model import TextToImageTransformer
 from collab_kit.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil, save_vqgan
 
@@ -33,6 +33,29 @@ def test_the_grid_holds_the_images_clip_ranks_best(pieces):
     tiles = [grid.crop((x, y, x + 16, y + 16)) for y in (0, 16) for x in (0, 16)]
     expected = images_to_pil(drawn[best])
     assert [tile.tobytes() for tile in tiles] == [image.tobytes() for image in expected]
+    assert [image.tobytes() for image in grid.info["images"]] == [image.tobytes() for image in expected]
+
+
+def test_a_prompt_sheet_puts_each_prompt_above_its_row(pieces):
+    import numpy as np
+
+    model, vqgan, ranker = pieces
+    grids = [generate_images(prompt, n=4, keep=3, model=model, vqgan=vqgan, ranker=ranker, seed=1, columns=3,
+                             progress=False) for prompt in ("a red circle", "a rather longer prompt about a blue square")]
+    sheet = np.asarray(prompt_sheet(grids, scale=2, font_size=14))
+    line, row = 14 + 8, 2 * 16  # title band and enlarged row heights
+    assert sheet.shape[0] == 2 * (line + row + 6)
+    for index, grid in enumerate(grids):
+        top = index * (line + row + 6)
+        title = sheet[top:top + line]
+        assert (title < 128).any()  # the prompt is written in the band above the row
+        pictures = sheet[top + line:top + line + row, :3 * 32]
+        enlarged = np.asarray(grid.resize((96, 32), resample=0))
+        assert np.array_equal(pictures, enlarged)
+    # the longer prompt is wider than its row of 3 pictures, and the sheet makes room for it
+    assert sheet.shape[1] > 96 and (sheet[line + row + 6:2 * line + row + 6, 96:] < 128).any()
+    with pytest.raises(ValueError, match="one prompt per grid"):
+        prompt_sheet(grids, prompts=["only one"])
 
 
 def test_sampling_settings_matter_and_a_seed_repeats(pieces):

@@ -64,6 +64,25 @@ def test_dominant_colour_reads_blurry_pictures_and_knows_when_there_is_none():
     assert dominant_color(empty) is None
 
 
+def test_color_match_counts_pictures_in_their_prompts_colour():
+    from collab_kit.toy import color_match, prompt_color
+
+    drawn = list(pictures(40, seed=5))
+    images, captions = [image for image, _ in drawn], [caption for _, caption in drawn]
+    assert prompt_color("a small Red circle at the top left") == "red" and prompt_color("a circle") is None
+    assert color_match(images, captions) == 1.0
+    # the same pictures asked for in the next colour: none matches
+    colours = list(COLORS)
+    shifted = [caption.replace(f" {prompt_color(caption)} ",
+                               f" {colours[(colours.index(prompt_color(caption)) + 1) % 8]} ") for caption in captions]
+    assert color_match(images, shifted) == 0.0
+    assert color_match(images[:4], captions[:2] + shifted[2:4]) == 0.5
+    with pytest.raises(ValueError, match="names none of the colours"):
+        color_match(images[:1], ["a large circle"])
+    with pytest.raises(ValueError, match="one prompt per image"):
+        color_match(images[:2], captions[:1])
+
+
 def test_toy_images_are_written_for_preprocess(tmp_path):
     folder = write_toy_images(str(tmp_path / "toy"), 5, seed=3)
     entries = [json.loads(line) for line in open(f"{folder}/captions.jsonl")]
@@ -98,6 +117,7 @@ def test_the_toy_dataset_is_made_by_preprocess_once_and_streamed_with_the_toy_to
     # the second call finds the finished dataset in the cache and writes nothing
     assert prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=vqgan, progress=False) == shards
     assert [os.stat(os.path.join(shards, name)).st_mtime_ns for name in names] == stamps
+    assert not os.path.exists(os.path.join(os.path.dirname(shards), "pictures"))  # the shards are all it keeps
     # another VQGAN is another dataset
     other = untrained_vqgan(grid_size=8, codebook_size=512, seed=1)
     assert prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=other, rows_per_shard=16,
