@@ -1,0 +1,152 @@
+"""Authorization inside the swarm: the DHT refuses peers without a valid token, and so do the averagers.
+
+Tokens here are issued by a server key made in the test (``collab_kit.access_token.issue_token``), as the
+authentication server would issue them; the DHTs, averagers and libp2p connections are real, on 127.0.0.1.
+"""
+import asyncio
+import datetime
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.proto import averaging_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from collab_kit.access_token import issue_token
+from collab_kit.auth import (HubAuthorizer, JoinAnswer, PeerGate, authorized_averager_class, binding_record,
+                             publish_peer_binding)
+
+RUN = "authrun"
+
+
+@pytest.fixture(scope="module")
+def server_key():
+    return RSAPrivateKey()
+
+
+def authorizer_for(server_key, username, lifetime=datetime.timedelta(hours=1)):
+    """A HubAuthorizer holding a token the run's server key signed (what HubAuthorizer.join would get)."""
+    authorizer = HubAuthorizer("http://127.0.0.1:9", "hf_unused", private_key=RSAPrivateKey())
+    token = issue_token(server_key, username, authorizer.local_public_key.to_bytes(), lifetime)
+    authorizer._accept(JoinAnswer(username=username, token=token, server_public_key=server_key.get_public_key()))
+    return authorizer
+
+
+def start(initial_peers=(), authorizer=None, ensure_bootstrap_success=True):
+    return hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                        authorizer=authorizer, ensure_bootstrap_success=ensure_bootstrap_success)
+
+
+def visible(dht):
+    return [str(a) for a in dht.get_visible_maddrs()]
+
+
+def wait_until(predicate, timeout=20.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def test_the_dht_serves_only_peers_with_a_valid_token(server_key):
+    dhts = []
+    try:
+        first = start(authorizer=authorizer_for(server_key, "alice"))
+        dhts.append(first)
+        member = start(visible(first), authorizer=authorizer_for(server_key, "bob"))
+        dhts.append(member)
+        assert first.store("authrun_progress", "alice's", get_dht_time() + 60)
+        assert wait_until(lambda: member.get("authrun_progress", latest=True), what="bob reading alice's key").value \
+            == "alice's"
+
+        # without a token, or with a forged one, a peer's pings go unanswered: it cannot even join the DHT ...
+        for authorizer in (None, authorizer_for(RSAPrivateKey(), "mallory")):
+            with pytest.raises(RuntimeError, match="bootstrap failed"):
+                start(visible(first), authorizer=authorizer)
+        # ... and if it starts anyway, it reads and writes nothing of the run's
+        intruders = [start(visible(first), ensure_bootstrap_success=False),
+                     start(visible(first), authorizer=authorizer_for(RSAPrivateKey(), "mallory"),
+                           ensure_bootstrap_success=False)]
+        dhts += intruders
+        for intruder in intruders:
+            assert intruder.get("authrun_progress", latest=True) is None  # cannot read the run's keys
+            intruder.store("authrun_progress", "poisoned", get_dht_time() + 120)  # nor write them
+            intruder.store("authrun_other", "poisoned", get_dht_time() + 120)
+        assert first.get("authrun_progress", latest=True).value == "alice's"
+        assert member.get("authrun_other", latest=True) is None
+        # the members go on as before
+        assert member.store("authrun_progress", "bob's", get_dht_time() + 60)
+        assert wait_until(lambda: (first.get("authrun_progress", latest=True) or None) and
+                          first.get("authrun_progress", latest=True).value == "bob's", what="alice reading bob's key")
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+Averager = authorized_averager_class(DecentralizedAverager)
+
+
+async def _ask(dht, target, prefix):
+    """Ask ``target``'s averager to take us in a group, then for its state, as a peer would."""
+    p2p = await dht.replicate_p2p()
+    stub = Averager.get_stub(p2p, target, namespace=prefix)
+    join = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 30,
+                                                               group_key=f"{prefix}.0b"))
+    first_answer = None
+    async for message in join:
+        first_answer = message
+        break
+    download = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    parts = [message async for message in download]
+    return first_answer, parts
+
+
+def test_averagers_let_in_only_peers_bound_to_a_valid_token(server_key):
+    dhts, averagers = [], []
+    try:
+        alice, bob, mallory = (authorizer_for(server_key, name) for name in ("alice", "bob", "mallory"))
+        first = start(authorizer=alice)
+        member = start(visible(first), authorizer=bob)
+        dhts += [first, member]
+        # the averager's DHT handle goes with it into its own process, and so does its gate
+        averager = Averager([torch.arange(6, dtype=torch.float32)], dht=first, prefix="authrun_state", start=False,
+                            target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
+        averager.peer_gate = PeerGate(first, RUN, server_key.get_public_key().to_bytes())
+        averager.allow_state_sharing = True
+        averager.run_in_background(await_ready=True)
+        averagers.append(averager)
+
+        assert publish_peer_binding(first, alice, RUN)
+        assert publish_peer_binding(member, bob, RUN)
+        answer, parts = asyncio.run(_ask(member, first.peer_id, "authrun_state"))
+        assert answer is not None and answer.code != averaging_pb2.PROTOCOL_VIOLATION  # let in (not looking yet)
+        assert parts and parts[0].tensor_part.buffer  # the state came
+
+        # a peer whose DHT node has a valid token but that bound its peer id to nobody, and one that copies
+        # bob's binding record under its own peer id: both refused
+        stranger = start(visible(first), authorizer=mallory)  # mallory's token is valid: its DHT node may join
+        dhts.append(stranger)
+        answer, parts = asyncio.run(_ask(stranger, first.peer_id, "authrun_state"))
+        assert answer.code == averaging_pb2.PROTOCOL_VIOLATION and parts == []
+        copied = binding_record(bob, member.peer_id.to_bytes())
+        assert member.store(f"{RUN}_peer_tokens", subkey=stranger.peer_id.to_bytes(), value=copied,
+                            expiration_time=get_dht_time() + 60)
+        time.sleep(2.5)  # the gate remembers a refusal for 2 s
+        answer, parts = asyncio.run(_ask(stranger, first.peer_id, "authrun_state"))
+        assert answer.code == averaging_pb2.PROTOCOL_VIOLATION and parts == []
+        # with its own binding published, the same peer is let in
+        assert publish_peer_binding(stranger, mallory, RUN)
+        time.sleep(2.5)
+        answer, parts = asyncio.run(_ask(stranger, first.peer_id, "authrun_state"))
+        assert answer.code != averaging_pb2.PROTOCOL_VIOLATION and parts
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
