@@ -3,6 +3,8 @@
     collab-kit demo                         a local collaborative run (what `make demo` runs)
     collab-kit join --initial-peers ADDR    train with a swarm as a volunteer
     collab-kit monitor                      start a swarm's first peer and watch its progress
+    collab-kit auth-server --organization ORG
+                                            let the members of a Hugging Face organization join a run
     collab-kit model-info --preset paper    the model's shape and parameter counts (no memory needed)
     collab-kit preprocess SOURCE --vqgan LOCATION --output FOLDER
                                             images + captions -> filters -> VQGAN codes -> parquet shards (-> Hub)
@@ -95,9 +97,11 @@ def command_join(args: argparse.Namespace) -> int:
     config = build_config(args)
     if args.epochs is None and args.max_epochs is None and args.max_steps is None:
         args.max_epochs = config.optimizer.total_steps
+    from collab_kit.auth import AuthorizationError
+
     try:
         volunteer = Volunteer(config, num_threads=args.threads, verbose=args.verbose)
-    except SwarmConnectionError as e:
+    except (SwarmConnectionError, AuthorizationError) as e:
         raise CommandError(str(e)) from None
     with volunteer:
         _handle_stop_signals(volunteer.request_stop)
@@ -133,8 +137,37 @@ def command_monitor(args: argparse.Namespace) -> int:
             from collab_kit.swarm import join_addresses
 
             emit_event("ready", peer_id=str(dht.peer_id), addresses=join_addresses(dht))
-    run_coordinator(config.swarm, address_file=args.address_file, report_every=args.report_every,
-                    on_ready=on_ready)
+    from collab_kit.auth import AuthorizationError
+
+    try:
+        run_coordinator(config.swarm, address_file=args.address_file, report_every=args.report_every,
+                        on_ready=on_ready)
+    except AuthorizationError as e:
+        raise CommandError(str(e)) from None
+    return 0
+
+
+def command_auth_server(args: argparse.Namespace) -> int:
+    import datetime
+    import math
+
+    from collab_kit.auth_server import AuthServerSettings, serve
+
+    if not (args.token_lifetime > 0 and math.isfinite(args.token_lifetime)):
+        raise CommandError(f"--token-lifetime {args.token_lifetime:g}: expected a positive number of minutes")
+    options = dict(organization=args.organization, allowlist=args.allow or (), database_path=args.db,
+                   key_path=args.key, token_lifetime=datetime.timedelta(minutes=args.token_lifetime),
+                   joins_per_minute=args.rate_limit, coordinator_addresses=args.coordinator or ())
+    if args.run_id is not None:
+        options["run_id"] = args.run_id
+    if args.hub_endpoint is not None:
+        options["hub_endpoint"] = args.hub_endpoint
+    settings = AuthServerSettings(**options)
+    try:
+        serve(settings, host=args.host, port=args.port)
+    except KeyboardInterrupt:  # uvicorn has shut down cleanly and passes the signal on
+        pass
+    print("auth server stopped", flush=True)
     return 0
 
 
@@ -267,6 +300,34 @@ def make_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--address-file", help="also write the join addresses to this file")
     monitor.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines")
     monitor.set_defaults(handler=command_monitor)
+
+    auth = commands.add_parser(
+        "auth-server", help="let the members of a Hugging Face organization join a run (signs access tokens)",
+        description="The run's authentication server: a volunteer's peer sends its Hugging Face user token once, "
+                    "the server asks the Hub who it belongs to and, for a member of the organization (or a user "
+                    "on the allowlist), signs an access token for the peer's key. It listens on 127.0.0.1 by "
+                    "default: put it behind an HTTPS reverse proxy, since tokens travel in the requests.")
+    auth.add_argument("--organization", metavar="ORG", help="the Hugging Face organization whose members may join")
+    auth.add_argument("--allow", action="append", metavar="USER", help="a user who may join without being a member "
+                                                                       "(repeatable)")
+    auth.add_argument("--db", default="auth_server.sqlite3", metavar="PATH",
+                      help="SQLite file of joins and per-user stats (default: auth_server.sqlite3)")
+    auth.add_argument("--key", metavar="PATH", help="the server's RSA key, made the first time and kept: tokens stay "
+                                                    "valid across restarts (default: beside --db, NAME_key.der)")
+    auth.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default: 127.0.0.1, for an HTTPS reverse proxy on this machine; "
+                           "0.0.0.0 to be reached directly, unencrypted)")
+    auth.add_argument("--port", type=int, default=8555, help="port to listen on (default: 8555; 0 for any free one)")
+    auth.add_argument("--coordinator", action="append", metavar="MULTIADDR",
+                      help="an address of the run's first peer, sent to volunteers to join through (repeatable)")
+    auth.add_argument("--run-id", help="the run's id, sent to volunteers (default: collab_kit)")
+    auth.add_argument("--token-lifetime", type=float, default=60.0, metavar="MINUTES",
+                      help="how long an access token is valid (default: 60)")
+    auth.add_argument("--rate-limit", type=int, default=10, metavar="N",
+                      help="joins one user may make per minute (default: 10)")
+    auth.add_argument("--hub-endpoint", metavar="URL",
+                      help="the Hugging Face Hub that checks tokens (default: $HF_ENDPOINT or https://huggingface.co)")
+    auth.set_defaults(handler=command_auth_server)
 
     info = commands.add_parser("model-info", help="the model's shape and parameter counts, built without memory")
     info.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")

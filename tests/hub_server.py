@@ -18,6 +18,7 @@ and point the real ``huggingface_hub`` client at it with ``HF_ENDPOINT`` (in a s
     POST /api/repos/create                             create_repo (``409`` if it exists, which exist_ok accepts)
     POST /api/{type}/{repo_id}/preupload/{revision}    the upload mode of each file: always ``regular``
     POST /api/{type}/{repo_id}/commit/{revision}       create_commit: NDJSON, files inline in base64
+    GET  /api/whoami-v2                                whoami: who the bearer token belongs to (``StandInHub.tokens``)
 
 Files that the Hub stores with git-LFS (``*.safetensors``, ``*.parquet``, ...) are answered as the Hub answers
 them: ``302`` to a second server standing in for the CDN (another port of 127.0.0.1, so another origin, as
@@ -42,6 +43,12 @@ Model repositories are folders ``root/<owner>/<name>/<files>``, dataset reposito
 ``root/datasets/<owner>/<name>/<files>`` (the Hub reserves the name ``datasets``: no owner has it); ``add_repo``
 copies a folder there. The fixture ``hub_server`` (registered in conftest.py) starts a server per test and stops
 it at teardown.
+
+Tokens: ``whoami-v2`` answers from ``StandInHub.tokens`` (token -> the JSON the Hub answers), filled by
+``add_user_token``, ``add_org_token`` and ``add_app_token`` with the fields the Hub sends (``type`` ``user`` / ``org``
+/ ``app``, ``name``, ``orgs[].name``, ``auth.type`` ``access_token`` / ``app_token`` / ``app_token_as_user``,
+``auth.accessToken.displayName`` and ``role``), after huggingface.js's ``whoAmI`` types (hub/src/lib/who-am-i.ts).
+An unknown token, or none, is a ``401`` as the Hub gives it. The other endpoints still check no token.
 """
 from __future__ import annotations
 
@@ -57,7 +64,7 @@ import tempfile
 import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
@@ -183,6 +190,7 @@ class StandInHub:
         # every commit received: dict(repo_type, repo_id, summary, added=[paths], deleted=[paths], commit=oid)
         self.commits: List[dict] = []
         self._snapshots: Dict[tuple, Repo] = {}  # (repo_type, repo_id) -> the repository as served now
+        self.tokens: Dict[str, dict] = {}  # bearer token -> the whoami-v2 answer (add_user_token, ...)
         self._lock = threading.Lock()
         self._hub = self._start_server(is_cdn=False)
         self._cdn = self._start_server(is_cdn=True)
@@ -262,6 +270,46 @@ class StandInHub:
                                  deleted=sorted(deleted), commit=commit))
         return commit
 
+    def add_user_token(self, username: str, orgs: Sequence[str] = (), role: str = "read",
+                       token: Optional[str] = None) -> str:
+        """A user access token of ``username`` (as made at huggingface.co/settings/tokens), a member of ``orgs``.
+
+        :param role: the token's permission: ``read``, ``write`` or ``fineGrained``
+        :param token: the token's text (by default a new ``hf_...`` one)
+        :returns: the token, to send as ``Authorization: Bearer <token>``
+        """
+        answer = dict(_entity("user", username), email=f"{username}@example.com", emailVerified=True, isPro=False,
+                      orgs=[dict(_entity("org", org), roleInOrg="read") for org in orgs],
+                      auth=dict(type="access_token", accessToken=dict(displayName=f"{username}-token", role=role,
+                                                                      createdAt=CREATED_AT)))
+        return self._add_token(answer, token, "hf_")
+
+    def add_org_token(self, organization: str, token: Optional[str] = None) -> str:
+        """An organization's own token (the Hub's older ``api_org_...`` tokens): whoami says ``type: org``."""
+        answer = dict(_entity("org", organization),
+                      auth=dict(type="access_token", accessToken=dict(displayName="org-token", role="read",
+                                                                      createdAt=CREATED_AT)))
+        return self._add_token(answer, token, "api_org_")
+
+    def add_app_token(self, app: str, as_user: Optional[str] = None, orgs: Sequence[str] = (),
+                      token: Optional[str] = None) -> str:
+        """An OAuth app's token: its own (``type: app``, ``auth.type: app_token``), or, with ``as_user``, acting for
+        that user (the user's identity and ``orgs``, ``auth.type: app_token_as_user``)."""
+        if as_user is None:
+            answer = dict(id=_entity_id(app), type="app", name=app, scope=dict(entities=[], role="read"),
+                          auth=dict(type="app_token"))
+        else:
+            answer = dict(_entity("user", as_user), email=f"{as_user}@example.com", emailVerified=True, isPro=False,
+                          orgs=[dict(_entity("org", org), roleInOrg="read") for org in orgs],
+                          auth=dict(type="app_token_as_user"))
+        return self._add_token(answer, token, "hf_oauth_")
+
+    def _add_token(self, answer: dict, token: Optional[str], prefix: str) -> str:
+        with self._lock:
+            token = token or f"{prefix}{hashlib.sha1(f'{len(self.tokens)}:{answer}'.encode()).hexdigest()[:30]}"
+            self.tokens[token] = answer
+        return token
+
     def blob(self, sha256: str) -> Optional[str]:
         """The local path of an LFS file served now with this sha256 (what the CDN serves), or None."""
         with self._lock:
@@ -298,6 +346,16 @@ class StandInHub:
         threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05),
                          name=f"stand-in-{'cdn' if is_cdn else 'hub'}", daemon=True).start()
         return server
+
+
+def _entity_id(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()[:24]  # the Hub's ids are 24 hex digits
+
+
+def _entity(kind: str, name: str) -> dict:
+    """The fields whoami-v2 gives a user or an organization."""
+    return dict(id=_entity_id(name), type=kind, name=name, fullname=name.title(), email=None, canPay=False,
+                avatarUrl=f"/avatars/{_entity_id(name)}.svg", periodEnd=None)
 
 
 def _split_repo_id(repo_id: str):
@@ -409,6 +467,8 @@ class _HubHandler(_Handler):
         query = parse_qs(url.query)
         if self.command == "POST":
             return self.post(parts, query)
+        if parts == ["api", "whoami-v2"]:
+            return self.whoami(send_body)
         if parts[:1] == ["api"] and len(parts) >= 4 and parts[1] in ("models", "datasets"):
             return self.api(parts[1][:-1], f"{parts[2]}/{parts[3]}", parts[4:], query, send_body)
         repo_type = "model"
@@ -422,6 +482,14 @@ class _HubHandler(_Handler):
         logger.warning(f"the stand-in Hub does not serve {self.command} {self.path}")
         self.hub.unserved.append(f"{self.command} {self.path}")
         self.answer_error(404, None, f"the stand-in Hub does not serve {self.command} {self.path}", send_body)
+
+    def whoami(self, send_body: bool):
+        """Who the bearer token belongs to, or ``401`` as the Hub answers an unknown token or none."""
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        answer = self.hub.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+        if answer is None:
+            return self.answer_error(401, None, "Invalid credentials in Authorization header", send_body)
+        self.answer_json(200, answer, send_body=send_body)
 
     def find(self, repo_type: str, repo_id: str, revision: str, send_body: bool) -> Optional[Repo]:
         """The repository at ``revision``, or None after answering the error the Hub gives."""
