@@ -24,7 +24,9 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression, Uniform8BitQuantization
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 
+from collab_kit import robust
 from collab_kit.config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -125,10 +127,26 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     last ``matchmaking_time`` seconds of every global epoch, for nothing.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, peer_gate=None, **kwargs):
+        self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
         super().__init__(**kwargs)
         self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other peer
         self.last_group_size = 1
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        """hivemind's state averager; in an authorized run, one that lets only bound peers download the state
+        or average parameters with it (collab_kit.auth.AuthorizedAveragerMixin)."""
+        if self.peer_gate is None:
+            return super()._make_state_averager(**kwargs)
+        from collab_kit.auth import authorized_averager_class
+
+        # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped
+        return authorized_averager_class(TrainingStateAverager, self.peer_gate)(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
     def _maybe_schedule_gradient_averaging(self) -> None:
@@ -153,7 +171,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
 
 def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, config: OptimizerConfig,
-                   client_mode: bool = False, verbose: bool = False, **kwargs) -> CollaborativeOptimizer:
+                   client_mode: bool = False, verbose: bool = False, peer_gate=None, **kwargs) -> CollaborativeOptimizer:
     """Build the collaborative optimizer for ``model``, connected to the swarm through ``dht``.
 
     :param model: the model whose parameters the swarm trains
@@ -162,12 +180,23 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     :param config: hyperparameters (collab_kit.config.OptimizerConfig)
     :param client_mode: True if this peer cannot accept incoming connections
     :param verbose: log each stage of every global step
-    :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``)
+    :param peer_gate: in an authorized run, a collab_kit.auth.PeerGate: the gradient and state averagers then
+      serve only peers bound to a valid access token
+    :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``, which then replaces the
+        one ``config.aggregation`` chooses)
     """
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself
     request_timeout = min(3.0, config.matchmaking_time / 2)
-    kwargs.setdefault("grad_averager_factory", partial(GradientAverager, request_timeout=request_timeout))
+    # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
+    averager_class = GradientAverager
+    if peer_gate is not None:
+        from collab_kit.auth import authorized_averager_class
+
+        averager_class = authorized_averager_class(GradientAverager, peer_gate)
+    kwargs.setdefault("grad_averager_factory", robust.grad_averager_factory(
+        config.aggregation, config.clip_tau, config.clip_iterations, averager_class, request_timeout=request_timeout))
     return CollaborativeOptimizer(
+        peer_gate=peer_gate,
         dht=dht,
         run_id=run_id,
         target_batch_size=config.target_batch_size,

@@ -1,0 +1,217 @@
+"""Robust gradient aggregation (collab_kit.robust): CenteredClip alone, inside hivemind's all-reduce, and in a swarm
+with a peer that poisons its gradients."""
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from collab_kit import robust
+from collab_kit.config import OptimizerConfig, get_preset
+from collab_kit.robust import centered_clip, clipped_aggregate, weighted_median
+
+
+def honest_and_outlier(d: int = 1000, n_honest: int = 3, factor: float = 1000.0, seed: int = 0):
+    """``n_honest`` noisy copies of one gradient (noise 0.1 per value) and one copy times ``factor``."""
+    generator = torch.Generator().manual_seed(seed)
+    true = torch.randn(d, generator=generator)
+    honest = true + 0.1 * torch.randn(n_honest, d, generator=generator)
+    outlier = factor * (true + 0.1 * torch.randn(d, generator=generator))
+    return honest, torch.cat([honest, outlier[None]])
+
+
+def test_without_outliers_centered_clip_is_close_to_the_weighted_mean():
+    honest, _ = honest_and_outlier()
+    weights = torch.tensor([1.0, 2.0, 3.0])
+    mean = (weights[:, None] * honest).sum(0) / weights.sum()
+    spread = (honest - mean).norm(dim=1).max().item()  # about 0.1 * sqrt(1000) = 3.2
+    # a radius above every distance from the mean: the mean is the fixed point, reached from the median
+    result = centered_clip(honest, weights, tau=2 * spread, iterations=10)
+    assert (result - mean).norm() < 1e-3 * spread
+    # the relative radius of the reducer: a little clipping of honest vectors, still near the mean
+    assert (clipped_aggregate(honest, weights, relative_tau=1.0, iterations=5) - mean).norm() < 0.3 * spread
+
+
+def test_one_outlier_times_1000_among_four_moves_centered_clip_by_order_tau_only():
+    honest, vectors = honest_and_outlier()
+    weights = torch.ones(4)
+    honest_mean = honest.mean(0)
+    plain_error = (vectors.mean(0) - honest_mean).norm().item()
+    for tau in (1.0, 3.0, 10.0):
+        error = (centered_clip(vectors, weights, tau, iterations=10) - honest_mean).norm().item()
+        # at the fixed point the outlier pulls by tau * its weight / the honest weight = tau / 3
+        assert error < tau, (tau, error)
+    relative_error = (clipped_aggregate(vectors, weights, 1.0, 5) - honest_mean).norm().item()
+    assert relative_error < 2.0 and plain_error > 5000  # plain: a quarter of the outlier's norm (about 8000)
+
+
+def test_weights_are_respected():
+    # one coordinate, values 0, 1, 10 with weights 1, 1, 6: the weighted median is 10, and with a radius
+    # covering everything CenteredClip converges to the weighted mean 60 / 8
+    vectors, weights = torch.tensor([[0.0], [1.0], [10.0]]), torch.tensor([1.0, 1.0, 6.0])
+    assert weighted_median(vectors, weights).item() == 10.0
+    assert weighted_median(vectors, torch.tensor([6.0, 1.0, 1.0])).item() == 0.0
+    assert centered_clip(vectors, weights, tau=100.0, iterations=1).item() == pytest.approx(7.625)
+    # a row of weight 0 counts for nothing, however far
+    assert centered_clip(torch.tensor([[1.0], [3.0], [1e6]]), torch.tensor([1.0, 1.0, 0.0]), tau=100.0,
+                         iterations=20).item() == pytest.approx(2.0)
+
+
+def test_zero_iterations_return_the_start_and_non_finite_rows_get_no_weight():
+    honest, vectors = honest_and_outlier(d=50)
+    weights = torch.ones(4)
+    assert torch.equal(centered_clip(vectors, weights, 1.0, 0), weighted_median(vectors, weights))
+    start = torch.full((50,), 7.0)
+    assert torch.equal(centered_clip(vectors, weights, 1.0, 0, start=start), start)
+    assert torch.equal(centered_clip(vectors, weights, 0.0, 10, start=start), start)  # radius 0: nothing moves
+    poisoned = torch.cat([honest, torch.full((1, 50), float("nan"))])
+    result = clipped_aggregate(poisoned, weights, 1.0, 5)
+    assert torch.isfinite(result).all() and (result - honest.mean(0)).norm() < 1.0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: centered_clip(torch.ones(3), torch.ones(3), 1.0, 1), "vectors must be a tensor \\[n, d\\]"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.ones(2), 1.0, 1), "one weight per row"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.tensor([1.0, -1.0, 1.0]), 1.0, 1), ">= 0 and not all zero"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.zeros(3), 1.0, 1), "not all zero"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), -1.0, 1), "tau=-1.0 is not allowed"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), float("nan"), 1), "tau=nan is not allowed"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, -1), "iterations=-1 is not allowed"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, 1.5), "iterations=1.5 is not allowed"),
+    (lambda: centered_clip(torch.ones(3, 2, dtype=torch.long), torch.ones(3), 1.0, 1), "floating point"),
+    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, 1, start=torch.ones(3)), "start must have shape"),
+])
+def test_bad_arguments_raise_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_config_checks_the_aggregation_fields():
+    config = OptimizerConfig()
+    assert (config.aggregation, config.clip_tau, config.clip_iterations) == ("mean", 0.5, 5)
+    assert OptimizerConfig(aggregation="centered_clip", clip_tau=0.5, clip_iterations=3).clip_tau == 0.5
+    for fields, message in ((dict(aggregation="median"), "optimizer.aggregation='median' is not allowed"),
+                            (dict(clip_tau=0.0), "optimizer.clip_tau=0.0 is not allowed"),
+                            (dict(clip_iterations=0), "optimizer.clip_iterations=0 is not allowed")):
+        with pytest.raises(ValueError, match=message):
+            OptimizerConfig(**fields)
+
+
+def test_make_optimizer_chooses_the_gradient_averager_from_the_config(monkeypatch):
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from collab_kit import optim
+    from collab_kit.model import TextToImageTransformer
+
+    built = []
+    monkeypatch.setattr(optim, "CollaborativeOptimizer", lambda **kwargs: built.append(kwargs))  # no swarm needed
+    config = get_preset("tiny")
+    model = TextToImageTransformer(config.model)
+    optim.make_optimizer(model, None, "run", config.optimizer)
+    mean = built[-1]["grad_averager_factory"]
+    assert mean.func is GradientAverager and mean.keywords == dict(request_timeout=1.0)  # as before the option
+    config.optimizer.aggregation, config.optimizer.clip_tau = "centered_clip", 2.0
+    optim.make_optimizer(model, None, "run", config.optimizer)
+    robust_factory = built[-1]["grad_averager_factory"]
+    assert robust_factory.func is robust.CenteredClipGradientAverager
+    assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=5, request_timeout=1.0)
+    mine = object()
+    optim.make_optimizer(model, None, "run", config.optimizer, grad_averager_factory=mine)
+    assert built[-1]["grad_averager_factory"] is mine  # the caller's factory wins
+
+
+def test_the_centered_clip_mixin_combines_with_other_averager_classes():
+    from hivemind.optim.grad_averager import GradientAverager
+
+    class CheckingGradientAverager(GradientAverager):  # e.g. one that checks who calls its RPCs
+        pass
+
+    combined = robust.with_centered_clip(CheckingGradientAverager)
+    assert combined.__name__ == "CenteredClipCheckingGradientAverager"  # the same on every peer: RPC names match
+    assert combined.__mro__[1:3] == (robust.CenteredClipAveragerMixin, CheckingGradientAverager)
+    assert robust.with_centered_clip(combined) is combined
+    assert robust.with_centered_clip(GradientAverager) is robust.CenteredClipGradientAverager
+    with pytest.raises(ValueError, match="aggregation='trimmed_mean' is not allowed"):
+        robust.grad_averager_factory("trimmed_mean", 1.0, 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
+
+def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, **kwargs):
+    from collab_kit.optim import gradient_compression
+
+    averagers = [averager_class([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True,
+                                target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,
+                                request_timeout=1.0, compression=gradient_compression(threshold=1024), **kwargs)
+                 for dht, tensors in zip(dhts, tensors_by_peer)]
+    try:
+        controls = [averager.step(weight=weight, wait=False, timeout=60) for averager, weight in zip(averagers, weights)]
+        for control in controls:
+            assert len(control.result(timeout=90)) == len(dhts), "the peers did not average in one group"
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as averaged:
+                results.append([t.clone() for t in averaged])
+        return results
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+@pytest.mark.slow
+def test_hivemind_allreduce_with_centered_clip_resists_one_peer_times_1000():
+    import hivemind
+
+    # two tensors: one of 4000 values (sent in 8 bits) and one of 100 (sent in fp16), as gradients travel
+    generator = torch.Generator().manual_seed(1)
+    true = [torch.randn(4000, generator=generator), torch.randn(100, generator=generator)]
+    tensors_by_peer = [[t + 0.1 * torch.randn(t.shape, generator=generator) for t in true] for _ in range(4)]
+    tensors_by_peer[3] = [1000 * t for t in tensors_by_peer[3]]  # the attacker
+    weights = [1.0, 2.0, 1.0, 1.0]  # sample counts
+    honest_weights = torch.tensor(weights[:3])
+    honest_mean = [(honest_weights[:, None] * torch.stack([peer[i] for peer in tensors_by_peer[:3]])).sum(0) / 4.0
+                   for i in range(2)]
+
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(3)]
+    try:
+        start = time.perf_counter()
+        robust_results = _average_in_group(robust.CenteredClipAverager, "robust", dhts, tensors_by_peer, weights,
+                                           clip_tau=1.0, clip_iterations=5)
+        plain_results = _average_in_group(hivemind.averaging.DecentralizedAverager, "plain", dhts, tensors_by_peer,
+                                          weights)
+        seconds = time.perf_counter() - start
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+    def error(result, i):
+        return ((result[i] - honest_mean[i]).norm() / honest_mean[i].norm()).item()
+
+    # every honest peer holds the group's aggregate; the attacker's own copy is off, since what it gets back is
+    # the difference from its x1000 tensors, quantized in 8 bits (relative error about 17 here)
+    for i in range(2):
+        robust_errors = [error(result, i) for result in robust_results[:3]]
+        plain_errors = [error(result, i) for result in plain_results[:3]]
+        print(f"tensor {i}: relative error robust {max(robust_errors):.3f}, plain {min(plain_errors):.1f} "
+              f"({seconds:.1f} s)")
+        assert max(robust_errors) < 0.1, robust_errors
+        assert min(plain_errors) > 50, plain_errors
+
+
+# ---------------------------------------------------------------------------------------------
+# a swarm: 3 honest volunteers and one that sends its gradients times -1000 (tests/byzantine_peer.py)
+
+@pytest.mark.slow
+def test_with_centered_clip_honest_peers_still_learn_beside_a_peer_sending_gradients_times_minus_1000(
+        tiny_shards, tmp_path):
+    from byzantine_peer import loss_ratio, run_poisoned_swarm
+
+    epochs_by_peer = run_poisoned_swarm("centered_clip", -1000.0, 10, tiny_shards, str(tmp_path), "test_robust_swarm")
+    ratio = loss_ratio(epochs_by_peer)
+    print(f"honest loss last / first: {ratio:.4f}; epochs: {json.dumps(epochs_by_peer)}")
+    assert all(len(epochs) >= 8 for epochs in epochs_by_peer)
+    assert ratio < 0.995, epochs_by_peer
