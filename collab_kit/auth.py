@@ -149,6 +149,7 @@ class HubAuthorizer(TokenAuthorizerBase):
             raise AuthorizationError("the authentication server signed a token for another key")
         self.answer = answer
         self._local_access_token = answer.token
+        self._lifetime = seconds_left(answer.token)
 
     async def get_token(self) -> AccessToken:
         """A fresh token (hivemind calls this when ``does_token_need_refreshing`` says so)."""
@@ -167,7 +168,9 @@ class HubAuthorizer(TokenAuthorizerBase):
         return problem is None
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return seconds_left(access_token) < self.refresh_margin
+        # a quarter of a short token's life is margin enough; long tokens are renewed refresh_margin early
+        margin = min(self.refresh_margin, 0.25 * getattr(self, "_lifetime", self.refresh_margin))
+        return seconds_left(access_token) < margin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,3 +332,47 @@ def login(token: Optional[str] = None) -> Optional[str]:
         return None
     raise AuthorizationError("no Hugging Face token: create a user token at https://huggingface.co/settings/tokens "
                              "and set HF_TOKEN=hf_... (or run `hf auth login`)")
+
+
+class BindingKeeper:
+    """Keeps this peer's binding in the DHT: publishes it now, and again with a fresh token before the old expires.
+
+    The trainer's process holds its own copy of the authorizer (the DHT's process has another, which
+    refreshes itself); a background thread refreshes this one and re-publishes.
+
+    :param dht: this peer's DHT
+    :param authorizer: a HubAuthorizer that has joined
+    :param run_id: the run whose bindings the averagers read
+    :param check_every: seconds between checks of the token's age
+    """
+
+    def __init__(self, dht, authorizer: HubAuthorizer, run_id: str, check_every: float = 10.0):
+        import threading
+
+        self.dht, self.authorizer, self.run_id, self.check_every = dht, authorizer, run_id, check_every
+        self.published_token: Optional[AccessToken] = None
+        self._stop = threading.Event()
+        self.publish()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-binding-keeper")
+        self._thread.start()
+
+    def publish(self) -> None:
+        if not publish_peer_binding(self.dht, self.authorizer, self.run_id):
+            logger.warning("could not store this peer's token binding in the DHT; will retry")
+            return
+        self.published_token = self.authorizer.access_token
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.check_every):
+            try:
+                token = self.authorizer.access_token
+                if self.authorizer.does_token_need_refreshing(token):
+                    asyncio.run(self.authorizer.refresh_token_if_needed())
+                if self.published_token is None or self.published_token != self.authorizer.access_token:
+                    self.publish()
+            except Exception as e:  # the server may be briefly away: the current token is still good a while
+                logger.warning(f"could not refresh this peer's access token: {e}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -84,8 +84,17 @@ def run_coordinator(swarm: SwarmConfig, address_file: Optional[str] = None, repo
     :param on_ready: called with the DHT once the peer is reachable
     """
     stop = stop or threading.Event()
-    dht = start_dht(swarm, record_validators=progress_validators(swarm.run_id))
+    from collab_kit.volunteer import authorize
+
+    authorizer = authorize(swarm)  # None for an open run
+    dht = start_dht(swarm, record_validators=progress_validators(swarm.run_id),
+                    **({"authorizer": authorizer} if authorizer else {}))
+    binding_keeper = None
     try:
+        if authorizer is not None:
+            from collab_kit.auth import BindingKeeper
+
+            binding_keeper = BindingKeeper(dht, authorizer, swarm.run_id)
         print(join_instructions(dht, swarm.run_id), flush=True)
         if address_file:
             write_address_file(address_file, dht)
@@ -99,4 +108,6 @@ def run_coordinator(swarm: SwarmConfig, address_file: Optional[str] = None, repo
     except KeyboardInterrupt:
         pass
     finally:
+        if binding_keeper is not None:
+            binding_keeper.stop()
         dht.shutdown()

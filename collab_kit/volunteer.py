@@ -90,6 +90,24 @@ class TrainingHistory:
         return ax
 
 
+def authorize(swarm_config):
+    """A HubAuthorizer holding this volunteer's first token when the run has an authentication server, else None.
+
+    :raises collab_kit.auth.AuthorizationError: no Hugging Face token, or the server refused (its message says why)
+    """
+    if not swarm_config.auth_server:
+        return None
+    from collab_kit.auth import AuthorizationError, HubAuthorizer, login
+
+    token = login()
+    if token is None:
+        raise AuthorizationError("log in to Hugging Face first (the form above), then run this again")
+    authorizer = HubAuthorizer(swarm_config.auth_server, token)
+    answer = authorizer.join()
+    logger.info(f"joined run {swarm_config.run_id} as {answer.username}")
+    return authorizer
+
+
 def model_seed(run_id: str) -> int:
     """Every peer of a run builds the same initial parameters, so that averaged gradients keep them equal."""
     return zlib.crc32(run_id.encode())
@@ -106,12 +124,20 @@ class Volunteer:
     """
 
     def __init__(self, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
-                 num_threads: Optional[int] = None, verbose: bool = False):
+                 num_threads: Optional[int] = None, verbose: bool = False, authorizer=None):
         self.config = config
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.dht = start_dht(config.swarm)
+        self.authorizer = authorizer if authorizer is not None else authorize(config.swarm)
+        self.dht = start_dht(config.swarm, **({"authorizer": self.authorizer} if self.authorizer else {}))
+        self._binding_keeper = None
         try:
+            peer_gate = None
+            if self.authorizer is not None:
+                from collab_kit.auth import BindingKeeper, PeerGate
+
+                self._binding_keeper = BindingKeeper(self.dht, self.authorizer, config.swarm.run_id)
+                peer_gate = PeerGate(self.dht, config.swarm.run_id, self.authorizer.server_public_key.to_bytes())
             self.join_line = join_instructions(self.dht, config.swarm.run_id)
             torch.manual_seed(model_seed(config.swarm.run_id))
             self.model = TextToImageTransformer(config.model)
@@ -126,8 +152,11 @@ class Volunteer:
                                       shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
                                       codebook_size=config.model.codebook_size)
             self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
-                                            client_mode=config.swarm.client_mode, verbose=verbose)
+                                            client_mode=config.swarm.client_mode, verbose=verbose,
+                                            peer_gate=peer_gate)
         except BaseException:
+            if self._binding_keeper is not None:
+                self._binding_keeper.stop()
             self.dht.shutdown()
             raise
         self._closed = False
@@ -270,6 +299,8 @@ class Volunteer:
             return
         self._closed = True
         try:
+            if self._binding_keeper is not None:
+                self._binding_keeper.stop()
             self.optimizer.shutdown()
         finally:
             self.dht.shutdown()

@@ -1,0 +1,71 @@
+"""An authorized run end to end: members train together with tokens that expire and are renewed, others are refused.
+
+The authentication server is the real one (``collab-kit auth-server``) in front of the stand-in Hub on 127.0.0.1;
+the first peer and the volunteers are ``collab-kit monitor`` / ``join`` processes with ``swarm.auth_server`` set and
+each volunteer's Hugging Face token in ``HF_TOKEN``. Everything started is killed at the end.
+"""
+import os
+import time
+
+import pytest
+from hub_server import StandInHub
+from test_auth_server import ORG, AuthServerProcess
+
+from collab_kit.auth_server import JoinLedger
+from collab_kit.local_swarm import PeerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_path, tiny_shards):
+    started = []
+
+    def start(name, args, token):
+        environment = {"HF_TOKEN": token, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+        peer = PeerProcess(name, args, str(tmp_path / f"{name}.log"), env=environment)
+        started.append(peer)
+        return peer
+
+    with StandInHub(str(tmp_path / "hub")) as hub:
+        alice, bob = hub.add_user_token("alice", orgs=[ORG]), hub.add_user_token("bob", orgs=[ORG])
+        eve = hub.add_user_token("eve", orgs=["another-org"])
+        # tokens live 24 s: a run of ~40 s sees each peer renew its token at least once
+        server = AuthServerProcess("--organization", ORG, "--db", str(tmp_path / "auth.sqlite3"), "--run-id", "authswarm",
+                                   "--token-lifetime", "0.4", "--rate-limit", "60", hub_endpoint=hub.endpoint)
+        try:
+            common = ["--preset", "tiny", "--run-id", "authswarm", "--host", "127.0.0.1", "--events",
+                      "--set", f"swarm.auth_server={server.url}"]
+            first = start("first-peer", ["monitor", *common, "--report-every", "2"], alice)
+            addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
+            join = ["join", *common, "--initial-peers", *addresses, "--data", tiny_shards, "--wait-for-peers", "2",
+                    "--threads", "1", "--no-progress"]
+            volunteers = [start(name, [*join, "--max-epochs", "30"], token)
+                          for name, token in (("alice", alice), ("bob", bob))]
+            outsider = start("eve", [*join, "--max-epochs", "2"], eve)
+            assert outsider.wait_exit(timeout=60) == 2
+            refusal = outsider.log_tail()
+            assert "403" in refusal and ORG in refusal and "Traceback" not in refusal
+
+            started_at = time.monotonic()
+            done = [volunteer.wait_for(lambda e: e["type"] == "done", timeout=240, what="the end of training")
+                    for volunteer in volunteers]
+            seconds = time.monotonic() - started_at
+            for volunteer, event in zip(volunteers, done):
+                assert volunteer.wait_exit(timeout=60) == 0
+                assert event["final_epoch"] >= 30 and event["averaged_rounds"] >= 10, event
+                losses = [e["loss"] for e in volunteer.events if e["type"] == "epoch"]
+                assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+            assert seconds > 30, f"training took {seconds:.0f} s: too short to outlive a token"
+            # every peer's processes came back for new tokens while training went on
+            ledger = JoinLedger(str(tmp_path / "auth.sqlite3"))
+            try:
+                for name in ("alice", "bob"):
+                    stats = ledger.user_stats(name)
+                    assert stats is not None and stats.joins >= 4, (name, stats)
+                assert ledger.user_stats("eve") is None
+            finally:
+                ledger.close()
+        finally:
+            for peer in reversed(started):
+                peer.kill()
+            server.stop()
