@@ -102,6 +102,15 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
             start=True,
             **dht_kwargs,
         )
+    except RuntimeError as e:
+        if initial_peers and "bootstrap failed" in str(e):
+            # the daemon connected, but no DHT node answered: the run requires authorization, or is gone
+            raise SwarmConnectionError(
+                f"the initial peers ({', '.join(initial_peers)}) did not answer this peer's DHT requests: if the run "
+                f"requires authorization, set swarm.auth_server (--set swarm.auth_server=URL) and your Hugging Face "
+                f"token; otherwise check that the first peer is still running"
+            ) from None
+        raise
     except hivemind.p2p.P2PDaemonError as e:
         if initial_peers and "bootstrap" in str(e):
             raise SwarmConnectionError(

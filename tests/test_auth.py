@@ -5,6 +5,7 @@ authentication server would issue them; the DHTs, averagers and libp2p connectio
 """
 import asyncio
 import datetime
+import re
 import time
 
 import hivemind
@@ -150,3 +151,81 @@ def test_averagers_let_in_only_peers_bound_to_a_valid_token(server_key):
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_token_used_with_another_key_gets_no_answer_from_the_dht(server_key):
+    first = start(authorizer=authorizer_for(server_key, "alice"))
+    try:
+        # mallory holds bob's genuine token, but signs her requests with her own key
+        bob = authorizer_for(server_key, "bob")
+        mallory = HubAuthorizer("http://127.0.0.1:9", "hf_unused", private_key=RSAPrivateKey())
+        mallory.answer, mallory._local_access_token = bob.answer, bob.access_token
+        with pytest.raises(RuntimeError, match="bootstrap failed"):
+            start(visible(first), authorizer=mallory)
+    finally:
+        first.shutdown()
+
+
+def test_the_authorizer_takes_only_tokens_for_its_key_from_its_server(server_key):
+    alice = authorizer_for(server_key, "alice")
+    other_key_token = issue_token(server_key, "alice", RSAPrivateKey().get_public_key().to_bytes())
+    with pytest.raises(Exception, match="another key"):
+        alice._accept(JoinAnswer("alice", other_key_token, server_key.get_public_key()))
+    other_server = RSAPrivateKey()
+    token = issue_token(other_server, "alice", alice.local_public_key.to_bytes())
+    with pytest.raises(Exception, match="key changed"):
+        alice._accept(JoinAnswer("alice", token, other_server.get_public_key()))
+    expired = issue_token(server_key, "alice", alice.local_public_key.to_bytes(), datetime.timedelta(seconds=-5))
+    with pytest.raises(Exception, match="expired"):
+        alice._accept(JoinAnswer("alice", expired, server_key.get_public_key()))
+    # a short token is renewed a quarter of its life before it ends, a long one 5 minutes before
+    short = authorizer_for(server_key, "bob", lifetime=datetime.timedelta(seconds=40))
+    assert not short.does_token_need_refreshing(short.access_token)
+    soon = issue_token(server_key, "bob", short.local_public_key.to_bytes(), datetime.timedelta(seconds=8))
+    assert short.does_token_need_refreshing(soon)
+    assert alice.does_token_need_refreshing(
+        issue_token(server_key, "alice", alice.local_public_key.to_bytes(), datetime.timedelta(minutes=4)))
+
+
+def test_binding_records_from_the_dht_are_schema_checked(server_key):
+    alice = authorizer_for(server_key, "alice")
+    gate = PeerGate(None, RUN, server_key.get_public_key().to_bytes())
+    peer_id = b"\x00\x24alice-peer"
+    good = binding_record(alice, peer_id)
+    assert gate.check_record(peer_id, good) is None
+    for bad in (None, "text", [1, 2], {"token": "str", "binding": b"x"}, {"token": b"\xff\xfe garbage", "binding": b"x"},
+                {**good, "binding": b"not a signature"}, {"token": good["token"]}):
+        assert gate.check_record(peer_id, bad) is not None, bad
+
+
+def test_login_takes_the_token_from_the_environment_or_says_where_to_make_one(monkeypatch):
+    from collab_kit.auth import AuthorizationError, login
+
+    monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
+    assert login() == "hf_from_the_environment"
+    assert login("hf_given") == "hf_given"
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(AuthorizationError, match="huggingface.co/settings/tokens"):
+        login()
+
+
+def test_nothing_from_a_peer_is_unpickled():
+    """What crosses the wire is protobuf, msgpack and tensor bytes: no module on the way imports pickle."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    network_packages = [importlib.import_module(name) for name in
+                        ("hivemind.dht", "hivemind.averaging", "hivemind.p2p", "hivemind.optim", "hivemind.compression")]
+    modules = [importlib.import_module(f"hivemind.utils.{name}") for name in ("serializer", "auth", "streaming")]
+    for package in network_packages:
+        modules += [importlib.import_module(info.name) for info in pkgutil.walk_packages(package.__path__,
+                                                                                         package.__name__ + ".")]
+    modules += [importlib.import_module(f"collab_kit.{name}") for name in
+                ("auth", "access_token", "swarm", "volunteer", "optim", "robust", "monitor", "data", "auth_server")]
+    assert len(modules) > 30
+    forbidden = re.compile(r"\bimport (cloud)?pickle\b|\bfrom (cloud)?pickle\b|\bimport dill\b|\bmarshal\.loads\b|"
+                           r"(?<![\w.])(eval|exec)\(")
+    for module in modules:
+        found = forbidden.search(inspect.getsource(module))
+        assert found is None, f"{module.__name__} uses {found.group(0)}"

@@ -39,6 +39,7 @@ def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_pa
             addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
             join = ["join", *common, "--initial-peers", *addresses, "--data", tiny_shards, "--wait-for-peers", "2",
                     "--threads", "1", "--no-progress"]
+            started_at = time.monotonic()
             volunteers = [start(name, [*join, "--max-epochs", "30"], token)
                           for name, token in (("alice", alice), ("bob", bob))]
             outsider = start("eve", [*join, "--max-epochs", "2"], eve)
@@ -46,7 +47,12 @@ def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_pa
             refusal = outsider.log_tail()
             assert "403" in refusal and ORG in refusal and "Traceback" not in refusal
 
-            started_at = time.monotonic()
+            # a peer of the run's code, without the server's address (so without a token), gets no answer
+            intruder = start("intruder", ["join", "--preset", "tiny", "--run-id", "authswarm", "--host", "127.0.0.1",
+                                          "--initial-peers", *addresses, "--data", tiny_shards, "--max-epochs", "2"], "")
+            assert intruder.wait_exit(timeout=90) == 2
+            assert "swarm.auth_server" in intruder.log_tail() and "Traceback" not in intruder.log_tail()
+
             done = [volunteer.wait_for(lambda e: e["type"] == "done", timeout=240, what="the end of training")
                     for volunteer in volunteers]
             seconds = time.monotonic() - started_at
