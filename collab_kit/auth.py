@@ -275,9 +275,13 @@ class AuthorizedAveragerMixin:
 
     peer_gate: Optional[PeerGate] = None
 
+    async def _refuses(self, context: P2PContext) -> bool:
+        """True when a gate is set and the caller's peer id is not bound to a valid token."""
+        return self.peer_gate is not None and not await self.peer_gate.allows(context.remote_id)
+
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if self.peer_gate is not None and not await self.peer_gate.allows(context.remote_id):
+        if await self._refuses(context):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -285,7 +289,7 @@ class AuthorizedAveragerMixin:
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if self.peer_gate is not None and not await self.peer_gate.allows(context.remote_id):
+        if await self._refuses(context):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_aggregate_part(stream, context):
@@ -293,7 +297,7 @@ class AuthorizedAveragerMixin:
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if self.peer_gate is not None and not await self.peer_gate.allows(context.remote_id):
+        if await self._refuses(context):
             return
         async for message in super().rpc_download_state(request, context):
             yield message

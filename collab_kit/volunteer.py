@@ -277,9 +277,13 @@ class Volunteer:
                             samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
                             refresh=False)
 
+    def _apply_pending_update(self) -> None:
+        """Wait for an optimizer step running in the background (delayed updates) and apply it to the model."""
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+
     def parameters_snapshot(self) -> Dict[str, torch.Tensor]:
         """The model's current parameters, after any optimizer step still running in the background."""
-        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+        self._apply_pending_update()
         return {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
     def save_checkpoint(self, folder: str, metadata: Optional[dict] = None) -> str:
@@ -287,7 +291,7 @@ class Volunteer:
         (collab_kit.checkpoint: what ``generate_images`` and ``load_checkpoint`` read)."""
         from collab_kit.checkpoint import save_checkpoint
 
-        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+        self._apply_pending_update()
         metadata = dict(dict(global_epoch=self.local_epoch, run_id=self.config.swarm.run_id), **(metadata or {}))
         return save_checkpoint(self.model, self.config, folder, metadata=metadata)
 
