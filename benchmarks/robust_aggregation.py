@@ -22,7 +22,7 @@ gradients). One peer is `tests/byzantine_peer.py`: `collab-kit join` whose avera
 sends by -1000 (x 1000 would not hurt: LAMB and gradient clipping ignore the scale, the swarm would only train on
 that peer's batch); it reduces its own span honestly. The figure is the mean loss of the honest peers' last 3
 epochs over that of their first 3, with `--set optimizer.aggregation=centered_clip` (default `clip_tau=0.5`,
-`clip_iterations=5`); target below 0.995 (the loss falls). The details give the same ratio with the plain mean
+`clip_iterations=30`); target below 0.995 (the loss falls). The details give the same ratio with the plain mean
 (`aggregation=mean`) and, in a full run, with CenteredClip and the fourth peer honest (x 1).
 """
 

@@ -152,7 +152,11 @@ class OptimizerConfig:
     # the mean when every peer is honest. With 0.5, 3 honest tiny-preset peers beside one sending its gradients
     # x -1000 learn about as fast as without it (benchmarks/robust_aggregation.py); with 1.0 they did not
     clip_tau: float = 0.5
-    clip_iterations: int = 5  # CenteredClip iterations per part (it starts at the median, close to its result)
+    # CenteredClip iterations per part. From the coordinate-wise median it walks toward the honest mean by about
+    # clip_tau a step; with 5 the result stayed between the two, and beside a peer sending x -1000 the honest
+    # tiny-preset loss rose (1.008 after 10 epochs); with 30 it fell as without an attacker (0.986). Cheap: a
+    # few norms of the group's parts per iteration, on the peer that reduces that part
+    clip_iterations: int = 30
 
     def __post_init__(self):
         self.betas = tuple(self.betas)

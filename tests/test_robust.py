@@ -89,7 +89,7 @@ def test_bad_arguments_raise_clear_errors(call, message):
 
 def test_config_checks_the_aggregation_fields():
     config = OptimizerConfig()
-    assert (config.aggregation, config.clip_tau, config.clip_iterations) == ("mean", 0.5, 5)
+    assert (config.aggregation, config.clip_tau, config.clip_iterations) == ("mean", 0.5, 30)
     assert OptimizerConfig(aggregation="centered_clip", clip_tau=0.5, clip_iterations=3).clip_tau == 0.5
     for fields, message in ((dict(aggregation="median"), "optimizer.aggregation='median' is not allowed"),
                             (dict(clip_tau=0.0), "optimizer.clip_tau=0.0 is not allowed"),
@@ -115,7 +115,7 @@ def test_make_optimizer_chooses_the_gradient_averager_from_the_config(monkeypatc
     optim.make_optimizer(model, None, "run", config.optimizer)
     robust_factory = built[-1]["grad_averager_factory"]
     assert robust_factory.func is robust.CenteredClipGradientAverager
-    assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=5, request_timeout=1.0)
+    assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=30, request_timeout=1.0)
     mine = object()
     optim.make_optimizer(model, None, "run", config.optimizer, grad_averager_factory=mine)
     assert built[-1]["grad_averager_factory"] is mine  # the caller's factory wins
@@ -214,4 +214,6 @@ def test_with_centered_clip_honest_peers_still_learn_beside_a_peer_sending_gradi
     ratio = loss_ratio(epochs_by_peer)
     print(f"honest loss last / first: {ratio:.4f}; epochs: {json.dumps(epochs_by_peer)}")
     assert all(len(epochs) >= 8 for epochs in epochs_by_peer)
-    assert ratio < 0.995, epochs_by_peer
+    # the loss falls: honest peers alone reach about 0.988 in these 10 epochs, the plain mean under this attack
+    # about 1.047 (benchmarks/robust_aggregation.py); 0.997 leaves room for the noise between runs
+    assert ratio < 0.997, epochs_by_peer

@@ -1,0 +1,174 @@
+"""The run's history as the monitor saw it, in one SQLite file: what the dashboard draws.
+
+    history = RunHistory("monitor/run.sqlite")
+    history.record(snapshot, records)          # one poll of the DHT: a time-series row + contributors
+    history.series(), history.leaderboard(), history.checkpoints()
+
+Tables (the file is the interface: the dashboard and notebooks read it, possibly while the monitor
+writes it, which SQLite's WAL mode allows):
+
+    swarm(time, epoch, loss, alive_peers, samples_per_second)           one row per poll
+    contributors(name, samples, compute_seconds, first_seen, last_seen)  the leaderboard
+    peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen)
+        the last counters seen from each signed record, so that only their growth is credited
+    checkpoints(epoch, path, time, pushed_to)                            checkpoints the monitor wrote
+
+Every poll is one transaction: a monitor killed at any moment leaves the file as it was after the
+last complete poll, and a restarted monitor goes on from there (no leaderboard row is lost, no
+sample is credited twice: the per-peer counters are in the same transaction).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Tuple
+
+from collab_kit.metrics import PeerMetrics, SwarmSnapshot
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS swarm (
+    time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, alive_peers INTEGER NOT NULL,
+    samples_per_second REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS contributors (
+    name TEXT PRIMARY KEY, samples INTEGER NOT NULL, compute_seconds REAL NOT NULL,
+    first_seen REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS peers (
+    key BLOB PRIMARY KEY, peer_id TEXT NOT NULL, name TEXT NOT NULL, samples_accumulated INTEGER NOT NULL,
+    compute_seconds REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    epoch INTEGER PRIMARY KEY, path TEXT NOT NULL, time REAL NOT NULL, pushed_to TEXT);
+"""
+
+
+@dataclass
+class Contributor:
+    """One row of the leaderboard: a Hugging Face username in an authorized run, else a peer id."""
+
+    name: str
+    samples: int
+    compute_seconds: float
+    first_seen: float
+    last_seen: float
+
+
+@dataclass
+class CheckpointRow:
+    epoch: int
+    path: str
+    time: float
+    pushed_to: Optional[str]
+
+
+class RunHistory:
+    """The monitor's SQLite file (created if missing; an existing one is continued).
+
+    :param path: the database file
+    :param read_only: open for reading only (the dashboard): never creates or changes the file
+    """
+
+    def __init__(self, path: str, read_only: bool = False):
+        self.path = path
+        if read_only:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"no monitor database at {path!r}: start `collab-kit monitor --db {path}` "
+                                        f"first, or pass the file it writes")
+            self._connection = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True,
+                                               check_same_thread=False)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._connection = sqlite3.connect(path, check_same_thread=False)
+            self._connection.execute("PRAGMA journal_mode=WAL")  # readers (the dashboard) never block the monitor
+            self._connection.execute("PRAGMA synchronous=FULL")  # a committed poll survives a power cut
+            self._connection.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> "RunHistory":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def record(self, snapshot: SwarmSnapshot, records: Iterable[Tuple[bytes, PeerMetrics, str]]) -> None:
+        """Store one poll: the swarm's point and each peer's growth since its last record, in one transaction.
+
+        :param snapshot: the aggregate (collab_kit.metrics.summarize)
+        :param records: (the record's subkey, the record, the name to credit: a verified username or the peer id)
+        """
+        with self._lock, self._connection:  # one transaction: all of this poll or none of it
+            self._connection.execute(
+                "INSERT INTO swarm (time, epoch, loss, alive_peers, samples_per_second) VALUES (?, ?, ?, ?, ?)",
+                (snapshot.time, snapshot.epoch, snapshot.loss, snapshot.alive_peers, snapshot.samples_per_second))
+            for key, record, name in records:
+                self._credit(bytes(key), record, name)
+
+    def _credit(self, key: bytes, record: PeerMetrics, name: str) -> None:
+        row = self._connection.execute(
+            "SELECT samples_accumulated, compute_seconds, last_seen FROM peers WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            new_samples, new_seconds = record.samples_accumulated, record.compute_seconds
+        elif record.time <= row[2]:
+            return  # the same record read again: nothing new
+        else:
+            # counters only grow while a peer lives; smaller ones mean it restarted under the same key
+            new_samples = record.samples_accumulated - row[0] if record.samples_accumulated >= row[0] \
+                else record.samples_accumulated
+            new_seconds = record.compute_seconds - row[1] if record.compute_seconds >= row[1] \
+                else record.compute_seconds
+        self._connection.execute(
+            "INSERT INTO peers (key, peer_id, name, samples_accumulated, compute_seconds, last_seen) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET peer_id = excluded.peer_id, "
+            "name = excluded.name, samples_accumulated = excluded.samples_accumulated, "
+            "compute_seconds = excluded.compute_seconds, last_seen = excluded.last_seen",
+            (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time))
+        self._connection.execute(
+            "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
+            "compute_seconds = compute_seconds + excluded.compute_seconds, "
+            "first_seen = MIN(first_seen, excluded.first_seen), last_seen = MAX(last_seen, excluded.last_seen)",
+            (name, new_samples, new_seconds, record.time, record.time))
+
+    def record_checkpoint(self, epoch: int, path: str, time: float, pushed_to: Optional[str] = None) -> None:
+        with self._lock, self._connection:
+            self._connection.execute(
+                "INSERT INTO checkpoints (epoch, path, time, pushed_to) VALUES (?, ?, ?, ?) ON CONFLICT(epoch) "
+                "DO UPDATE SET path = excluded.path, time = excluded.time, pushed_to = excluded.pushed_to",
+                (epoch, path, time, pushed_to))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def series(self) -> List[SwarmSnapshot]:
+        """Every polled point, oldest first."""
+        with self._lock:
+            rows = self._connection.execute(
+                "SELECT time, epoch, loss, alive_peers, samples_per_second FROM swarm ORDER BY time").fetchall()
+        return [SwarmSnapshot(*row) for row in rows]
+
+    def leaderboard(self, limit: Optional[int] = None) -> List[Contributor]:
+        """Contributors, most samples first."""
+        query = "SELECT name, samples, compute_seconds, first_seen, last_seen FROM contributors " \
+                "ORDER BY samples DESC, name"
+        with self._lock:
+            rows = self._connection.execute(query + (" LIMIT ?" if limit else ""),
+                                            (limit,) if limit else ()).fetchall()
+        return [Contributor(*row) for row in rows]
+
+    def checkpoints(self) -> List[CheckpointRow]:
+        with self._lock:
+            rows = self._connection.execute("SELECT epoch, path, time, pushed_to FROM checkpoints "
+                                            "ORDER BY epoch").fetchall()
+        return [CheckpointRow(*row) for row in rows]
+
+    def last_checkpoint_epoch(self) -> Optional[int]:
+        with self._lock:
+            row = self._connection.execute("SELECT MAX(epoch) FROM checkpoints").fetchone()
+        return row[0]

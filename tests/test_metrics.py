@@ -1,0 +1,111 @@
+"""Per-peer metrics records in a real DHT on 127.0.0.1: published, read, and forged ones refused."""
+import math
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from collab_kit.metrics import (MetricsPublisher, PeerMetrics, metrics_key, metrics_validators, read_metrics,
+                                summarize)
+
+RUN_ID = "test_metrics_run"
+
+
+@pytest.fixture
+def two_dhts():
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                          start=True)
+    try:
+        yield first, second
+    finally:
+        second.shutdown()
+        first.shutdown()
+
+
+def honest_record(dht, **changes) -> dict:
+    fields = dict(peer_id=dht.peer_id.to_base58(), username=None, epoch=3, samples_per_second=12.5,
+                  samples_accumulated=640, loss=2.5, mini_steps=10, compute_seconds=30.0, time=get_dht_time())
+    fields.update(changes)
+    return fields
+
+
+def test_a_published_record_is_read_by_another_peer_and_summarized(two_dhts):
+    first, second = two_dhts
+    second.add_validators(metrics_validators(RUN_ID))
+    publisher = MetricsPublisher(first, RUN_ID)
+    publisher.add_work(samples=64, seconds=2.0)
+    publisher.add_work(samples=64, seconds=2.0)
+    assert publisher.publish(epoch=5, loss=3.25, mini_steps=8, samples_per_second=32.0)
+    records = read_metrics(second, RUN_ID)
+    assert len(records) == 1
+    subkey, record = records[0]
+    assert subkey == publisher.public_key_subkey
+    assert (record.epoch, record.samples_accumulated, record.compute_seconds, record.loss) == (5, 128, 4.0, 3.25)
+    assert record.peer_id == first.peer_id.to_base58() and record.username is None
+    snapshot = summarize([record, PeerMetrics(**honest_record(second, epoch=4, loss=2.0, mini_steps=24))])
+    assert snapshot.epoch == 5 and snapshot.alive_peers == 2
+    assert math.isclose(snapshot.loss, (8 * 3.25 + 24 * 2.0) / 32)
+    assert math.isclose(snapshot.samples_per_second, 32.0 + 12.5)
+    assert not publisher.publish(epoch=6, loss=float("nan"), mini_steps=8, samples_per_second=1.0)
+
+
+def test_a_record_under_another_peers_key_is_refused(two_dhts):
+    victim_dht, reader = two_dhts
+    reader.add_validators(metrics_validators(RUN_ID))
+    victim = MetricsPublisher(victim_dht, RUN_ID)
+    assert victim.publish(epoch=2, loss=3.0, mini_steps=4, samples_per_second=8.0)
+
+    # the forger: a third peer with a key of its own, writing under the victim's public key
+    forger = hivemind.DHT(initial_peers=[str(a) for a in reader.get_visible_maddrs()],
+                          host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        forger.add_validators(metrics_validators(RUN_ID, RSASignatureValidator(RSAPrivateKey())))
+        forged = honest_record(forger, samples_accumulated=10 ** 9, time=get_dht_time() + 1)
+        stored = forger.store(metrics_key(RUN_ID), subkey=victim.public_key_subkey, value=forged,
+                              expiration_time=get_dht_time() + 60)
+        assert not stored
+        # a forger whose DHT has no validators at all sends it unsigned: the others refuse it
+        forger_without_validators = hivemind.DHT(initial_peers=[str(a) for a in reader.get_visible_maddrs()],
+                                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        try:
+            forger_without_validators.store(metrics_key(RUN_ID), subkey=victim.public_key_subkey, value=forged,
+                                            expiration_time=get_dht_time() + 60)
+        finally:
+            forger_without_validators.shutdown()
+    finally:
+        forger.shutdown()
+    records = dict(read_metrics(reader, RUN_ID))
+    assert set(records) == {victim.public_key_subkey}
+    assert records[victim.public_key_subkey].samples_accumulated == 0  # the victim's own record, untouched
+    assert records[victim.public_key_subkey].peer_id == victim_dht.peer_id.to_base58()
+
+
+@pytest.mark.parametrize("change", [
+    dict(loss="2.5"), dict(samples_accumulated=-1), dict(loss=float("inf")), dict(epoch=1.5),
+    dict(extra_field="x"), dict(peer_id=""),
+], ids=["loss-as-text", "negative-samples", "infinite-loss", "fractional-epoch", "unknown-field", "empty-peer-id"])
+def test_a_record_with_a_bad_schema_is_refused(two_dhts, change):
+    writer, reader = two_dhts
+    reader.add_validators(metrics_validators(RUN_ID))
+    publisher = MetricsPublisher(writer, RUN_ID)
+    bad = honest_record(writer, **change)
+    stored = writer.store(metrics_key(RUN_ID), subkey=publisher.public_key_subkey, value=bad,
+                          expiration_time=get_dht_time() + 60)
+    assert not stored
+    assert read_metrics(reader, RUN_ID) == []
+    # and the same peer's well-formed record goes through
+    assert writer.store(metrics_key(RUN_ID), subkey=publisher.public_key_subkey, value=honest_record(writer),
+                        expiration_time=get_dht_time() + 60)
+    assert len(read_metrics(reader, RUN_ID)) == 1
+
+
+def test_a_record_under_a_subkey_without_a_public_key_is_refused(two_dhts):
+    writer, reader = two_dhts
+    reader.add_validators(metrics_validators(RUN_ID))
+    MetricsPublisher(writer, RUN_ID)
+    assert not writer.store(metrics_key(RUN_ID), subkey=b"anyone", value=honest_record(writer),
+                            expiration_time=get_dht_time() + 60)
+    assert read_metrics(reader, RUN_ID) == []
