@@ -1,0 +1,67 @@
+"""The monitor's SQLite store: what a poll writes, what a restart keeps, and what is credited once only."""
+import sqlite3
+
+import pytest
+
+from collab_kit.metrics import PeerMetrics, SwarmSnapshot
+from collab_kit.run_history import RunHistory
+
+
+def record(peer: str, samples: int, seconds: float, at: float, **changes) -> PeerMetrics:
+    fields = dict(peer_id=peer, username=None, epoch=1, samples_per_second=10.0, samples_accumulated=samples,
+                  loss=3.0, mini_steps=4, compute_seconds=seconds, time=at)
+    fields.update(changes)
+    return PeerMetrics(**fields)
+
+
+def point(at: float, epoch: int = 1) -> SwarmSnapshot:
+    return SwarmSnapshot(time=at, epoch=epoch, loss=3.0, alive_peers=2, samples_per_second=20.0)
+
+
+def test_each_peer_is_credited_its_growth_once_and_a_reopened_file_goes_on(tmp_path):
+    path = str(tmp_path / "monitor" / "run.sqlite")
+    with RunHistory(path) as history:
+        history.record(point(100.0), [(b"key-a", record("peer-a", 64, 2.0, 100.0), "peer-a"),
+                                      (b"key-b", record("peer-b", 32, 1.0, 100.0), "alice")])
+        # the same records read again by the next poll: nothing new to credit
+        history.record(point(101.0), [(b"key-a", record("peer-a", 64, 2.0, 100.0), "peer-a")])
+        history.record(point(102.0, epoch=2), [(b"key-a", record("peer-a", 192, 6.0, 102.0), "peer-a")])
+    with RunHistory(path) as reopened:  # what a restarted monitor sees
+        board = {row.name: row for row in reopened.leaderboard()}
+        assert board["peer-a"].samples == 192 and board["peer-a"].compute_seconds == pytest.approx(6.0)
+        assert (board["peer-a"].first_seen, board["peer-a"].last_seen) == (100.0, 102.0)
+        assert board["alice"].samples == 32
+        assert [row.name for row in reopened.leaderboard()] == ["peer-a", "alice"]  # most samples first
+        assert [p.epoch for p in reopened.series()] == [1, 1, 2]
+        # a peer that restarted under the same key counts from zero again: its new counters are all new work
+        reopened.record(point(103.0, epoch=2), [(b"key-a", record("peer-a", 16, 0.5, 103.0), "peer-a")])
+        assert reopened.leaderboard()[0].samples == 208
+        # two peers of one user add up under the user's name
+        reopened.record(point(104.0, epoch=2), [(b"key-c", record("peer-c", 100, 3.0, 104.0), "alice")])
+        assert {row.name: row.samples for row in reopened.leaderboard()}["alice"] == 132
+        reopened.record_checkpoint(2, "/ckpt/epoch-000002", 104.0)
+        reopened.record_checkpoint(2, "/ckpt/epoch-000002", 105.0, pushed_to="user/model")
+        assert [(c.epoch, c.pushed_to) for c in reopened.checkpoints()] == [(2, "user/model")]
+        assert reopened.last_checkpoint_epoch() == 2
+
+
+def test_a_poll_is_all_or_nothing(tmp_path):
+    path = str(tmp_path / "run.sqlite")
+    with RunHistory(path) as history:
+        history.record(point(1.0), [(b"key-a", record("peer-a", 64, 2.0, 1.0), "peer-a")])
+        with pytest.raises(sqlite3.Error):  # a name that is not text breaks the poll half-way through
+            history.record(point(2.0), [(b"key-a", record("peer-a", 128, 4.0, 2.0), "peer-a"),
+                                        (b"key-b", record("peer-b", 64, 2.0, 2.0), None)])
+        assert len(history.series()) == 1  # the time-series row of the failed poll was rolled back too
+        assert history.leaderboard()[0].samples == 64
+
+
+def test_a_reader_needs_an_existing_file_and_cannot_write(tmp_path):
+    with pytest.raises(FileNotFoundError, match="collab-kit monitor --db"):
+        RunHistory(str(tmp_path / "missing.sqlite"), read_only=True)
+    path = str(tmp_path / "run.sqlite")
+    RunHistory(path).close()
+    with RunHistory(path, read_only=True) as reader:
+        assert reader.series() == [] and reader.leaderboard() == []
+        with pytest.raises(sqlite3.OperationalError):
+            reader.record(point(1.0), [])
