@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import warnings
 from functools import partial
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import bitsandbytes as bnb
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression, Uniform8BitQuantization
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -118,6 +119,33 @@ def make_scheduler_factory(config: OptimizerConfig):
     return partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule)
 
 
+class DownloadRecorderMixin(DecentralizedAverager):
+    """Remembers the epoch of the last state ``load_state_from_peers`` downloaded (None: no peer gave one).
+
+    hivemind's TrainingStateAverager.load_state_from_peers returns nothing, whether a peer gave its state
+    or none could; it gets the download from ``super().load_state_from_peers``. Placed *after*
+    TrainingStateAverager in the method resolution order (see ``recording_state_averager_class``), this
+    class is that ``super()`` and sees the download on its way.
+    """
+
+    last_downloaded_epoch: Optional[int] = None
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
+        if wait:
+            metadata = loaded[0] if loaded is not None else None
+            epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+            self.last_downloaded_epoch = epoch if isinstance(epoch, int) else None
+        return loaded
+
+
+def recording_state_averager_class() -> type:
+    """TrainingStateAverager with DownloadRecorderMixin behind it, under TrainingStateAverager's name (hivemind
+    names its RPCs after the class: peers with and without the mixin still talk to each other)."""
+    return type(TrainingStateAverager.__name__, (TrainingStateAverager, DownloadRecorderMixin),
+                {"__module__": __name__, "__qualname__": "RecordingTrainingStateAverager"})
+
+
 class CollaborativeOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that counts the global steps averaged with peers, and idles when alone.
 
@@ -125,23 +153,45 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     rather than each on its own. A peer alone in the swarm does not look for an averaging group
     ahead of time: hivemind would otherwise run matchmaking (DHT traffic on every core) during the
     last ``matchmaking_time`` seconds of every global epoch, for nothing.
+
+    :param peer_gate: in an authorized run, a collab_kit.auth.PeerGate for the averagers
+    :param on_averaging_start: called with the global epoch and the round's stage each time this peer begins
+      averaging its gradients with other peers, before the round is over: "looking_for_group" (matchmaking
+      goes on), "awaiting_trigger" (the group is formed) or "running_allreduce"; also settable later as an
+      attribute. ``collab-kit join --events`` reports it, so that tests can act in the middle of a round.
     """
 
-    def __init__(self, peer_gate=None, **kwargs):
+    def __init__(self, peer_gate=None, on_averaging_start: Optional[Callable[[int, str], None]] = None, **kwargs):
         self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
+        self.on_averaging_start = on_averaging_start
         super().__init__(**kwargs)
         self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other peer
         self.last_group_size = 1
 
-    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        """hivemind's state averager; in an authorized run, one that lets only bound peers download the state
-        or average parameters with it (collab_kit.auth.AuthorizedAveragerMixin)."""
-        if self.peer_gate is None:
-            return super()._make_state_averager(**kwargs)
-        from collab_kit.auth import authorized_averager_class
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """Download the newest parameters and optimizer state from a peer of the run (hivemind's method).
 
+        :returns: True if a peer gave a state at this peer's epoch or later, which replaced the local one;
+          False if no peer could (alone in the swarm, or every download failed): the local state is unchanged
+        """
+        self.state_averager.last_downloaded_epoch = None
+        epoch_before = self.local_epoch
+        super().load_state_from_peers(**kwargs)
+        downloaded = self.state_averager.last_downloaded_epoch
+        # hivemind refuses a state from an epoch behind this peer's (and keeps its own)
+        return downloaded is not None and downloaded >= epoch_before
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        """hivemind's state averager, which remembers what it downloads (DownloadRecorderMixin); in an authorized
+        run, one that lets only bound peers download the state or average parameters with it
+        (collab_kit.auth.AuthorizedAveragerMixin)."""
+        averager_class = recording_state_averager_class()
+        if self.peer_gate is not None:
+            from collab_kit.auth import authorized_averager_class
+
+            averager_class = authorized_averager_class(averager_class, self.peer_gate)
         # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped
-        return authorized_averager_class(TrainingStateAverager, self.peer_gate)(
+        return averager_class(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
@@ -149,6 +199,13 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        began = super()._begin_averaging_gradients(grad_scaler)
+        if began and self.on_averaging_start is not None:
+            control = self.scheduled_grads  # the round just triggered (hivemind's StepControl)
+            self.on_averaging_start(self.local_epoch, control.stage.name.lower() if control is not None else "unknown")
+        return began
+
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
             super()._maybe_schedule_gradient_averaging()

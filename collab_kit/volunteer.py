@@ -6,6 +6,10 @@
 Each local step computes gradients on one local batch and hands them to hivemind.Optimizer, which
 accumulates them until the swarm as a whole has processed ``target_batch_size`` samples; then peers
 average their gradients and take one global step together (one "global epoch").
+
+A local step whose loss or gradients are not finite (nan, inf) never reaches the optimizer: its gradients
+would be averaged into every peer's step and poison the whole swarm. The volunteer drops them and loads
+the swarm's parameters and optimizer state instead (``Volunteer._recover_from_non_finite_step``).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from tqdm.auto import tqdm
 
 from collab_kit.config import RunConfig
 from collab_kit.data import ShardStream, batches, caption_tokenizer, peer_data_seed
+from collab_kit.metrics import MetricsPublisher
 from collab_kit.model import TextToImageTransformer
 from collab_kit.optim import make_optimizer
 from collab_kit.swarm import join_instructions, start_dht
@@ -48,8 +53,29 @@ class EpochRecord:
 
 
 @dataclass
+class RestoreRecord:
+    """One time this peer loaded (or tried to load) the swarm's parameters and optimizer state."""
+
+    reason: str  # "behind_swarm" (it joined or came back late) or "non_finite" (its loss, gradients or parameters)
+    problem: str  # what was seen, in words
+    loaded: bool  # a peer gave its state; False: none could, the local state was kept
+    epoch_before: int
+    epoch_after: int
+    local_step: int  # local steps this peer had taken when it happened
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training cannot go on: the model is not finite and no peer could give its state, or every step stays nan."""
+
+
+@dataclass
 class TrainingHistory:
     epochs: List[EpochRecord] = field(default_factory=list)
+    restores: List[RestoreRecord] = field(default_factory=list)
+    skipped_steps: int = 0  # local steps dropped because their loss or gradients were not finite
     start_epoch: int = 0  # the global epoch this peer started at (> 0 when it joined late)
     final_epoch: int = 0
     local_steps: int = 0
@@ -123,6 +149,10 @@ class Volunteer:
     :param verbose: log every stage of hivemind's global steps
     """
 
+    # local steps in a row whose loss or gradients may be non-finite, each followed by loading the swarm's
+    # state, before giving up: beyond that the fault is not in the parameters but in the data or the settings
+    max_non_finite_steps = 5
+
     def __init__(self, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
                  num_threads: Optional[int] = None, verbose: bool = False, authorizer=None):
         self.config = config
@@ -154,6 +184,9 @@ class Volunteer:
             self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
                                             client_mode=config.swarm.client_mode, verbose=verbose,
                                             peer_gate=peer_gate)
+            # this peer's signed record for the monitor (collab_kit.metrics), refreshed every global epoch
+            self.metrics = MetricsPublisher(self.dht, config.swarm.run_id,
+                                            username=self.authorizer.username if self.authorizer else None)
         except BaseException:
             if self._binding_keeper is not None:
                 self._binding_keeper.stop()
@@ -161,6 +194,7 @@ class Volunteer:
             raise
         self._closed = False
         self._stop_requested = threading.Event()
+        self._non_finite_streak = 0
 
     def request_stop(self):
         """Ask ``train`` to stop after the current step (safe to call from a signal handler or a thread)."""
@@ -185,15 +219,18 @@ class Volunteer:
         self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
         if self.optimizer.local_epoch < self.optimizer.tracker.global_epoch:
             logger.info(f"the swarm is at epoch {self.optimizer.tracker.global_epoch}: loading its state")
-            self.optimizer.load_state_from_peers()
-            return True
+            if self.optimizer.load_state_from_peers():
+                return True
+            logger.warning(f"the swarm is at epoch {self.optimizer.tracker.global_epoch} but no peer gave its "
+                           f"state: starting from this peer's own (epoch {self.local_epoch})")
         return False
 
     # -- training -------------------------------------------------------------------------------
 
     def train(self, epochs: Optional[int] = None, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
               progress: bool = True, on_epoch: Optional[Callable[[EpochRecord], None]] = None,
-              wait_for_peers: int = 1, wait_timeout: float = 120.0) -> TrainingHistory:
+              wait_for_peers: int = 1, wait_timeout: float = 120.0,
+              on_restore: Optional[Callable[[RestoreRecord], None]] = None) -> TrainingHistory:
         """Train with the swarm until one of the limits is reached.
 
         Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
@@ -204,21 +241,32 @@ class Volunteer:
         :param max_steps: stop after this many local steps
         :param progress: show a progress bar with loss, global epoch, samples accumulated and peers
         :param on_epoch: called with an EpochRecord each time a global epoch ends
-        :param wait_for_peers: first wait until this many peers (this one included) are ready to train
+        :param wait_for_peers: first wait until this many peers (this one included) are ready to train, unless
+          the swarm is already past its first epoch
         :param wait_timeout: seconds to wait for them before raising SwarmConnectionError
+        :param on_restore: called with a RestoreRecord each time this peer loads (or tries to load) the swarm's
+          state: when it starts behind the swarm, and after a step whose loss or gradients were not finite
+        :raises NonFiniteTrainingError: the model is not finite and no peer can give its state, or the loss stays
+          non-finite for ``max_non_finite_steps`` steps in a row
         """
         if epochs is None and max_epochs is None and max_steps is None:
             raise ValueError("train() needs epochs, max_epochs or max_steps, otherwise it would never stop")
         history = TrainingHistory()
         bar = None
         try:
-            self.catch_up()
+            epoch_before = self.local_epoch
+            if self.catch_up():
+                self._record_restore(history, RestoreRecord(
+                    reason="behind_swarm", problem=f"the swarm was at epoch {self.local_epoch}", loaded=True,
+                    epoch_before=epoch_before, epoch_after=self.local_epoch, local_step=0), on_restore)
             if epochs is not None:
                 max_epochs = self.local_epoch + epochs if max_epochs is None else min(max_epochs,
                                                                                        self.local_epoch + epochs)
             stream = batches(self.stream, self.config.optimizer.batch_size_per_step)
             first_batch = next(stream)  # the data pipeline is warm before the others are told we are ready
-            if wait_for_peers > 1:
+            # a swarm past epoch 0 is already training: a peer that joins or comes back late starts at once (the
+            # others announced themselves when they started, and those records have long expired)
+            if wait_for_peers > 1 and self.optimizer.tracker.global_epoch == 0:
                 present = wait_for_peers_in_swarm(self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout,
                                                   stop=self._stop_requested)
                 logger.info(f"{present} peers are ready to train")
@@ -226,7 +274,8 @@ class Volunteer:
             bar = tqdm(total=max(0, max_epochs - self.local_epoch) if max_epochs is not None else max_steps,
                        disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
                        dynamic_ncols=True)
-            self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch)
+            self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch,
+                            on_restore)
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
             history.interrupted = True
@@ -238,7 +287,8 @@ class Volunteer:
         return history
 
     def _run_steps(self, stream, history: TrainingHistory, bar, max_epochs: Optional[int],
-                   max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]]) -> None:
+                   max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]],
+                   on_restore: Optional[Callable[[RestoreRecord], None]] = None) -> None:
         """The training loop proper: one local step per batch until a limit is reached."""
         epoch_losses: List[float] = []
         epoch_start = time.perf_counter()
@@ -253,6 +303,13 @@ class Volunteer:
             epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
             loss = self.model(**batch).loss
             loss.backward()
+            problem = self._non_finite_step_problem(loss)
+            if problem is not None:
+                self._recover_from_non_finite_step(problem, history, on_restore)
+                # the losses so far belong to the state just replaced
+                epoch_losses, epoch_start = [], time.perf_counter()
+                continue
+            self._non_finite_streak = 0
             self.optimizer.step()  # accumulates; when the swarm has target_batch_size samples, a global step
             self.optimizer.zero_grad()
             history.local_steps += 1
@@ -266,16 +323,101 @@ class Volunteer:
                     seconds=time.perf_counter() - epoch_start)
                 history.epochs.append(record)
                 epoch_losses, epoch_start = [], time.perf_counter()
+                self._publish_metrics(record)
                 if on_epoch is not None:
                     on_epoch(record)
                 if max_epochs is not None:
                     bar.update(self.local_epoch - epoch_before)
+                # a global step changed the parameters: once per epoch, check them (a nan in a row of the
+                # embeddings that no batch has used yet does not show in the loss)
+                problem = self._non_finite_parameters_problem()
+                if problem is not None:
+                    self._recover_from_non_finite_step(problem, history, on_restore)
             if max_epochs is None:
                 bar.update(1)
             swarm = self.global_progress
             bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
                             samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
                             refresh=False)
+
+    # -- non-finite steps -----------------------------------------------------------------------
+
+    def _non_finite_step_problem(self, loss: torch.Tensor) -> Optional[str]:
+        """What is not finite after this local step's backward pass: the loss or the gradients (None: all finite)."""
+        if not torch.isfinite(loss.detach()).all():
+            return f"the loss is {loss.item()}"
+        grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            return "the gradients are not finite"
+        return None
+
+    def _non_finite_parameters_problem(self) -> Optional[str]:
+        """Which of the model's parameters hold nan or inf (None: all finite)."""
+        with torch.no_grad():
+            bad = [name for name, param in self.model.named_parameters() if not torch.isfinite(param).all()]
+        if not bad:
+            return None
+        return f"parameters are not finite: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}"
+
+    def _recover_from_non_finite_step(self, problem: str, history: TrainingHistory,
+                                      on_restore: Optional[Callable[[RestoreRecord], None]] = None) -> None:
+        """Drop this step's gradients (they never reach the optimizer, so they are never averaged with the swarm's)
+        and load the swarm's parameters and optimizer state in place of this peer's.
+
+        If no peer can give its state, training goes on from the local state as long as the parameters are
+        finite (the bad step is simply skipped); with non-finite parameters there is nothing to go on from.
+
+        :raises NonFiniteTrainingError: non-finite parameters and no peer gave its state, or ``max_non_finite_steps``
+          steps in a row were not finite
+        """
+        self.optimizer.zero_grad()
+        history.skipped_steps += 1
+        self._non_finite_streak += 1
+        if self._non_finite_streak > self.max_non_finite_steps:
+            raise NonFiniteTrainingError(
+                f"{problem} for {self._non_finite_streak} local steps in a row, and loading the swarm's state did not "
+                f"help: the fault is likely in the data or the settings (try a lower optimizer.learning_rate)")
+        epoch_before = self.local_epoch
+        logger.warning(f"{problem} after {history.local_steps} local steps (epoch {epoch_before}): dropping this "
+                       f"step's gradients and loading the swarm's parameters and optimizer state")
+        loaded = self.optimizer.load_state_from_peers()
+        record = RestoreRecord(reason="non_finite", problem=problem, loaded=loaded, epoch_before=epoch_before,
+                               epoch_after=self.local_epoch, local_step=history.local_steps)
+        self._record_restore(history, record, on_restore)
+        still_bad = self._non_finite_parameters_problem()
+        if loaded:
+            if still_bad is None:
+                logger.warning(f"loaded the swarm's state (epoch {self.local_epoch}): training goes on")
+            else:  # the next step tries again (another peer may answer), up to max_non_finite_steps times
+                logger.warning(f"the state a peer gave is not finite either ({still_bad}): the swarm may have "
+                               f"diverged")
+            return
+        if still_bad is not None:
+            raise NonFiniteTrainingError(
+                f"{still_bad}, and no peer of run {self.config.swarm.run_id!r} could give its state: restart from a "
+                f"checkpoint (or with peers that train), and consider a lower optimizer.learning_rate")
+        logger.warning("no peer could give its state: this step is skipped, training goes on from the local state "
+                       "(its parameters are finite)")
+
+    @staticmethod
+    def _record_restore(history: TrainingHistory, record: RestoreRecord,
+                        on_restore: Optional[Callable[[RestoreRecord], None]]) -> None:
+        history.restores.append(record)
+        if on_restore is not None:
+            on_restore(record)
+
+    # -- metrics for the monitor -----------------------------------------------------------------
+
+    def _publish_metrics(self, record: EpochRecord) -> None:
+        """Count the epoch's work and publish this peer's metrics record (a failure only logs: training goes on)."""
+        self.metrics.add_work(record.samples, record.seconds)
+        try:
+            self.metrics.publish(epoch=self.local_epoch, loss=record.loss, mini_steps=record.local_steps,
+                                 samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False)
+        except Exception as e:  # the DHT may be shutting down or unreachable for a moment
+            logger.warning(f"could not publish this peer's metrics: {e}")
+
+    # -- the model as it is now -----------------------------------------------------------------
 
     def _apply_pending_update(self) -> None:
         """Wait for an optimizer step running in the background (delayed updates) and apply it to the model."""

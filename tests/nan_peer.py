@@ -1,0 +1,91 @@
+"""A volunteer whose training goes nan, for the fault tests (tests/test_faults.py).
+
+Run as ``python tests/nan_peer.py [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N]
+join OPTIONS...``: the same peer as ``collab-kit join OPTIONS...``, except that its first local training
+step at global epoch E or later that is its K-th step or later goes wrong:
+
+- ``--what parameters`` (default): the token embedding is filled with nan before that step's forward
+  pass, as a numerical blow-up or a memory fault would leave it; every loss after it is nan until the
+  peer loads sound parameters from somewhere;
+- ``--what loss``: that step's loss (and the ``N - 1`` next ones) is multiplied by nan, the parameters
+  are left alone.
+
+It prints ``@event {"type": "fault", ...}`` when it does. Nothing of this is in collab_kit: the
+fault is injected here, by patching the model's forward pass in this process only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List
+
+from collab_kit.local_swarm import PeerProcess
+
+SCRIPT = os.path.abspath(__file__)
+
+
+def start_nan_peer(name: str, args: List[str], log_path: str, at_epoch: int = 0, at_step: int = 1,
+                   what: str = "parameters", steps: int = 1) -> PeerProcess:
+    """Start it as a subprocess (events, deadlines, kill of its whole process group as for any test peer);
+    ``args`` are those of ``collab-kit`` (``["join", "--preset", "tiny", ...]``)."""
+    from byzantine_peer import ScriptPeerProcess
+
+    return ScriptPeerProcess(name, SCRIPT, ["--nan-at-epoch", str(at_epoch), "--nan-at-step", str(at_step),
+                                            "--what", what, "--steps", str(steps), *args], log_path)
+
+
+def main(argv: List[str]) -> int:
+    import torch
+
+    from collab_kit import cli, volunteer
+    from collab_kit.local_swarm import emit_event
+    from collab_kit.model import TextToImageTransformer
+
+    parser = argparse.ArgumentParser(prog="nan_peer.py")
+    parser.add_argument("--nan-at-epoch", type=int, default=0, help="the global epoch at which a step goes wrong")
+    parser.add_argument("--nan-at-step", type=int, default=1, help="and not before this local step")
+    parser.add_argument("--what", choices=("parameters", "loss"), default="parameters")
+    parser.add_argument("--steps", type=int, default=1, help="with --what loss: steps in a row with a nan loss")
+    options, rest = parser.parse_known_args(argv)
+    if not rest or rest[0] != "join":
+        parser.error("expected: [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N] "
+                     "join OPTIONS...")
+
+    the_volunteer = []  # the peer's Volunteer, to read its global epoch
+    original_init = volunteer.Volunteer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        the_volunteer.append(self)
+
+    original_forward = TextToImageTransformer.forward
+    calls, faulty = [0], []  # local training steps so far; the steps that went wrong
+
+    def forward(self, *args, **kwargs):
+        if not self.training:  # sampling, checkpoints: untouched
+            return original_forward(self, *args, **kwargs)
+        calls[0] += 1
+        step, epoch = calls[0], the_volunteer[0].local_epoch
+        if len(faulty) < (1 if options.what == "parameters" else options.steps) and \
+                (faulty or (epoch >= options.nan_at_epoch and step >= options.nan_at_step)):
+            faulty.append(step)
+            emit_event("fault", what=options.what, step=step, epoch=epoch)
+            if options.what == "parameters":
+                with torch.no_grad():
+                    self.text_embedding.weight.fill_(float("nan"))
+            else:
+                output = original_forward(self, *args, **kwargs)
+                output.loss = output.loss * float("nan")
+                return output
+        return original_forward(self, *args, **kwargs)
+
+    volunteer.Volunteer.__init__ = init
+    TextToImageTransformer.forward = forward  # the class Volunteer builds its model from
+    print(f"nan peer: a step at epoch {options.nan_at_epoch} or later, step {options.nan_at_step} or later, goes "
+          f"nan ({options.what})", flush=True)
+    return cli.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
