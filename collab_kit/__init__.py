@@ -15,9 +15,12 @@ _LAZY = {
     "run_demo": "collab_kit.demo",
     "make_synthetic_shards": "collab_kit.data",
     "run_coordinator": "collab_kit.monitor",
+    "Monitor": "collab_kit.monitor",
+    "MonitorSettings": "collab_kit.monitor",
     "generate_images": "collab_kit.generate",
     "save_checkpoint": "collab_kit.checkpoint",
     "load_checkpoint": "collab_kit.checkpoint",
+    "load_latest_checkpoint": "collab_kit.checkpoint",
     "load_vqgan": "collab_kit.vqgan",
     "ClipRanker": "collab_kit.clip_rank",
 }

@@ -2,7 +2,9 @@
 
     collab-kit demo                         a local collaborative run (what `make demo` runs)
     collab-kit join --initial-peers ADDR    train with a swarm as a volunteer
-    collab-kit monitor                      start a swarm's first peer and watch its progress
+    collab-kit monitor                      the swarm's first peer: run history, leaderboard, checkpoints
+    collab-kit dashboard --db PATH --out FILE.html
+                                            the monitor's database as a static page: plots and leaderboard
     collab-kit auth-server --organization ORG
                                             let the members of a Hugging Face organization join a run
     collab-kit model-info --preset paper    the model's shape and parameter counts (no memory needed)
@@ -92,7 +94,7 @@ def command_demo(args: argparse.Namespace) -> int:
 def command_join(args: argparse.Namespace) -> int:
     from collab_kit.local_swarm import emit_event
     from collab_kit.swarm import SwarmConnectionError, join_addresses
-    from collab_kit.volunteer import Volunteer
+    from collab_kit.volunteer import NonFiniteTrainingError, Volunteer
 
     config = build_config(args)
     if args.epochs is None and args.max_epochs is None and args.max_steps is None:
@@ -109,9 +111,17 @@ def command_join(args: argparse.Namespace) -> int:
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
         on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
-        history = volunteer.train(epochs=args.epochs, max_epochs=args.max_epochs, max_steps=args.max_steps,
-                                  progress=not args.no_progress, on_epoch=on_epoch,
-                                  wait_for_peers=args.wait_for_peers)
+        on_restore = (lambda record: emit_event("restore", **record.to_dict())) if args.events else None
+        if args.events:  # the moment a gradient all-reduce is under way (tests kill peers in the middle of one)
+            def on_averaging_start(epoch: int, stage: str):
+                emit_event("averaging", epoch=epoch, stage=stage)
+            volunteer.optimizer.on_averaging_start = on_averaging_start
+        try:
+            history = volunteer.train(epochs=args.epochs, max_epochs=args.max_epochs, max_steps=args.max_steps,
+                                      progress=not args.no_progress, on_epoch=on_epoch,
+                                      wait_for_peers=args.wait_for_peers, on_restore=on_restore)
+        except NonFiniteTrainingError as e:
+            raise CommandError(str(e)) from None
         if args.save_params:
             import torch
 
@@ -121,29 +131,40 @@ def command_join(args: argparse.Namespace) -> int:
         if args.events:
             emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
                        local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
-                       interrupted=history.interrupted)
+                       interrupted=history.interrupted, skipped_steps=history.skipped_steps)
     print(f"join: {history.summary()}", flush=True)
     return 130 if history.interrupted else 0
 
 
 def command_monitor(args: argparse.Namespace) -> int:
+    from collab_kit.auth import AuthorizationError
     from collab_kit.local_swarm import emit_event
-    from collab_kit.monitor import run_coordinator
+    from collab_kit.monitor import Monitor, MonitorError, MonitorSettings
+    from collab_kit.swarm import SwarmConnectionError
 
     config = build_config(args)
-    on_ready = None
-    if args.events:
-        def on_ready(dht):
-            from collab_kit.swarm import join_addresses
-
-            emit_event("ready", peer_id=str(dht.peer_id), addresses=join_addresses(dht))
-    from collab_kit.auth import AuthorizationError
-
+    settings = MonitorSettings(
+        db_path=args.db or None, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
+        keep_last=args.keep, push_to=args.push_to, poll_every=args.poll_every, wandb_project=args.wandb_project,
+        backoff_initial=args.backoff, backoff_max=args.backoff_max, download_timeout=args.download_timeout,
+        address_file=args.address_file)
     try:
-        run_coordinator(config.swarm, address_file=args.address_file, report_every=args.report_every,
-                        on_ready=on_ready)
-    except AuthorizationError as e:
+        monitor = Monitor(config, settings, on_event=emit_event if args.events else None)
+    except (AuthorizationError, MonitorError, SwarmConnectionError) as e:
         raise CommandError(str(e)) from None
+    with monitor:
+        monitor.run()
+    return 0
+
+
+def command_dashboard(args: argparse.Namespace) -> int:
+    from collab_kit.dashboard import load, write_page
+
+    out = args.out or os.path.join(os.path.dirname(args.db), "dashboard.html")
+    data = load(args.db)  # a missing file: an error that says how to get one (collab-kit monitor --db)
+    write_page(data, out, title=args.title, loss_x=args.loss_x, max_contributors=args.max_contributors)
+    print(f"dashboard: {data.summary()}", flush=True)
+    print(f"dashboard written to {out}", flush=True)
     return 0
 
 
@@ -295,11 +316,55 @@ def make_parser() -> argparse.ArgumentParser:
                       help="save the final model and its configuration here (a checkpoint generate_images reads)")
     join.set_defaults(handler=command_join)
 
-    monitor = commands.add_parser("monitor", help="start the swarm's first peer and report its progress")
+    monitor = commands.add_parser(
+        "monitor", help="the swarm's first peer: watches the run, keeps its history and leaderboard, saves checkpoints",
+        description="Start the swarm's first peer (volunteers join through it). It trains nothing: it polls the "
+                    "training peers' metrics in the DHT, stores the loss, alive peers, throughput and the "
+                    "contributors' leaderboard in SQLite (--db, what `collab-kit dashboard` draws), and every "
+                    "--checkpoint-every global epochs downloads the swarm's state from a peer and saves it as "
+                    "CHECKPOINTS/epoch-NNNNNN (the newest --keep are kept; --push-to also uploads them). Started "
+                    "again with the same --db and --checkpoints, it goes on where it was (pass --initial-peers of "
+                    "a volunteer to rejoin a swarm that went on without it).")
     _add_swarm_options(monitor)
     monitor.add_argument("--address-file", help="also write the join addresses to this file")
-    monitor.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines")
+    monitor.add_argument("--poll-every", "--report-every", dest="poll_every", type=float, default=10.0,
+                         metavar="SECONDS", help="seconds between two readings of the swarm (default: 10)")
+    monitor.add_argument("--db", default=os.path.join("monitor", "run.sqlite"), metavar="PATH",
+                         help="SQLite file of the run's history and leaderboard, continued if it exists "
+                              "(default: monitor/run.sqlite; '' for none)")
+    monitor.add_argument("--checkpoints", default=os.path.join("monitor", "checkpoints"), metavar="FOLDER",
+                         help="where checkpoints go, one folder per global epoch (default: monitor/checkpoints)")
+    monitor.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
+                         help="save the swarm's state every K global epochs (default: 10; 0: never)")
+    monitor.add_argument("--keep", type=int, default=3, metavar="N", help="checkpoints to keep (default: 3)")
+    monitor.add_argument("--push-to", metavar="REPO",
+                         help="also upload each checkpoint to this Hugging Face model repository (user/name)")
+    monitor.add_argument("--wandb-project", default=os.environ.get("WANDB_PROJECT") or None, metavar="NAME",
+                         help="also log each poll to Weights & Biases (needs `pip install wandb`; "
+                              "default: $WANDB_PROJECT)")
+    monitor.add_argument("--backoff", type=float, default=5.0, metavar="SECONDS",
+                         help="wait before retrying a failed state download, doubled each time (default: 5)")
+    monitor.add_argument("--backoff-max", type=float, default=300.0, metavar="SECONDS",
+                         help="the longest wait between two retries (default: 300)")
+    monitor.add_argument("--download-timeout", type=float, default=300.0, metavar="SECONDS",
+                         help="give up one state download after this long (default: 300)")
     monitor.set_defaults(handler=command_monitor)
+
+    board = commands.add_parser(
+        "dashboard", help="the monitor's database as one static HTML page: loss, peers, throughput, leaderboard",
+        description="Draw what `collab-kit monitor --db PATH` recorded (loss, alive peers, throughput, the "
+                    "contributors' leaderboard, checkpoints) into one HTML file with its plots embedded: no "
+                    "JavaScript, no other file. Safe to run while the monitor writes the database; run it again "
+                    "(by hand or from cron) to refresh the page.")
+    board.add_argument("--db", default=os.path.join("monitor", "run.sqlite"), metavar="PATH",
+                       help="the monitor's database (default: monitor/run.sqlite)")
+    board.add_argument("--out", metavar="FILE.html", help="the page to write (default: dashboard.html beside --db)")
+    board.add_argument("--title", default="collab_kit run", help="the page's heading (default: collab_kit run)")
+    board.add_argument("--loss-x", choices=("time", "epoch"), default="time",
+                       help="the loss curve's x axis (default: time)")
+    board.add_argument("--max-contributors", type=int, default=200, metavar="N",
+                       help="leaderboard rows shown (default: 200)")
+    board.set_defaults(handler=command_dashboard)
 
     auth = commands.add_parser(
         "auth-server", help="let the members of a Hugging Face organization join a run (signs access tokens)",

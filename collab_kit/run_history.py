@@ -12,6 +12,7 @@ writes it, which SQLite's WAL mode allows):
     peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen)
         the last counters seen from each signed record, so that only their growth is credited
     checkpoints(epoch, path, time, pushed_to)                            checkpoints the monitor wrote
+    run(key, value)                                                      the run id the file belongs to
 
 Every poll is one transaction: a monitor killed at any moment leaves the file as it was after the
 last complete poll, and a restarted monitor goes on from there (no leaderboard row is lost, no
@@ -42,6 +43,7 @@ CREATE TABLE IF NOT EXISTS peers (
     compute_seconds REAL NOT NULL, last_seen REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS checkpoints (
     epoch INTEGER PRIMARY KEY, path TEXT NOT NULL, time REAL NOT NULL, pushed_to TEXT);
+CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
@@ -69,9 +71,12 @@ class RunHistory:
 
     :param path: the database file
     :param read_only: open for reading only (the dashboard): never creates or changes the file
+    :param run_id: the run this history is of: recorded in a new file, checked in an existing one (two runs'
+      points in one file would draw one meaningless curve)
+    :raises ValueError: the file holds another run's history
     """
 
-    def __init__(self, path: str, read_only: bool = False):
+    def __init__(self, path: str, read_only: bool = False, run_id: Optional[str] = None):
         self.path = path
         if read_only:
             if not os.path.exists(path):
@@ -86,6 +91,28 @@ class RunHistory:
             self._connection.execute("PRAGMA synchronous=FULL")  # a committed poll survives a power cut
             self._connection.executescript(SCHEMA)
         self._lock = threading.Lock()
+        if run_id is not None and not read_only:
+            self._claim(run_id)
+
+    def _claim(self, run_id: str) -> None:
+        with self._lock, self._connection:
+            row = self._connection.execute("SELECT value FROM run WHERE key = 'run_id'").fetchone()
+            if row is None:
+                self._connection.execute("INSERT INTO run (key, value) VALUES ('run_id', ?)", (run_id,))
+        if row is not None and row[0] != run_id:
+            self._connection.close()
+            raise ValueError(f"{self.path!r} holds the history of run {row[0]!r}, not of {run_id!r}: give this "
+                                 f"run a database of its own (--db), or use --run-id {row[0]} to continue that run")
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The run this file belongs to (None for a file written without one)."""
+        with self._lock:
+            try:
+                row = self._connection.execute("SELECT value FROM run WHERE key = 'run_id'").fetchone()
+            except sqlite3.OperationalError:  # a file from before the table existed, opened read-only
+                return None
+        return row[0] if row else None
 
     def close(self) -> None:
         self._connection.close()

@@ -45,11 +45,15 @@ def start_peer(tmp_path):
 
 
 @pytest.fixture
-def first_peer(start_peer):
-    """A running first peer (coordinator) for the tiny preset; returns (peer, its join addresses)."""
+def first_peer(start_peer, tmp_path):
+    """A running first peer (coordinator) for the tiny preset; returns (peer, its join addresses).
+
+    Its database goes to the test's folder; it saves no checkpoints (tests/test_monitor.py tests those).
+    """
     def launch(run_id: str):
         peer = start_peer("first-peer", "monitor", "--preset", "tiny", "--run-id", run_id,
-                          "--host", "127.0.0.1", "--events", "--report-every", "2")
+                          "--host", "127.0.0.1", "--events", "--report-every", "2",
+                          "--db", str(tmp_path / "monitor.sqlite"), "--checkpoint-every", "0")
         ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")
         return peer, ready["addresses"]
     return launch

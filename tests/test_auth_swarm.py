@@ -13,6 +13,7 @@ from test_auth_server import ORG, AuthServerProcess
 
 from collab_kit.auth_server import JoinLedger
 from collab_kit.local_swarm import PeerProcess
+from collab_kit.run_history import RunHistory
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,9 @@ def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_pa
         try:
             common = ["--preset", "tiny", "--run-id", "authswarm", "--host", "127.0.0.1", "--events",
                       "--set", f"swarm.auth_server={server.url}"]
-            first = start("first-peer", ["monitor", *common, "--report-every", "2"], alice)
+            history_path = str(tmp_path / "monitor.sqlite")
+            first = start("first-peer", ["monitor", *common, "--report-every", "2", "--db", history_path,
+                                         "--checkpoint-every", "0"], alice)
             addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
             join = ["join", *common, "--initial-peers", *addresses, "--data", tiny_shards, "--wait-for-peers", "2",
                     "--threads", "1", "--no-progress"]
@@ -62,6 +65,10 @@ def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_pa
                 losses = [e["loss"] for e in volunteer.events if e["type"] == "epoch"]
                 assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
             assert seconds > 30, f"training took {seconds:.0f} s: too short to outlive a token"
+            # the monitor credits the members by their verified usernames (their bindings prove who holds each key)
+            with RunHistory(history_path, read_only=True) as history:
+                names = {row.name for row in history.leaderboard()}
+            assert {"alice", "bob"} <= names and "eve" not in names, names
             # every peer's processes came back for new tokens while training went on
             ledger = JoinLedger(str(tmp_path / "auth.sqlite3"))
             try:

@@ -65,3 +65,15 @@ def test_a_reader_needs_an_existing_file_and_cannot_write(tmp_path):
         assert reader.series() == [] and reader.leaderboard() == []
         with pytest.raises(sqlite3.OperationalError):
             reader.record(point(1.0), [])
+
+
+def test_a_file_belongs_to_one_run(tmp_path):
+    path = str(tmp_path / "run.sqlite")
+    with RunHistory(path, run_id="run_a") as history:
+        history.record(point(1.0), [])
+    with RunHistory(path, run_id="run_a") as again:  # the same run continues
+        assert again.run_id == "run_a" and len(again.series()) == 1
+    with pytest.raises(ValueError, match="holds the history of run 'run_a', not of 'run_b'.*--db"):
+        RunHistory(path, run_id="run_b")
+    with RunHistory(path, read_only=True) as reader:
+        assert reader.run_id == "run_a" and len(reader.series()) == 1
