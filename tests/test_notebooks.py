@@ -4,6 +4,7 @@ A notebook is tested with tiny parameters against real peers on 127.0.0.1; what 
 summary written to SUMMARY_PATH, and its cell outputs) is checked, not just that it ran.
 """
 import ast
+import html
 import json
 import math
 import os
@@ -15,10 +16,12 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 JOIN = NOTEBOOKS / "join.ipynb"
+DASHBOARD = NOTEBOOKS / "dashboard.ipynb"
 
 # the parameters each notebook's test passes: the committed notebook must still define every one of them
 JOIN_PARAMETERS = ("INITIAL_PEERS", "RUN_ID", "PRESET", "MAX_EPOCHS", "DATA_SHARDS", "SYNTHETIC_SAMPLES", "HOST",
                    "NUM_THREADS", "WAIT_FOR_PEERS", "OPTIMIZER_SETTINGS", "SUMMARY_PATH")
+DASHBOARD_PARAMETERS = ("DB_PATH", "LOSS_X", "PAGE_PATH", "TITLE")
 # the tiny model steps in milliseconds: a larger target batch makes a global epoch last long enough for
 # the two peers' progress reports to meet in the DHT before either takes a step alone (as in
 # test_swarm_training.py)
@@ -43,9 +46,9 @@ def test_committed_notebook_is_clean_and_parameterized(path):
     tagged = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
     assert len(tagged) == 1 and tagged[0].cell_type == "code", \
         f"{path.name}: needs exactly one code cell tagged 'parameters' (papermill injects test values after it)"
-    if path == JOIN:
-        missing = set(JOIN_PARAMETERS) - parameter_names(notebook)
-        assert not missing, f"the parameters cell of {path.name} no longer defines {sorted(missing)}"
+    expected = {JOIN: JOIN_PARAMETERS, DASHBOARD: DASHBOARD_PARAMETERS}.get(path, ())
+    missing = set(expected) - parameter_names(notebook)
+    assert not missing, f"the parameters cell of {path.name} no longer defines {sorted(missing)}"
 
 
 @pytest.fixture
@@ -116,3 +119,27 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     assert "To join this swarm:" in text and "/ip4/127.0.0.1/tcp/" in text
     assert f"epochs {summary['start_epoch']}->{summary['final_epoch']}: loss" in text
     assert any("image/png" in output.get("data", {}) for cell in executed.cells for output in cell.get("outputs", []))
+
+
+@pytest.mark.timeout(300)
+def test_dashboard_notebook_draws_the_monitors_database(tmp_path, python3_kernel):
+    import papermill
+
+    from example_history import NAMES, write_example_history
+
+    db_path, page_path, output_path = tmp_path / "run.sqlite", tmp_path / "page.html", tmp_path / "dashboard.out.ipynb"
+    write_example_history(str(db_path))  # a run as the monitor records it: 24 polls, 5 contributors
+    parameters = dict(DB_PATH=str(db_path), LOSS_X="epoch", PAGE_PATH=str(page_path), TITLE="notebook test")
+    assert set(parameters) == set(DASHBOARD_PARAMETERS)
+    papermill.execute_notebook(str(DASHBOARD), str(output_path), parameters=parameters, kernel_name=python3_kernel,
+                               cwd=str(tmp_path), progress_bar=False, start_timeout=120, execution_timeout=120)
+
+    executed = nbformat.read(str(output_path), as_version=4)
+    outputs = [output for cell in executed.cells for output in cell.get("outputs", [])]
+    assert "epoch 23, 5 alive peers, 91.3 samples/s" in cell_texts(executed)
+    assert any("image/png" in output.get("data", {}) for output in outputs), "no plot was displayed"
+    tables = "\n".join(output.get("data", {}).get("text/html", "") for output in outputs)
+    assert "alice" in tables and "&lt;script&gt;" in tables and "<script>" not in tables, "the leaderboard is missing"
+    page = page_path.read_text()
+    assert "<title>notebook test</title>" in page and page.count("data:image/png;base64,") == 3
+    assert all(html.escape(name) in page for name in NAMES)
