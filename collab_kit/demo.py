@@ -142,6 +142,15 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     threads = max(1, (os.cpu_count() or 2) // num_volunteers)
     settings = [argument for assignment in overrides for argument in ("--set", assignment)]
     checkpoint = os.path.join(output_dir if output_dir is not None else workdir, "model") if toy_world else None
+    # the first peer is the run's monitor: its history (loss, peers, throughput, leaderboard) and the swarm's
+    # checkpoints go beside the other outputs, and the dashboard page is drawn from that history at the end
+    monitor_dir = output_dir if output_dir is not None else workdir
+    monitor_db = os.path.join(monitor_dir, "monitor.sqlite")
+    for stale in (monitor_db, monitor_db + "-wal", monitor_db + "-shm"):  # a new run gets a new history
+        if os.path.exists(stale):
+            os.remove(stale)
+    monitor_checkpoints = os.path.join(monitor_dir, "checkpoints")
+    shutil.rmtree(monitor_checkpoints, ignore_errors=True)
 
     peers: List[PeerProcess] = []
     succeeded = False
@@ -149,7 +158,10 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
         print(f"demo: starting the first peer and {num_volunteers} volunteers on 127.0.0.1 "
               f"(preset {preset}, logs in {workdir})", flush=True)
         first = PeerProcess("first peer", ["monitor", "--preset", preset, "--run-id", run_id, "--host", "127.0.0.1",
-                                           "--address-file", address_file, "--events", *settings],
+                                           "--address-file", address_file, "--events", "--poll-every", "2",
+                                           "--db", monitor_db, "--checkpoints", monitor_checkpoints,
+                                           "--checkpoint-every", str(max(1, epochs // 3)), "--keep", "2",
+                                           *settings],
                             os.path.join(workdir, "first_peer.log"))
         peers.append(first)
         try:
@@ -214,6 +226,7 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
             peer.kill()
         if output_dir is not None:
             result.outputs["loss"] = plot_losses(losses, os.path.join(output_dir, "loss.png"))
+            result.outputs["dashboard"] = write_dashboard(monitor_db, os.path.join(output_dir, "dashboard.html"))
         if toy_world:
             if not os.path.exists(os.path.join(checkpoint, "model.safetensors")):
                 raise DemoFailed(f"volunteer 1 finished but left no checkpoint in {checkpoint}; see "
@@ -232,6 +245,15 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
             peer.kill()
         if succeeded and own_workdir and not keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def write_dashboard(monitor_db: str, path: str) -> str:
+    """The dashboard page (collab_kit.dashboard) of what the demo's monitor recorded."""
+    from collab_kit.dashboard import write_page
+
+    if not os.path.exists(monitor_db):
+        raise DemoFailed(f"the first peer wrote no history to {monitor_db}: see its log")
+    return write_page(monitor_db, path, title="collab_kit demo", loss_x="epoch")
 
 
 # sample among the 32 most likely of the 512 codes: the paper's top-k of 256 among 8192 is a smaller share

@@ -30,6 +30,15 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     assert (tmp_path / "volunteer_1.log").exists() and (tmp_path / "first_peer.log").exists()
     assert Image.open(tmp_path / "out" / "loss.png").size == (700, 400)
     assert not (tmp_path / "out" / "samples.png").exists()
+    # the first peer was the run's monitor: both volunteers are on its leaderboard, and on the dashboard page
+    from collab_kit.run_history import RunHistory
+
+    with RunHistory(str(tmp_path / "out" / "monitor.sqlite"), read_only=True) as history:
+        board, series = history.leaderboard(), history.series()
+    assert len(board) == 2 and all(row.samples > 0 for row in board), board
+    assert max(point.alive_peers for point in series) == 2 and max(point.epoch for point in series) >= 1
+    page = (tmp_path / "out" / "dashboard.html").read_text()
+    assert all(row.name in page for row in board) and page.count("data:image/png;base64,") == 3
 
 
 def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
@@ -55,6 +64,14 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     sheet = Image.open(out / "samples.png")
     assert sheet.size[0] >= 4 * 128 and sheet.size[1] == len(DEMO_PROMPTS) * (22 + 128 + 6)
     assert Image.open(out / "loss.png").size == (700, 400)
+    # the monitor saved the swarm's state along the way (every 20 epochs, the newest 2 kept) and drew the page
+    from collab_kit.checkpoint import load_latest_checkpoint
+    from collab_kit.run_history import RunHistory
+
+    with RunHistory(str(out / "monitor.sqlite"), read_only=True) as history:
+        assert len(history.leaderboard()) == 2 and history.checkpoints(), history.checkpoints()
+    assert (out / "dashboard.html").exists()
+    load_latest_checkpoint(str(out / "checkpoints"))
     # the saved model draws the same pictures again from the same seed, and its colours score the same
     again = draw_toy_samples(str(out / "model"), DEMO_PROMPTS, str(tmp_path / "again.png"))
     assert again == pytest.approx(float(color_match), abs=1e-3), (again, summaries)
