@@ -39,9 +39,12 @@ demo: $(STAMP)
 
 # the dashboard's screenshot test renders its page in headless Chromium (Debian's package), installed here
 # where missing (as root, as in CI containers)
+# root installs directly; anyone else through sudo, without a password prompt (-n)
+AS_ROOT := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium for the dashboard's screenshot test"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 		{ echo "could not install chromium: install it as root (apt-get install chromium), then run make test again"; exit 1; }
 
 test: $(STAMP) chromium
