@@ -18,6 +18,7 @@ _LAZY = {
     "Monitor": "collab_kit.monitor",
     "MonitorSettings": "collab_kit.monitor",
     "generate_images": "collab_kit.generate",
+    "load_for_inference": "collab_kit.inference",
     "save_checkpoint": "collab_kit.checkpoint",
     "load_checkpoint": "collab_kit.checkpoint",
     "load_latest_checkpoint": "collab_kit.checkpoint",

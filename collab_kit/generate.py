@@ -143,7 +143,8 @@ def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
     :param seed: for the same images again
     :param columns: of the grid (default: as square as possible)
     :param progress: show progress bars
-    :returns: a PIL image; ``grid.info["clip_scores"]`` holds the kept images' scores, best first
+    :returns: a PIL image; ``grid.info["clip_scores"]`` holds the kept images' scores, best first, and
+      ``grid.info["candidate_scores"]`` the scores of all ``n`` drawn images, in the order they were drawn
     """
     if not isinstance(keep, int) or not 1 <= keep <= n:
         raise ValueError(f"keep={keep!r} is not allowed: expected a number of images between 1 and n={n}")
@@ -151,15 +152,20 @@ def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
     images = draw_images(prompt, n, model=model, vqgan=vqgan, tokenizer=tokenizer, temperature=temperature,
                          top_k=top_k, top_p=top_p, batch_size=batch_size, seed=seed, progress=progress)
     if ranker is None:
-        kept, scores = images[:keep], None
+        kept, scores, candidate_scores = images[:keep], None, None
     else:
         if progress:
             logger.info(f"ranking {n} images with CLIP")
-        kept, scores, _ = ranker.rank(prompt, images, keep=keep)
+        # rank all n (best first), keep the first `keep`: the scores of every candidate come back too
+        ranked, ranked_scores, order = ranker.rank(prompt, images, keep=n)
+        kept, scores = ranked[:keep], ranked_scores[:keep]
+        candidate_scores = torch.empty_like(ranked_scores).scatter_(0, order, ranked_scores)  # drawing order
     from collab_kit.vqgan import images_to_pil
 
     grid = image_grid(images_to_pil(kept), columns)
     grid.info["clip_scores"] = None if scores is None else [float(s) for s in scores]
+    # every drawn image's score, in the order they were drawn (None without a ranker)
+    grid.info["candidate_scores"] = None if candidate_scores is None else [float(s) for s in candidate_scores]
     grid.info["prompt"] = prompt
     grid.info["images"] = images_to_pil(kept)  # the kept images one by one, best first
     return grid
