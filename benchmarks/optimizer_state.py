@@ -12,6 +12,7 @@ from typing import Dict, List
 import torch
 
 from benchmarks import common
+from collab_kit.memory import optimizer_state_bytes
 
 TITLE = "Optimizer state: 8-bit LAMB / 32-bit LAMB"
 HOW = """
@@ -27,19 +28,6 @@ The kit's `collab_kit.optim.LAMB8bit` keeps bitsandbytes' blockwise 8-bit Adam s
 LAMB's trust ratio itself (bitsandbytes 0.50's own `LAMB8bit` does not in its 8-bit update); the
 trust ratio needs no stored state, so this figure is the statistics' memory.
 """
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct tensors in ``optimizer.state``."""
-    seen, total = set(), 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.numel(), value.dtype)
-                if key not in seen:
-                    seen.add(key)
-                    total += value.numel() * value.element_size()
-    return total
 
 
 def measure(preset: str = "small", batch_size: int = 16) -> Dict[str, float]:
@@ -62,7 +50,7 @@ def measure(preset: str = "small", batch_size: int = 16) -> Dict[str, float]:
             param.grad = source.grad.clone()  # deepcopy leaves .grad out
         optimizer = make_optimizer(parameter_groups(replica, opt_config.weight_decay))
         optimizer.step()
-        return state_bytes(optimizer)
+        return optimizer_state_bytes(optimizer)
 
     eight_bit = one_step(lambda groups: make_lamb8bit(groups, opt_config))
     fp32 = one_step(lambda groups: bnb.optim.LAMB(groups, lr=opt_config.learning_rate, betas=opt_config.betas,
