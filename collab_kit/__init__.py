@@ -24,6 +24,9 @@ _LAZY = {
     "load_latest_checkpoint": "collab_kit.checkpoint",
     "load_vqgan": "collab_kit.vqgan",
     "ClipRanker": "collab_kit.clip_rank",
+    "login": "collab_kit.auth",
+    "run_preflight": "collab_kit.preflight",
+    "LiveView": "collab_kit.live_view",
 }
 
 

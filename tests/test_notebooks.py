@@ -19,8 +19,9 @@ JOIN = NOTEBOOKS / "join.ipynb"
 DASHBOARD = NOTEBOOKS / "dashboard.ipynb"
 
 # the parameters each notebook's test passes: the committed notebook must still define every one of them
-JOIN_PARAMETERS = ("INITIAL_PEERS", "RUN_ID", "PRESET", "MAX_EPOCHS", "DATA_SHARDS", "SYNTHETIC_SAMPLES", "HOST",
-                   "NUM_THREADS", "WAIT_FOR_PEERS", "OPTIMIZER_SETTINGS", "SUMMARY_PATH")
+JOIN_PARAMETERS = ("INITIAL_PEERS", "RUN_ID", "AUTH_SERVER", "PRESET", "MAX_EPOCHS", "MAX_STEPS", "DATA_SHARDS",
+                   "SYNTHETIC_SAMPLES", "LOCAL_SWARM", "NUM_THREADS", "WAIT_FOR_PEERS", "OPTIMIZER_SETTINGS",
+                   "SUMMARY_PATH")
 DASHBOARD_PARAMETERS = ("DB_PATH", "LOSS_X", "PAGE_PATH", "TITLE")
 # the tiny model steps in milliseconds: a larger target batch makes a global epoch last long enough for
 # the two peers' progress reports to meet in the DHT before either takes a step alone (as in
@@ -90,9 +91,10 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     other.wait_for(lambda e: e["type"] == "ready", timeout=90, what="that it joined the swarm")
 
     summary_path, output_path = tmp_path / "summary.json", tmp_path / "join.out.ipynb"
-    parameters = dict(INITIAL_PEERS=addresses, RUN_ID=run_id, PRESET="tiny", MAX_EPOCHS=max_epochs,
-                      DATA_SHARDS="", SYNTHETIC_SAMPLES=512, HOST="127.0.0.1", NUM_THREADS=1, WAIT_FOR_PEERS=2,
-                      OPTIMIZER_SETTINGS=dict(target_batch_size=TARGET_BATCH_SIZE), SUMMARY_PATH=str(summary_path))
+    parameters = dict(INITIAL_PEERS=addresses, RUN_ID=run_id, AUTH_SERVER="", PRESET="tiny", MAX_EPOCHS=max_epochs,
+                      MAX_STEPS=None, DATA_SHARDS="", SYNTHETIC_SAMPLES=512, LOCAL_SWARM=True, NUM_THREADS=1,
+                      WAIT_FOR_PEERS=2, OPTIMIZER_SETTINGS=dict(target_batch_size=TARGET_BATCH_SIZE),
+                      SUMMARY_PATH=str(summary_path))
     assert set(parameters) == set(JOIN_PARAMETERS)
     try:
         papermill.execute_notebook(str(JOIN), str(output_path), parameters=parameters, kernel_name=python3_kernel,
@@ -113,12 +115,23 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     done = other.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
     assert done["final_epoch"] >= max_epochs and done["averaged_rounds"] >= 1, done
 
-    # what a volunteer sees: the join line, the loss plot and the summary
+    # the preflight ran for real on this machine, found nothing to stop for, and chose the settings the peer used
+    checks = {finding["check"]: finding["status"] for finding in summary["preflight"]}
+    assert {"gpu", "memory", "disk", "bitsandbytes", "swarm", "reachability"} <= set(checks), checks
+    assert "problem" not in checks.values() and checks["swarm"] == "ok", summary["preflight"]
+    assert summary["micro_batch"] >= 1 and not summary["client_mode"]  # LOCAL_SWARM: peers on 127.0.0.1 dial it
+    assert summary["contributed_samples"] == sum(e["samples"] for e in epochs) > 0
+
+    # what a volunteer sees: the preflight, the join line, the live view, the loss plot and the summary
     executed = nbformat.read(str(output_path), as_version=4)
     text = cell_texts(executed)
+    assert "ready to train" in text and "chosen for this machine: micro-batch" in text
     assert "To join this swarm:" in text and "/ip4/127.0.0.1/tcp/" in text
+    assert f"you contributed {summary['contributed_samples']} samples" in text
     assert f"epochs {summary['start_epoch']}->{summary['final_epoch']}: loss" in text
-    assert any("image/png" in output.get("data", {}) for cell in executed.cells for output in cell.get("outputs", []))
+    pictures = [index for index, cell in enumerate(executed.cells) for output in cell.get("outputs", [])
+                if "image/png" in output.get("data", {})]
+    assert len(set(pictures)) >= 2, "the live view and the loss plot should both be drawn"
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,138 @@
+"""collab_kit.preflight: each problem a volunteer can meet is forced, and must be named with what to do.
+
+The facts of this machine are read for real (gather_facts); a case this machine does not have (a GPU too
+small, a full disk) is forced by changing the facts the checks judge. Reachability is tried for real on
+127.0.0.1: a DHT that answers, a port where nothing listens.
+"""
+import dataclasses
+import socket
+
+import pytest
+
+from collab_kit import get_preset
+from collab_kit.preflight import (GIB, NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
+                                  gather_facts, run_preflight)
+
+
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory):
+    return gather_facts(str(tmp_path_factory.mktemp("disk")))
+
+
+def finding(report, check, device=None):
+    [found] = [f for f in report.findings if f.check == check and (device is None or device in f.message)]
+    return found
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 where nothing listens (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_this_machine_is_read_for_real(facts):
+    import psutil
+    import torch
+
+    assert facts.ram_bytes == psutil.virtual_memory().total
+    assert 0 < facts.ram_available_bytes <= facts.ram_bytes
+    assert facts.disk_free_bytes > 0
+    assert (facts.gpu_name is not None) == torch.cuda.is_available()
+    assert all(not address.startswith("127.") for address in facts.addresses)
+
+
+def test_a_cpu_machine_is_ready_for_the_tiny_preset(facts):
+    config = get_preset("tiny", swarm=dict(host="127.0.0.1"))
+    report = run_preflight(config, facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None))
+    assert report.ok, str(report)
+    assert str(report).splitlines()[-1] == "ready to train"
+    assert finding(report, "gpu").status == NOTE  # no GPU: fine for tiny
+    assert finding(report, "bitsandbytes").status == OK  # a real 8-bit Adam step on this CPU
+    chosen = report.apply(config)
+    assert chosen.optimizer.batch_size_per_step == report.recommendation.micro_batch >= 1
+    assert chosen.model.reversible == report.recommendation.checkpointing
+    assert chosen.model.hidden_size == config.model.hidden_size  # the weights' shape is the run's, untouched
+
+
+def test_no_gpu_for_the_paper_preset_is_a_problem_that_says_where_to_get_one(facts):
+    report = run_preflight(get_preset("paper"), facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None),
+                           check_peers=False)
+    gpu = finding(report, "gpu")
+    assert gpu.status == PROBLEM and "no GPU" in gpu.message
+    assert "Change runtime type" in gpu.advice and "Kaggle" in gpu.advice
+    assert not report.ok and "PROBLEM gpu" in str(report)
+
+
+def test_a_gpu_too_small_for_the_model_is_named_with_the_memory_it_has(facts):
+    small_gpu = dataclasses.replace(facts, gpu_name="a 1 GiB GPU", gpu_memory_bytes=1 * GIB)
+    report = run_preflight(get_preset("paper"), facts=small_gpu, check_peers=False)
+    memory = finding(report, "memory")
+    assert memory.status == PROBLEM and "too little GPU memory" in memory.message
+    assert memory.advice
+    assert not report.recommendation.fits
+    # the same run on a large GPU fits
+    large = run_preflight(get_preset("paper"), check_peers=False,
+                          facts=dataclasses.replace(facts, gpu_name="an 80 GiB GPU", gpu_memory_bytes=80 * GIB,
+                                                    ram_available_bytes=64 * GIB))
+    assert finding(large, "memory").status == OK
+    assert large.recommendation.micro_batch >= 1
+
+
+def test_too_little_ram_or_disk_is_named(facts):
+    starved = dataclasses.replace(facts, gpu_name="an 80 GiB GPU", gpu_memory_bytes=80 * GIB,
+                                  ram_available_bytes=256 * 1024 ** 2, disk_free_bytes=10 * 1024 ** 2)
+    report = run_preflight(get_preset("paper"), facts=starved, check_peers=False)
+    ram, disk = finding(report, "ram"), finding(report, "disk")
+    assert ram.status == PROBLEM and "too little RAM" in ram.message and ram.advice
+    assert disk.status == PROBLEM and "too little disk space" in disk.message and "Free some space" in disk.advice
+    # on a CPU the RAM is where the model trains: too little of it is the memory problem
+    cpu_only = run_preflight(get_preset("small"), check_peers=False,
+                             facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None,
+                                                       ram_available_bytes=1024 ** 2))
+    assert finding(cpu_only, "memory").status == PROBLEM and "RAM" in finding(cpu_only, "memory").message
+
+
+def test_bitsandbytes_that_cannot_step_on_a_device_is_a_problem():
+    # the meta device holds no data: a real 8-bit step fails there, as it does on a GPU whose CUDA
+    # library bitsandbytes cannot load
+    broken = check_bitsandbytes("meta")
+    assert broken.status == PROBLEM and "does not work on meta" in broken.message and "pip install" in broken.advice
+    assert check_bitsandbytes("meta", needed=False).status == NOTE
+
+
+def test_an_unreachable_swarm_is_named_and_a_live_one_answers():
+    import hivemind
+
+    dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    unreachable = check_swarm([dead], timeout=2.0)
+    assert unreachable.status == PROBLEM and "cannot reach the swarm" in unreachable.message
+    assert "refused" in unreachable.message.lower() and "Copy the whole" in unreachable.advice
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        live = [str(maddr) for maddr in dht.get_visible_maddrs()]
+        assert check_swarm(live + [dead], timeout=2.0).status == OK  # one answering peer is enough
+        report = run_preflight(get_preset("tiny", swarm=dict(host="127.0.0.1", initial_peers=live)),
+                               facts=dataclasses.replace(gather_facts("."), gpu_name=None, gpu_memory_bytes=None))
+        assert finding(report, "swarm").status == OK
+    finally:
+        dht.shutdown()
+
+
+def test_a_peer_without_a_public_address_joins_in_client_mode(facts):
+    peers = ["/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"]
+    behind_nat = dataclasses.replace(facts, addresses=("192.168.1.20",))
+    joining = get_preset("small", swarm=dict(initial_peers=peers, host="0.0.0.0"))
+    found, reachability = check_reachability(behind_nat, joining)
+    assert reachability.client_mode and "client mode" in found.message
+    # with a public address it listens for others
+    found, reachability = check_reachability(dataclasses.replace(facts, addresses=("8.8.8.8",)), joining)
+    assert found.status == OK and not reachability.client_mode and "8.8.8.8" in found.message
+    # starting a swarm behind NAT: nobody outside could join it
+    found, reachability = check_reachability(behind_nat, get_preset("small", swarm=dict(host="0.0.0.0")))
+    assert found.status == PROBLEM and "cannot reach" in found.message and "announce_maddrs" in found.advice
+    # the whole preflight turns client mode on for the peer that joins from behind NAT
+    report = run_preflight(joining, facts=dataclasses.replace(behind_nat, gpu_name=None, gpu_memory_bytes=None),
+                           check_peers=False)
+    assert report.apply(joining).swarm.client_mode
