@@ -184,8 +184,15 @@ def command_auth_server(args: argparse.Namespace) -> int:
     if args.hub_endpoint is not None:
         options["hub_endpoint"] = args.hub_endpoint
     settings = AuthServerSettings(**options)
+    on_listening = None
+    if args.events:  # a script waiting for the server (collab_kit.services) reads its URL from a "ready" event
+        from collab_kit.local_swarm import emit_event
+
+        def on_listening(line: str):
+            print(line, flush=True)
+            emit_event("ready", url=line.rsplit(" ", 1)[-1])  # the line ends "listening on http://HOST:PORT"
     try:
-        serve(settings, host=args.host, port=args.port)
+        serve(settings, host=args.host, port=args.port, on_listening=on_listening)
     except KeyboardInterrupt:  # uvicorn has shut down cleanly and passes the signal on
         pass
     print("auth server stopped", flush=True)
@@ -392,6 +399,7 @@ def make_parser() -> argparse.ArgumentParser:
                       help="joins one user may make per minute (default: 10)")
     auth.add_argument("--hub-endpoint", metavar="URL",
                       help="the Hugging Face Hub that checks tokens (default: $HF_ENDPOINT or https://huggingface.co)")
+    auth.add_argument("--events", action="store_true", help=argparse.SUPPRESS)  # machine-readable lines
     auth.set_defaults(handler=command_auth_server)
 
     info = commands.add_parser("model-info", help="the model's shape and parameter counts, built without memory")
