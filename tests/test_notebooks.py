@@ -52,6 +52,15 @@ def test_committed_notebook_is_clean_and_parameterized(path):
     assert not missing, f"the parameters cell of {path.name} no longer defines {sorted(missing)}"
 
 
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_every_notebook_has_a_test_that_runs_it(path):
+    """A notebook nobody runs rots: some test file must name it and execute it through papermill."""
+    runners = [test for test in Path(__file__).parent.glob("test_*.py")
+               if f'"{path.name}"' in (text := test.read_text()) and "execute_notebook(" in text]
+    assert runners, (f"no test runs notebooks/{path.name}: add one that executes it with papermill and checks what "
+                     f"it shows (see tests/test_notebooks.py)")
+
+
 @pytest.fixture
 def python3_kernel(monkeypatch):
     """Make papermill's ``python3`` kernel the one of this interpreter's environment, not a user-wide one."""
