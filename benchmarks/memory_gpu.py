@@ -38,15 +38,23 @@ import torch  # noqa: E402
 SIZES = {"small": "gpt2-small", "medium": "gpt2-medium", "large": "gpt2-large", "xl": "gpt2-xl"}
 
 
-def build_model(size: str, checkpointing: bool, attention: str):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def gpt2_config(size: str, attention: str = "sdpa", **fields) -> dict:
+    """GPT2Config fields of a GPT-2 size (the catalogue's shape), e.g. ``GPT2Config(**gpt2_config("small"))``.
 
+    :param fields: more GPT2Config fields, e.g. ``resid_pdrop=0.0``
+    """
     from collab_kit.memory import CATALOGUE
 
     shape = CATALOGUE[SIZES[size]]
-    config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_inner=shape.ffn,
-                        vocab_size=shape.vocab, n_positions=shape.seq_len, use_cache=False,
-                        attn_implementation=attention)
+    return dict(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_inner=shape.ffn,
+                vocab_size=shape.vocab, n_positions=shape.seq_len, use_cache=False, attn_implementation=attention,
+                **fields)
+
+
+def build_model(size: str, checkpointing: bool, attention: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(**gpt2_config(size, attention))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT2LMHeadModel(config)

@@ -20,7 +20,8 @@ Where the memory goes, and the paper's tricks against each part:
 
 The byte counts of weights, gradients and optimizer state are exact: ``tests/test_memory.py`` checks
 them against the bytes torch and bitsandbytes allocate after a real step. Activations are an
-estimate from a per-layer formula, to be checked on a GPU (``benchmarks/memory_gpu.py`` measures them).
+estimate from a per-layer formula, checked against what a CPU training step of GPT-2 small, medium and
+large keeps (``benchmarks/memory_estimates.py``); ``benchmarks/memory_gpu.py`` measures a GPU's peak.
 
 Measured counterparts: ``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes``.
 """
@@ -500,7 +501,6 @@ def _activation_bytes(arch: _Architecture, micro_batch: int, seq_len: int, check
     # dtype, their fp32 log-probabilities saved by the loss and the fp32 gradient backward starts from
     ends = s * b * h * (mask + r + e) + logits * (e + 4 + 4)
 
-    rebuilt = checkpointing or arch.reversible
     if arch.reversible:  # only the two streams of the last layer are saved; one layer is rebuilt at a time
         stored = 2 * r * s * b * h + layer
     elif checkpointing:  # every layer's input, and one layer's activations while it is recomputed
@@ -510,16 +510,12 @@ def _activation_bytes(arch: _Architecture, micro_batch: int, seq_len: int, check
 
     copies = 0
     if precision == "mixed":
-        # autocast casts each weight matrix to 16 bits for its matrix product and keeps the copy for backward;
-        # a rebuilt (checkpointed) layer's copies live only while that layer is recomputed
-        matrices = [(shape, block) for shape, block in arch.tensors if len(shape) >= 2]
-        outside = sum(_numel(shape) for shape, block in matrices if block is None)
-        per_block: Dict[str, int] = {}
-        for shape, block in matrices:
-            if block is not None:
-                per_block[block] = per_block.get(block, 0) + _numel(shape)
-        inside = (max(per_block.values(), default=0) if rebuilt else sum(per_block.values()))
-        copies = 2 * (outside + inside)
+        # autocast casts each weight matrix to 16 bits for its matrix product, keeps the copy for backward, and
+        # caches it until the autocast context around the forward pass exits: with checkpointing (or reversible
+        # layers) too, every copy is alive at the end of the forward pass (benchmarks/memory_estimates.py
+        # measures it); a recomputed layer casts its weights again in backward, once the cache is gone.
+        # A shared (tied) matrix is cast once.
+        copies = 2 * sum(_numel(shape) for shape, _ in arch.tensors if len(shape) >= 2)
     return stored + ends + copies, copies
 
 
@@ -563,7 +559,8 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
       - "mixed" (``torch.autocast`` with fp32 parameters, as the kit and the GPT-2 tutorial train): weights and
         gradients 4 B per parameter; matrix products compute and save 16-bit outputs, while the residual
         stream and layer-norm inputs stay fp32 (a 16-bit product added to an fp32 tensor is fp32); autocast's
-        16-bit copies of the weight matrices are kept for backward (``weight_copies_bytes``, counted in the
+        16-bit copies of the weight matrices are kept for backward, and in autocast's cache until the forward
+        pass's autocast context exits, with checkpointing too (``weight_copies_bytes``, counted in the
         activations);
       - "fp32": everything 4 B;
       - "16bit" ("bf16", "fp16"): parameters and gradients 2 B each, no fp32 master copy on the GPU.
@@ -572,7 +569,8 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
     :param min_8bit_size: bitsandbytes' threshold (default 4096, or the RunConfig's)
     :param pcie_gb_per_s: host <-> GPU bandwidth in gigabytes per second (12: PCIe 3.0 x16 in practice)
 
-    Activations (an estimate, to check on a GPU with ``benchmarks/memory_gpu.py``): per transformer layer,
+    Activations (an estimate, checked on a CPU by ``benchmarks/memory_estimates.py``; a GPU's peak is measured
+    by ``benchmarks/memory_gpu.py``): per transformer layer,
     the tensors backward needs, after Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
     Transformer Models": ``s*b*h*(34 + 5*a*s/h)`` bytes in 16 bits with dropout (s tokens, b samples, h width,
     a heads). Here each term has its own dtype (see ``precision``), the s x s term is replaced by a log-sum-exp
