@@ -369,13 +369,8 @@ def finetune_summary(result: TrainResult, comparison: List[OptimizerMemory], mod
 
 
 def format_bytes(value: Optional[int]) -> str:
-    """``13.1 MB``, ``6.21 GB``; ``-`` for None."""
-    if value is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value} B"
+    """``collab_kit.memory.format_bytes``; ``-`` for None (a measurement that did not run)."""
+    return "-" if value is None else memory.format_bytes(value)
 
 
 def memory_table(rows: List[OptimizerMemory]) -> str:

@@ -404,14 +404,14 @@ class MemoryEstimate:
         where_state = "CPU" if self.offload else "GPU"
         count = (f"{self.parameters / 1e6:,.1f} M" if self.parameters >= 1e5 else f"{self.parameters:,}")
         rows = [("parameters", count, ""),
-                ("weights", _gib(self.weights_bytes), "GPU"),
-                ("gradients", _gib(self.gradients_bytes), "GPU"),
-                ("optimizer state", _gib(self.optimizer_bytes), where_state),
-                ("activations", _gib(self.activations_bytes), "GPU"),
-                ("total on the GPU", _gib(self.gpu_bytes), "")]
+                ("weights", format_bytes(self.weights_bytes), "GPU"),
+                ("gradients", format_bytes(self.gradients_bytes), "GPU"),
+                ("optimizer state", format_bytes(self.optimizer_bytes), where_state),
+                ("activations", format_bytes(self.activations_bytes), "GPU"),
+                ("total on the GPU", format_bytes(self.gpu_bytes), "")]
         if self.offload:
-            rows += [("in CPU memory", _gib(self.cpu_bytes), "state + fp32 master weights and gradients"),
-                     ("PCIe per step", _gib(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
+            rows += [("in CPU memory", format_bytes(self.cpu_bytes), "state + fp32 master weights and gradients"),
+                     ("PCIe per step", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
         width = max(len(name) for name, _, _ in rows)
         lines = [self.describe()] + [f"  {name.ljust(width)}  {value:>12}  {where}".rstrip()
                                      for name, value, where in rows]
@@ -426,7 +426,7 @@ class MemoryEstimate:
         return values
 
 
-def _gib(n: float) -> str:
+def format_bytes(n: float) -> str:
     """Bytes in GiB, or in MiB / KiB when that would round to nothing."""
     for unit, size in (("GiB", GiB), ("MiB", 2 ** 20)):
         if n >= 0.1 * size:
@@ -728,12 +728,12 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
 
     if checkpointing not in (None, True, False):
         raise ValueError(f"checkpointing={checkpointing!r} is not allowed: expected True, False or None (choose)")
-    where = f"{_gib(budget)} budget ({headroom:.0%} of {_gib(gpu_memory_bytes)})"
+    where = f"{format_bytes(budget)} budget ({headroom:.0%} of {format_bytes(gpu_memory_bytes)})"
     plain = 0 if checkpointing is True else largest(False)
     checkpointed = 0 if checkpointing is False else largest(True)
     if plain and (checkpointing is False or plain >= min(min_micro_batch, checkpointed)):
         chosen = at(plain, False)
-        reason = f"micro-batch {plain} without checkpointing: {_gib(chosen.gpu_bytes)} of the {where}"
+        reason = f"micro-batch {plain} without checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
         if any("reversible" in note for note in chosen.notes):
             reason += " (reversible layers already rebuild their activations in backward)"
         elif checkpointing is None and checkpointed > plain:
@@ -741,7 +741,7 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
         return Recommendation(plain, False, chosen, True, reason, int(gpu_memory_bytes), budget)
     if checkpointed:
         chosen = at(checkpointed, True)
-        reason = f"micro-batch {checkpointed} with gradient checkpointing: {_gib(chosen.gpu_bytes)} of the {where}"
+        reason = f"micro-batch {checkpointed} with gradient checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
         if checkpointing is None:
             reason += f" (without it, only {plain} would fit)" if plain else " (without it, not one sample fits)"
         return Recommendation(checkpointed, True, chosen, True, reason, int(gpu_memory_bytes), budget)
@@ -757,11 +757,11 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
         tried.append({**current, **changes})
         option = at(1, smallest.checkpointing, **changes)
         if option.gpu_bytes <= budget:
-            fixes.append(f"{name}: {_gib(option.gpu_bytes)}")
+            fixes.append(f"{name}: {format_bytes(option.gpu_bytes)}")
     advice = ("it would fit with " + "; or ".join(fixes) + ". Otherwise try " if fixes else "try ")
     advice += "a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more memory"
     how = "with" if smallest.checkpointing else "without"
-    reason = (f"does not fit: micro-batch 1 {how} checkpointing needs {_gib(smallest.gpu_bytes)} on the GPU, "
+    reason = (f"does not fit: micro-batch 1 {how} checkpointing needs {format_bytes(smallest.gpu_bytes)} on the GPU, "
               f"more than the {where}; {advice}")
     return Recommendation(1, smallest.checkpointing, smallest, False, reason, int(gpu_memory_bytes), budget)
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from collab_kit.config import RunConfig
+from collab_kit.memory import GiB, format_bytes
 
 logger = logging.getLogger(__name__)
-
-GIB = 1024 ** 3
 
 OK, NOTE, PROBLEM = "ok", "note", "problem"
 
@@ -97,16 +96,12 @@ def gather_facts(disk_path: str = ".") -> MachineFacts:
                         disk_path=folder, addresses=addresses)
 
 
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:.1f} GiB"
-
-
 # -- the checks ---------------------------------------------------------------------------------------
 
 def check_gpu(facts: MachineFacts, preset: str) -> Finding:
     """A GPU is needed for the paper's model; the small presets train on a CPU."""
     if facts.gpu_name is not None:
-        return Finding("gpu", OK, f"GPU: {facts.gpu_name} with {_gib(facts.gpu_memory_bytes)}")
+        return Finding("gpu", OK, f"GPU: {facts.gpu_name} with {format_bytes(facts.gpu_memory_bytes)}")
     where = ("On Colab: Runtime > Change runtime type > T4 GPU, then run the notebook again from the top. "
              "On Kaggle: Settings > Accelerator > GPU. On your own machine: install a CUDA build of PyTorch.")
     if preset in GPU_PRESETS:
@@ -117,12 +112,12 @@ def check_gpu(facts: MachineFacts, preset: str) -> Finding:
 
 def check_memory(recommendation, facts: MachineFacts) -> Finding:
     """Whether the model, its gradients and its activations fit the device that trains (GPU, else RAM)."""
-    device = "GPU" if facts.gpu_name is not None else "RAM"
+    device = "GPU memory" if facts.gpu_name is not None else "RAM"
     if recommendation.fits:
         return Finding("memory", OK, f"{device}: micro-batch {recommendation.micro_batch}, "
                                      f"checkpointing {'on' if recommendation.checkpointing else 'off'}, "
-                                     f"about {_gib(recommendation.estimate.gpu_bytes)} of the device's memory")
-    return Finding("memory", PROBLEM, f"too little {device} memory: {recommendation.reason}",
+                                     f"about {format_bytes(recommendation.estimate.gpu_bytes)} of the device's memory")
+    return Finding("memory", PROBLEM, f"too little {device}: {recommendation.reason}",
                    "Use a machine with more memory (on Colab, a T4 has 15 GiB; Kaggle's P100 16 GiB), "
                    "or a smaller preset.")
 
@@ -130,10 +125,10 @@ def check_memory(recommendation, facts: MachineFacts) -> Finding:
 def check_ram(facts: MachineFacts, needed_bytes: int) -> Finding:
     """The CPU side: the offloaded optimizer (8-bit LAMB keeps its state in RAM), the data buffers."""
     if facts.ram_available_bytes >= needed_bytes:
-        return Finding("ram", OK, f"RAM: {_gib(facts.ram_available_bytes)} free of {_gib(facts.ram_bytes)}, "
-                                  f"about {_gib(needed_bytes)} needed")
-    return Finding("ram", PROBLEM, f"too little RAM: {_gib(facts.ram_available_bytes)} free, "
-                                   f"about {_gib(needed_bytes)} needed for the model's weights and optimizer on the CPU",
+        return Finding("ram", OK, f"RAM: {format_bytes(facts.ram_available_bytes)} free of {format_bytes(facts.ram_bytes)}, "
+                                  f"about {format_bytes(needed_bytes)} needed")
+    return Finding("ram", PROBLEM, f"too little RAM: {format_bytes(facts.ram_available_bytes)} free, "
+                                   f"about {format_bytes(needed_bytes)} needed for the model's weights and optimizer on the CPU",
                    "Close other notebooks or programs (on Colab: Runtime > Disconnect and delete runtime, then "
                    "start again), choose a machine with more memory, or a smaller preset.")
 
@@ -141,10 +136,10 @@ def check_ram(facts: MachineFacts, needed_bytes: int) -> Finding:
 def check_disk(facts: MachineFacts, needed_bytes: int) -> Finding:
     """Room for the data cache and a checkpoint."""
     if facts.disk_free_bytes >= needed_bytes:
-        return Finding("disk", OK, f"disk: {_gib(facts.disk_free_bytes)} free in {facts.disk_path}, "
-                                   f"about {_gib(needed_bytes)} needed")
-    return Finding("disk", PROBLEM, f"too little disk space: {_gib(facts.disk_free_bytes)} free in "
-                                    f"{facts.disk_path}, about {_gib(needed_bytes)} needed for data and checkpoints",
+        return Finding("disk", OK, f"disk: {format_bytes(facts.disk_free_bytes)} free in {facts.disk_path}, "
+                                   f"about {format_bytes(needed_bytes)} needed")
+    return Finding("disk", PROBLEM, f"too little disk space: {format_bytes(facts.disk_free_bytes)} free in "
+                                    f"{facts.disk_path}, about {format_bytes(needed_bytes)} needed for data and checkpoints",
                    "Free some space (delete old checkpoints or datasets), or point the data and checkpoint "
                    "folders at a bigger disk.")
 
@@ -237,8 +232,7 @@ class Reachability:
 def check_reachability(facts: MachineFacts, config: RunConfig) -> Tuple[Finding, Reachability]:
     """Whether others can connect to this peer; client mode is chosen when they cannot."""
     swarm = config.swarm
-    announced = tuple(address for maddr in swarm.announce_maddrs
-                      for address in [(_address_of(maddr) or (None,))[0]] if address)
+    announced = tuple(address[0] for address in map(_address_of, swarm.announce_maddrs) if address)
     if swarm.host not in ("0.0.0.0", "::"):
         candidates = (swarm.host,)  # it listens on one address only
     else:
@@ -327,7 +321,7 @@ class PreflightReport:
 
 def disk_needed_bytes(estimate) -> int:
     """A checkpoint (the weights, saved twice while the older one is rotated out) and the data cache (1 GiB)."""
-    return int(2 * estimate.weights_bytes + GIB)
+    return int(2 * estimate.weights_bytes + GiB)
 
 
 def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, disk_path: str = ".",

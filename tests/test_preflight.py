@@ -10,7 +10,8 @@ import socket
 import pytest
 
 from collab_kit import get_preset
-from collab_kit.preflight import (GIB, NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
+from collab_kit.memory import GiB
+from collab_kit.preflight import (NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
                                   gather_facts, run_preflight)
 
 
@@ -65,7 +66,7 @@ def test_no_gpu_for_the_paper_preset_is_a_problem_that_says_where_to_get_one(fac
 
 
 def test_a_gpu_too_small_for_the_model_is_named_with_the_memory_it_has(facts):
-    small_gpu = dataclasses.replace(facts, gpu_name="a 1 GiB GPU", gpu_memory_bytes=1 * GIB)
+    small_gpu = dataclasses.replace(facts, gpu_name="a 1 GiB GPU", gpu_memory_bytes=1 * GiB)
     report = run_preflight(get_preset("paper"), facts=small_gpu, check_peers=False)
     memory = finding(report, "memory")
     assert memory.status == PROBLEM and "too little GPU memory" in memory.message
@@ -73,14 +74,14 @@ def test_a_gpu_too_small_for_the_model_is_named_with_the_memory_it_has(facts):
     assert not report.recommendation.fits
     # the same run on a large GPU fits
     large = run_preflight(get_preset("paper"), check_peers=False,
-                          facts=dataclasses.replace(facts, gpu_name="an 80 GiB GPU", gpu_memory_bytes=80 * GIB,
-                                                    ram_available_bytes=64 * GIB))
+                          facts=dataclasses.replace(facts, gpu_name="an 80 GiB GPU", gpu_memory_bytes=80 * GiB,
+                                                    ram_available_bytes=64 * GiB))
     assert finding(large, "memory").status == OK
     assert large.recommendation.micro_batch >= 1
 
 
 def test_too_little_ram_or_disk_is_named(facts):
-    starved = dataclasses.replace(facts, gpu_name="an 80 GiB GPU", gpu_memory_bytes=80 * GIB,
+    starved = dataclasses.replace(facts, gpu_name="an 80 GiB GPU", gpu_memory_bytes=80 * GiB,
                                   ram_available_bytes=256 * 1024 ** 2, disk_free_bytes=10 * 1024 ** 2)
     report = run_preflight(get_preset("paper"), facts=starved, check_peers=False)
     ram, disk = finding(report, "ram"), finding(report, "disk")
@@ -90,7 +91,7 @@ def test_too_little_ram_or_disk_is_named(facts):
     cpu_only = run_preflight(get_preset("small"), check_peers=False,
                              facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None,
                                                        ram_available_bytes=1024 ** 2))
-    assert finding(cpu_only, "memory").status == PROBLEM and "RAM" in finding(cpu_only, "memory").message
+    assert finding(cpu_only, "memory").status == PROBLEM and "too little RAM:" in finding(cpu_only, "memory").message
 
 
 def test_bitsandbytes_that_cannot_step_on_a_device_is_a_problem():
@@ -129,6 +130,11 @@ def test_a_peer_without_a_public_address_joins_in_client_mode(facts):
     # with a public address it listens for others
     found, reachability = check_reachability(dataclasses.replace(facts, addresses=("8.8.8.8",)), joining)
     assert found.status == OK and not reachability.client_mode and "8.8.8.8" in found.message
+    # behind NAT with a forwarded port it announces: others dial the announced address
+    forwarded = get_preset("small", swarm=dict(initial_peers=peers, host="0.0.0.0",
+                                               announce_maddrs=["/ip4/8.8.8.8/tcp/31337"]))
+    found, reachability = check_reachability(behind_nat, forwarded)
+    assert found.status == OK and not reachability.client_mode and reachability.public_addresses == ("8.8.8.8",)
     # starting a swarm behind NAT: nobody outside could join it
     found, reachability = check_reachability(behind_nat, get_preset("small", swarm=dict(host="0.0.0.0")))
     assert found.status == PROBLEM and "cannot reach" in found.message and "announce_maddrs" in found.advice
