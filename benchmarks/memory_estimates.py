@@ -36,7 +36,8 @@ precision="mixed", checkpointing=...)`. Each setting is measured once: bytes are
 - Weights, gradients, optimizer state: after one real step (forward and backward of one sample with
   checkpointing, then `optimizer.step()` with `torch.optim.Adam` and, on the same gradients, bitsandbytes'
   `Adam8bit`), the bytes of the tensors (`collab_kit.memory.parameter_bytes`, `gradient_bytes`,
-  `optimizer_state_bytes`) must equal the estimate's. That step runs in fp32: parameters and gradients are
+  `optimizer_state_bytes`) must equal those of `estimate("gpt2-small" | ...)`, the catalogue shape counted from its
+  dimensions (an estimate of the built model's own tensors would match by construction). That step runs in fp32: parameters and gradients are
   fp32 under autocast too, and this CPU (no bf16 instructions) runs bf16 products three times slower.
 - Activations, without checkpointing: every storage alive at the end of the forward pass (still inside
   autocast) that the forward created, parameters excluded, each storage once: what autograd saves for
@@ -223,7 +224,7 @@ def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[
     tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator)
     model(input_ids=tokens, labels=tokens).loss.backward()
     _release_memory()
-    rows[0]["states"] = measure_states(model, seq_len)
+    rows[0]["states"] = measure_states(model, SIZES[size], seq_len)
     print(f"  {SIZES[size]} after a step: {format_states(rows[0]['states'])} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     del model
@@ -231,15 +232,17 @@ def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[
     return rows
 
 
-def measure_states(model, seq_len: int) -> Dict[str, dict]:
-    """Weights, gradients and optimizer state after a step of each optimizer on the gradients ``model`` holds."""
+def measure_states(model, shape_name: str, seq_len: int) -> Dict[str, dict]:
+    """Weights, gradients and optimizer state after a step of each optimizer on the gradients ``model`` holds,
+    against the estimate of the catalogue shape ``shape_name`` (from its dimensions, not from ``model``'s
+    tensors: an estimate counted from the same tensors would equal the measurement by construction)."""
     from collab_kit import memory
 
     states = {}
     for name in ("32bit", "8bit"):
         optimizer = make_optimizer(name, model)
         optimizer.step()
-        estimate = memory.estimate(model, optimizer=name, seq_len=seq_len)
+        estimate = memory.estimate(shape_name, optimizer=name, seq_len=seq_len)
         states[name] = dict(
             measured=dict(weights=memory.parameter_bytes(model), gradients=memory.gradient_bytes(model),
                           optimizer=memory.optimizer_state_bytes(optimizer)),

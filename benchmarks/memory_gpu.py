@@ -79,6 +79,10 @@ def measure_one(size: str, optimizer_name: str, checkpointing: bool, micro_batch
 
     row = dict(model=SIZES[size], optimizer=optimizer_name, checkpointing=checkpointing, micro_batch=micro_batch,
                seq_len=seq_len, attention=attention)
+    # from the shape's dimensions, before anything is built: an estimate counted from the built model's own
+    # tensors would equal the measured weights and gradients by construction
+    estimate = memory.estimate(SIZES[size], optimizer=optimizer_name, checkpointing=checkpointing,
+                               micro_batch=micro_batch, seq_len=seq_len, precision="mixed", attention=attention)
     model = optimizer = None
     try:
         model = build_model(size, checkpointing, attention)
@@ -104,12 +108,9 @@ def measure_one(size: str, optimizer_name: str, checkpointing: bool, micro_batch
                         optimizer=memory.optimizer_state_bytes(optimizer),
                         activations=forward_backward_peak - before,
                         forward_backward_peak=forward_backward_peak, step_peak=step_peak)
-        estimate = memory.estimate(model, optimizer=optimizer_name, checkpointing=checkpointing,
-                                   micro_batch=micro_batch, seq_len=seq_len, precision="mixed", attention=attention)
     except torch.cuda.OutOfMemoryError as e:
         row["error"] = f"out of memory: {str(e).splitlines()[0]}"
-        estimate, measured = memory.estimate(SIZES[size], optimizer=optimizer_name, checkpointing=checkpointing,
-                                             micro_batch=micro_batch, seq_len=seq_len, attention=attention), None
+        measured = None
     finally:
         del model, optimizer
         gc.collect()

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -223,20 +221,10 @@ class SimulatedPeer(PeerProcess):
     """
 
     def __init__(self, name: str, args: Sequence[str], log_path: str, read_addresses: bool = False):
-        # PeerProcess.__init__ with another command line (it builds its command inside __init__)
-        self.name, self.log_path = name, log_path
-        self.events: List[dict] = []
-        self._cursor = 0
-        self._queue: "queue.Queue[dict]" = queue.Queue()
-        self._log = open(log_path, "a", buffering=1)
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [common.REPO_ROOT, os.environ.get("PYTHONPATH")])))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.swarm_scaling", "--peer", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, stdin=subprocess.PIPE if read_addresses else subprocess.DEVNULL, text=True,
-            bufsize=1, env=env, cwd=common.REPO_ROOT, start_new_session=True)
-        self._reader = threading.Thread(target=self._read_output, daemon=True, name=f"{name}-reader")
-        self._reader.start()
+        pythonpath = os.pathsep.join(filter(None, [common.REPO_ROOT, os.environ.get("PYTHONPATH")]))
+        super().__init__(name, ["--peer", *args], log_path, env=dict(PYTHONPATH=pythonpath),
+                         command=(sys.executable, "-m", "benchmarks.swarm_scaling"),
+                         stdin=subprocess.PIPE if read_addresses else subprocess.DEVNULL, cwd=common.REPO_ROOT)
 
     def send_addresses(self, addresses: Sequence[str]) -> None:
         """Give the peer the addresses of the first peer (one line on its stdin)."""

@@ -256,45 +256,27 @@ def write_dashboard(monitor_db: str, path: str) -> str:
     return write_page(monitor_db, path, title="collab_kit demo", loss_x="epoch")
 
 
-# sample among the 32 most likely of the 512 codes: the paper's top-k of 256 among 8192 is a smaller share
-# still; with all 256 of 512 the rare unlikely code scatters stray colour over the toy pictures
-DEMO_TOP_K = 32
-
-
 def draw_toy_samples(checkpoint: str, prompts: Sequence[str], path: Optional[str], n: int = 32, keep: int = 4,
-                     seed: int = 0, top_k: int = DEMO_TOP_K) -> float:
+                     seed: int = 0, top_k: Optional[int] = None) -> float:
     """Draw ``n`` pictures per prompt with a toy-world model, keep CLIP's best ``keep``, save them as a sheet.
 
-    The pictures come from ``generate_images`` with the shipped toy VQGAN and toy CLIP; the same
-    checkpoint and seed give the same pictures.
+    The same path as ``notebooks/inference.ipynb`` (``collab_kit.inference``): the shipped toy VQGAN and
+    toy CLIP, the toy world's top-k; the same checkpoint and seed give the same pictures.
 
     :param checkpoint: a checkpoint folder (or Hub id) of a model trained on the toy world
     :param path: where to save the sheet (prompt above each row); None saves nothing
+    :param top_k: None: the toy world's (``collab_kit.sampling.TOY_TOP_K``)
     :returns: color_match of the kept pictures (collab_kit.toy.color_match)
     """
-    from collab_kit.checkpoint import load_checkpoint
-    from collab_kit.generate import generate_images, prompt_sheet
-    from collab_kit.toy import ToyTokenizer, color_match
-    from collab_kit.toy_clip import load_toy_clip
-    from collab_kit.toy_vqgan import load_toy_vqgan
+    from collab_kit.inference import draw_prompts, load_for_inference
+    from collab_kit.toy import color_match
 
-    from transformers.utils import logging as transformers_logging
-
-    model, _, _ = load_checkpoint(checkpoint)
-    model.eval()
-    transformers_logging.disable_progress_bar()  # loading the small CLIP needs no bar of its own
-    vqgan, ranker, tokenizer = load_toy_vqgan(), load_toy_clip(), ToyTokenizer()
-    grids = []
-    from tqdm.auto import tqdm
-
-    for index, prompt in enumerate(tqdm(prompts, desc="demo: drawing", unit="prompt", dynamic_ncols=True)):
-        grids.append(generate_images(prompt, n=n, keep=keep, model=model, vqgan=vqgan, ranker=ranker,
-                                     tokenizer=tokenizer, seed=seed + index, columns=keep, top_k=top_k,
-                                     progress=False))
-    kept = [image for grid in grids for image in grid.info["images"]]
-    wanted = [grid.info["prompt"] for grid in grids for _ in grid.info["images"]]
+    pieces = load_for_inference(checkpoint, device="cpu")
+    result = draw_prompts(pieces, prompts, n=n, keep=keep, seed=seed, top_k="auto" if top_k is None else top_k)
+    kept = [image for grid in result.grids for image in grid.info["images"]]
+    wanted = [grid.info["prompt"] for grid in result.grids for _ in grid.info["images"]]
     if path is not None:
-        prompt_sheet(grids).save(path)
+        result.save_sheet(path)
     return color_match(kept, wanted)
 
 

@@ -65,12 +65,17 @@ def _load_pieces(model, vqgan, ranker):
         from collab_kit.clip_rank import ClipRanker
 
         ranker = ClipRanker.from_pretrained(ranker)
-    config = model.config
-    if vqgan.codebook_size != config.codebook_size or vqgan.grid_size != config.image_side:
-        raise ValueError(f"the model draws {config.image_side}x{config.image_side} codes from {config.codebook_size}, "
-                         f"but the VQGAN decodes {vqgan.grid_size}x{vqgan.grid_size} codes from {vqgan.codebook_size}: "
-                         f"pass the VQGAN the model's dataset was encoded with")
+    check_vqgan_fits(model.config, vqgan)
     return model, vqgan, ranker
+
+
+def check_vqgan_fits(model_config, vqgan) -> None:
+    """The VQGAN must decode the code grid the model draws (``model_config``: a ModelConfig)."""
+    side, codebook = model_config.image_side, model_config.codebook_size
+    if vqgan.codebook_size != codebook or vqgan.grid_size != side:
+        raise ValueError(f"the model draws {side}x{side} codes from {codebook}, but the VQGAN decodes "
+                         f"{vqgan.grid_size}x{vqgan.grid_size} codes from {vqgan.codebook_size}: "
+                         f"pass the VQGAN the model's dataset was encoded with")
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ import torch
 from PIL import Image
 
 from collab_kit.config import RunConfig
-from collab_kit.sampling import PAPER_TOP_K
+from collab_kit.generate import check_vqgan_fits
+from collab_kit.sampling import PAPER_TOP_K, TOY_TOP_K
 
 logger = logging.getLogger(__name__)
 
@@ -128,16 +129,8 @@ def load_for_inference(location: str, revision: Optional[str] = None, *, vqgan=N
     tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
     vqgan = _load_vqgan(vqgan, toy_world, side, codebook, device)
     ranker = _load_clip(clip, toy_world, device)
-    if vqgan.codebook_size != codebook or vqgan.grid_size != side:
-        raise ValueError(f"the model draws {side}x{side} codes from {codebook}, but the VQGAN decodes "
-                         f"{vqgan.grid_size}x{vqgan.grid_size} codes from {vqgan.codebook_size}: pass the VQGAN "
-                         f"the model's dataset was encoded with")
-    if toy_world:
-        from collab_kit.demo import DEMO_TOP_K
-
-        suggested_top_k = min(DEMO_TOP_K, codebook)
-    else:
-        suggested_top_k = min(PAPER_TOP_K, codebook)
+    check_vqgan_fits(config.model, vqgan)
+    suggested_top_k = min(TOY_TOP_K if toy_world else PAPER_TOP_K, codebook)
     pieces = InferencePieces(model=model, vqgan=vqgan, tokenizer=tokenizer, ranker=ranker, config=config,
                              metadata=metadata, location=location, revision=revision, device=device,
                              suggested_top_k=suggested_top_k)

@@ -30,12 +30,10 @@ from typing import Iterable, Iterator, List, Optional, Union
 import torch
 
 from collab_kit import memory
+from collab_kit.model import count_parameters  # distinct parameters: a tied embedding counts once
 from collab_kit.text_stream import block_batches
 
 logger = logging.getLogger(__name__)
-
-BNB_BLOCK_SIZE = 256  # values per quantization block of bitsandbytes' 8-bit optimizer states
-BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit state (bitsandbytes' min_8bit_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,11 +81,6 @@ def load_gpt2(name_or_config="gpt2-large", gradient_checkpointing: bool = True, 
     return model.to(_device(device))
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (GPT-2's tied input / output embedding counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 # ---------------------------------------------------------------------------------------------
 # the optimizer and the memory of its state
 
@@ -110,7 +103,7 @@ def make_adam(model: torch.nn.Module, bits: int = 8, lr: float = 1e-5, betas=(0.
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   min_8bit_size=BNB_MIN_8BIT_SIZE)
+                                   min_8bit_size=memory.BNB_MIN_8BIT_SIZE)
     if bits == 32:
         return torch.optim.AdamW(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     raise ValueError(f"bits={bits} is not supported: choose 8 (bitsandbytes) or 32 (torch)")
@@ -319,8 +312,11 @@ def compare_optimizer_memory(name_or_config, batch: torch.Tensor, bits=(32, 8), 
         try:
             model = load_gpt2(name_or_config, gradient_checkpointing=gradient_checkpointing, device=device)
             # the prediction comes first, from the model's tensors alone, before anything is measured
+            # fp32 training keeps fp32 activations; bf16 / fp16 autocast is memory's "mixed"
+            used = precision or default_precision(device)
             predicted = memory.estimate(model, optimizer=f"{n_bits}bit", checkpointing=gradient_checkpointing,
-                                        micro_batch=batch.shape[0], seq_len=batch.shape[1])
+                                        micro_batch=batch.shape[0], seq_len=batch.shape[1],
+                                        precision="fp32" if used == "fp32" else "mixed")
             row = OptimizerMemory(bits=n_bits, parameters=count_parameters(model),
                                   estimated_state_bytes=predicted.optimizer_bytes,
                                   estimated_peak_bytes=predicted.gpu_bytes)

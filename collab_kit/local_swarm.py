@@ -36,9 +36,15 @@ class PeerProcess:
     :param args: arguments of ``collab-kit`` (for instance ``["join", "--preset", "tiny", ...]``)
     :param log_path: every line the process prints goes here
     :param env: extra environment variables
+    :param command: what runs ``args``: ``collab-kit`` by default; a test or benchmark script gives its own
+      (``[sys.executable, "path/to/script.py"]``)
+    :param stdin: the process's standard input (``subprocess.PIPE`` to write to it)
+    :param cwd: its working folder (default: this process's)
     """
 
-    def __init__(self, name: str, args: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None):
+    def __init__(self, name: str, args: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None,
+                 command: Sequence[str] = (sys.executable, "-m", "collab_kit.cli"), stdin=subprocess.DEVNULL,
+                 cwd: Optional[str] = None):
         self.name, self.log_path = name, log_path
         self.events: List[dict] = []  # every event read so far, in order
         self._cursor = 0  # events before this index were returned by new_events()
@@ -46,8 +52,8 @@ class PeerProcess:
         self._log = open(log_path, "a", buffering=1)
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "collab_kit.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, bufsize=1, env=full_env, start_new_session=True)
+            [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, text=True, bufsize=1,
+            env=full_env, cwd=cwd, start_new_session=True)
         self._reader = threading.Thread(target=self._read_output, daemon=True, name=f"{name}-reader")
         self._reader.start()
 

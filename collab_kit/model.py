@@ -239,6 +239,12 @@ class TextToImageTransformer(nn.Module):
         return last @ self.image_embedding.weight.t()
 
 
+def non_finite_parameters(model: nn.Module) -> List[str]:
+    """Names of the parameters holding nan or inf (empty: all finite)."""
+    with torch.no_grad():
+        return [name for name, param in model.named_parameters() if not torch.isfinite(param).all()]
+
+
 def count_parameters(model: nn.Module) -> int:
     """Stored parameters (a tensor shared between layers counts once)."""
     return sum(p.numel() for p in model.parameters())

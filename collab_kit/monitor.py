@@ -376,8 +376,9 @@ class Checkpointer:
         epoch = self.download()
         if epoch < wanted:
             raise StateUnavailable(f"the newest state a peer gave is of epoch {epoch}, before epoch {wanted}")
-        with self._torch.no_grad():
-            bad = [name for name, param in self.model.named_parameters() if not self._torch.isfinite(param).all()]
+        from collab_kit.model import non_finite_parameters
+
+        bad = non_finite_parameters(self.model)
         if bad:
             raise StateUnavailable(f"the state of epoch {epoch} has non-finite parameters ({', '.join(bad[:3])})")
         metadata = dict(global_epoch=epoch, run_id=self.config.swarm.run_id, saved_by="collab-kit monitor",

@@ -11,6 +11,9 @@ from typing import Optional
 import torch
 
 PAPER_TOP_K = 256
+# the toy world's: the 32 most likely of its 512 codes. The paper's 256 of 8192 is a smaller share still; with
+# 256 of 512 the rare unlikely code scatters stray colour over the toy pictures
+TOY_TOP_K = 32
 PAPER_TOP_P = 0.75
 
 

@@ -292,8 +292,7 @@ def auth_server_arguments(settings) -> List[str]:
 
     defaults = {field.name: field.default for field in dataclasses.fields(AuthServerSettings)}
     fixed = [name for name in ("hub_timeout", "max_body_bytes", "accepted_auth_types", "max_pending_hub_checks")
-             if getattr(settings, name) != (tuple(defaults[name]) if isinstance(defaults[name], tuple)
-                                            else defaults[name])]
+             if getattr(settings, name) != defaults[name]]
     if fixed:
         raise ValueError(f"collab-kit auth-server has no option for {', '.join(fixed)}: leave them at their defaults "
                          f"here, or serve collab_kit.auth_server.create_app(settings) yourself")

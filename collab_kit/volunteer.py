@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from collab_kit.config import RunConfig
 from collab_kit.data import ShardStream, batches, caption_tokenizer, peer_data_seed
 from collab_kit.metrics import MetricsPublisher
-from collab_kit.model import TextToImageTransformer
+from collab_kit.model import TextToImageTransformer, non_finite_parameters
 from collab_kit.optim import make_optimizer
 from collab_kit.swarm import join_instructions, start_dht
 from collab_kit.swarm import wait_for_peers as wait_for_peers_in_swarm
@@ -332,7 +332,7 @@ class Volunteer:
                 # embeddings that no batch has used yet does not show in the loss)
                 problem = self._non_finite_parameters_problem()
                 if problem is not None:
-                    self._recover_from_non_finite_step(problem, history, on_restore)
+                    self._recover_from_non_finite_step(problem, history, on_restore, step_dropped=False)
             if max_epochs is None:
                 bar.update(1)
             swarm = self.global_progress
@@ -347,31 +347,34 @@ class Volunteer:
         if not torch.isfinite(loss.detach()).all():
             return f"the loss is {loss.item()}"
         grads = [param.grad for param in self.model.parameters() if param.grad is not None]
-        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+        # one norm over all gradients: nan or inf anywhere makes it non-finite, with one sync instead of one per tensor
+        if grads and not torch.isfinite(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))):
             return "the gradients are not finite"
         return None
 
     def _non_finite_parameters_problem(self) -> Optional[str]:
         """Which of the model's parameters hold nan or inf (None: all finite)."""
-        with torch.no_grad():
-            bad = [name for name, param in self.model.named_parameters() if not torch.isfinite(param).all()]
+        bad = non_finite_parameters(self.model)
         if not bad:
             return None
         return f"parameters are not finite: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}"
 
     def _recover_from_non_finite_step(self, problem: str, history: TrainingHistory,
-                                      on_restore: Optional[Callable[[RestoreRecord], None]] = None) -> None:
+                                      on_restore: Optional[Callable[[RestoreRecord], None]] = None,
+                                      step_dropped: bool = True) -> None:
         """Drop this step's gradients (they never reach the optimizer, so they are never averaged with the swarm's)
         and load the swarm's parameters and optimizer state in place of this peer's.
 
         If no peer can give its state, training goes on from the local state as long as the parameters are
         finite (the bad step is simply skipped); with non-finite parameters there is nothing to go on from.
 
+        :param step_dropped: a local step's gradients are dropped (False: found by the check of the parameters after
+          a global step, when no local step is dropped)
         :raises NonFiniteTrainingError: non-finite parameters and no peer gave its state, or ``max_non_finite_steps``
           steps in a row were not finite
         """
         self.optimizer.zero_grad()
-        history.skipped_steps += 1
+        history.skipped_steps += int(step_dropped)
         self._non_finite_streak += 1
         if self._non_finite_streak > self.max_non_finite_steps:
             raise NonFiniteTrainingError(

@@ -18,10 +18,7 @@ Times -1000 turns the plain mean into gradient ascent.
 from __future__ import annotations
 
 import os
-import queue
-import subprocess
 import sys
-import threading
 from typing import Dict, List, Optional, Sequence
 
 from collab_kit.local_swarm import PeerFailed, PeerProcess
@@ -34,18 +31,7 @@ class ScriptPeerProcess(PeerProcess):
 
     def __init__(self, name: str, script: str, args: Sequence[str], log_path: str,
                  env: Optional[Dict[str, str]] = None):
-        # PeerProcess.__init__ with another command line (it builds its command inside __init__)
-        self.name, self.log_path = name, log_path
-        self.events: List[dict] = []
-        self._cursor = 0
-        self._queue: "queue.Queue[dict]" = queue.Queue()
-        self._log = open(log_path, "a", buffering=1)
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.process = subprocess.Popen(
-            [sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, bufsize=1, env=full_env, start_new_session=True)
-        self._reader = threading.Thread(target=self._read_output, daemon=True, name=f"{name}-reader")
-        self._reader.start()
+        super().__init__(name, args, log_path, env=env, command=(sys.executable, script))
 
 
 def start_byzantine_peer(name: str, scale: float, args: Sequence[str], log_path: str) -> PeerProcess:

@@ -7,6 +7,7 @@ dashboard's tests and the dashboard notebook's test.
 import math
 from typing import Sequence
 
+from collab_kit.checkpoint import checkpoint_name
 from collab_kit.metrics import PeerMetrics, summarize
 from collab_kit.run_history import RunHistory
 
@@ -41,6 +42,6 @@ def write_example_history(path: str, polls: int = 24, names: Sequence[str] = NAM
                            [(key, record, name) for key, record, name in records])
         for k in range(checkpoints):
             epoch = (k + 1) * polls // (checkpoints + 1)
-            history.record_checkpoint(epoch, f"monitor/checkpoints/epoch_{epoch:05d}", START + epoch * POLL_EVERY,
+            history.record_checkpoint(epoch, f"monitor/checkpoints/{checkpoint_name(epoch)}", START + epoch * POLL_EVERY,
                                       pushed_to="org/model" if k % 2 else None)
     return dict(names=list(names), last_epoch=polls - 1, polls=polls)

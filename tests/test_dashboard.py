@@ -252,8 +252,8 @@ def test_cli_writes_a_page_with_plots_leaderboard_and_latest_figures(cli_page, e
     # the latest figures, the checkpoints, when it was made
     for figure in ("global epoch", "alive peers", "samples/s", "91.3", "1.2182", "59,240"):
         assert figure in text, figure
-    assert [row[:2] for row in page.rows("checkpoints")] == [["8", "monitor/checkpoints/epoch_00008"],
-                                                             ["16", "monitor/checkpoints/epoch_00016"]]
+    assert [row[:2] for row in page.rows("checkpoints")] == [["8", "monitor/checkpoints/epoch-000008"],
+                                                             ["16", "monitor/checkpoints/epoch-000016"]]
     assert re.search(r"Generated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", text)
     # each plot is a real PNG of the plot's size with its curve in it
     for kind, colour in COLORS.items():

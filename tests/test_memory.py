@@ -389,6 +389,9 @@ def test_the_calculator_widget_follows_its_controls():
     calculator.model.value = "dalle-12b"
     calculator.shared_groups.value = 5
     assert calculator.estimate.shared_groups == 5 and calculator.estimate.seq_len == 1280
-    assert calculator.recommendation is not None and "fit" in calculator.text.value
+    # the verdict follows the estimate and the GPU slider (16 GiB)
+    assert ("do NOT fit" in calculator.text.value) == (calculator.estimate.gpu_bytes > 16 * GiB)
+    calculator.gpu_memory_gib.value = 80
+    assert ("do NOT fit" in calculator.text.value) == (calculator.estimate.gpu_bytes > 80 * GiB)
     with pytest.raises(ValueError, match="the calculator offers"):
         memory.calculator_widget(model="gpt-5")

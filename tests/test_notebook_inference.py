@@ -16,6 +16,7 @@ from collab_kit.config import get_preset
 from collab_kit.generate import draw_images
 from collab_kit.inference import draw_prompts, load_for_inference
 from collab_kit.model import TextToImageTransformer
+from collab_kit.sampling import TOY_TOP_K
 from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "inference.ipynb"
@@ -23,7 +24,6 @@ PARAMETERS = ("CHECKPOINT", "REVISION", "VQGAN", "CLIP", "PROMPTS", "CANDIDATES"
               "TEMPERATURE", "SEED", "BATCH_SIZE", "DEVICE", "SHEET_PATH", "SUMMARY_PATH")
 PROMPTS = ["a large red circle in the center", "a small blue square at the top left"]
 CANDIDATES, KEEP, SEED = 8, 4, 3
-TOY_TOP_K = 32  # what top_k="auto" means for the toy world (collab_kit.demo.DEMO_TOP_K)
 
 
 @pytest.fixture(autouse=True)
