@@ -66,8 +66,8 @@ def build_config(args: argparse.Namespace):
     for option in ("run_id", "host", "port"):
         if getattr(args, option, None) is not None:
             swarm[option] = getattr(args, option)
-    if getattr(args, "client_mode", False):
-        swarm["client_mode"] = True
+    if getattr(args, "client_mode", None) is not None:
+        swarm["client_mode"] = args.client_mode
     if getattr(args, "data", None):
         overrides.setdefault("data", {})["shards"] = args.data
     return get_preset(args.preset, **overrides)
@@ -107,11 +107,15 @@ def command_join(args: argparse.Namespace) -> int:
         raise CommandError(str(e)) from None
     with volunteer:
         _handle_stop_signals(volunteer.request_stop)
+        if volunteer.reachability is not None:
+            print(f"reachability: {volunteer.reachability.explain()}", flush=True)
         print(volunteer.join_line, flush=True)
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
         on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
         on_restore = (lambda record: emit_event("restore", **record.to_dict())) if args.events else None
+        on_lone = (lambda warning: emit_event("lone", **warning.to_dict())) if args.events else None
+        on_link = (lambda state: emit_event("link", state=state, epoch=volunteer.local_epoch)) if args.events else None
         if args.events:  # the moment a gradient all-reduce is under way (tests kill peers in the middle of one)
             def on_averaging_start(epoch: int, stage: str):
                 emit_event("averaging", epoch=epoch, stage=stage)
@@ -119,7 +123,8 @@ def command_join(args: argparse.Namespace) -> int:
         try:
             history = volunteer.train(epochs=args.epochs, max_epochs=args.max_epochs, max_steps=args.max_steps,
                                       progress=not args.no_progress, on_epoch=on_epoch,
-                                      wait_for_peers=args.wait_for_peers, on_restore=on_restore)
+                                      wait_for_peers=args.wait_for_peers, on_restore=on_restore, on_lone=on_lone,
+                                      on_link=on_link)
         except NonFiniteTrainingError as e:
             raise CommandError(str(e)) from None
         if args.save_params:
@@ -131,7 +136,8 @@ def command_join(args: argparse.Namespace) -> int:
         if args.events:
             emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
                        local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
-                       interrupted=history.interrupted, skipped_steps=history.skipped_steps)
+                       interrupted=history.interrupted, skipped_steps=history.skipped_steps,
+                       link_outages=history.link_outages)
     print(f"join: {history.summary()}", flush=True)
     return 130 if history.interrupted else 0
 
@@ -147,13 +153,37 @@ def command_monitor(args: argparse.Namespace) -> int:
         db_path=args.db or None, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
         keep_last=args.keep, push_to=args.push_to, poll_every=args.poll_every, wandb_project=args.wandb_project,
         backoff_initial=args.backoff, backoff_max=args.backoff_max, download_timeout=args.download_timeout,
-        address_file=args.address_file)
+        address_file=args.address_file, anchor=args.anchor)
     try:
         monitor = Monitor(config, settings, on_event=emit_event if args.events else None)
     except (AuthorizationError, MonitorError, SwarmConnectionError) as e:
         raise CommandError(str(e)) from None
     with monitor:
         monitor.run()
+    return 0
+
+
+def command_reachability(args: argparse.Namespace) -> int:
+    from collab_kit.local_swarm import emit_event
+    from collab_kit.reachability import probe_reachability
+    from collab_kit.swarm import parse_initial_peers
+
+    initial_peers = parse_initial_peers(args.initial_peers)
+    verdict = probe_reachability(initial_peers, host=args.host, port=args.port or 0, timeout=args.timeout)
+    print(f"reachability: {verdict.explain()}", flush=True)
+    if verdict.reachable is None:
+        advice = "the swarm could not tell: check that the initial peers are running this kit"
+    elif verdict.reachable:
+        advice = f"others can join through this machine at {', '.join(verdict.public_addresses)} port {verdict.port}"
+    else:
+        advice = ("`collab-kit join` will train in client mode here, through the run's anchor (a peer that accepts "
+                  "connections: `collab-kit monitor` on a public host runs one)")
+    print(advice, flush=True)
+    if args.events:
+        emit_event("reachability", reachable=verdict.reachable, port=verdict.port,
+                   public_addresses=list(verdict.public_addresses),
+                   answers=[dict(helper=a.helper, observed=a.observed_address, results=a.results, problem=a.problem)
+                            for a in verdict.answers])
     return 0
 
 
@@ -289,6 +319,9 @@ def make_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run 'collab-kit COMMAND --help' for the options of one command.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--debug-logger", action="append", default=[], metavar="NAME",
+                        help="also log this logger at DEBUG, whatever --log-level says (for instance "
+                             "hivemind.averaging.matchmaking to see why a peer found no averaging group); repeatable")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser("demo", help="a local collaborative run: a first peer and N volunteers on 127.0.0.1")
@@ -307,8 +340,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     join = commands.add_parser("join", help="train with a swarm as a volunteer")
     _add_swarm_options(join)
-    join.add_argument("--client-mode", action="store_true",
-                      help="behind a NAT or firewall: connect out, accept no incoming connections")
+    join.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None,
+                      help="connect out only, accept no incoming connections (default: asked of the swarm's peers, "
+                           "which try to dial this one back)")
     join.add_argument("--data", help="parquet shards: a folder, a glob, or a Hub dataset id (user/name)")
     join.add_argument("--epochs", type=int, help="train this many global epochs from the swarm's current one")
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
@@ -334,6 +368,9 @@ def make_parser() -> argparse.ArgumentParser:
                     "a volunteer to rejoin a swarm that went on without it).")
     _add_swarm_options(monitor)
     monitor.add_argument("--address-file", help="also write the join addresses to this file")
+    monitor.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
+                         help="run the swarm's anchor here, the peer that volunteers behind NAT average through and "
+                              "load the state from (default: when others can dial this monitor)")
     monitor.add_argument("--poll-every", "--report-every", dest="poll_every", type=float, default=10.0,
                          metavar="SECONDS", help="seconds between two readings of the swarm (default: 10)")
     monitor.add_argument("--db", default=os.path.join("monitor", "run.sqlite"), metavar="PATH",
@@ -356,6 +393,21 @@ def make_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--download-timeout", type=float, default=300.0, metavar="SECONDS",
                          help="give up one state download after this long (default: 300)")
     monitor.set_defaults(handler=command_monitor)
+
+    reach = commands.add_parser(
+        "reachability", help="ask a swarm's peers whether they can dial this machine (what `join` decides client "
+                             "mode from)",
+        description="Start a temporary libp2p host on PORT and ask the initial peers to connect back to it: behind NAT "
+                    "or a firewall that drops incoming connections they cannot, with a public address or a forwarded "
+                    "port they can.")
+    reach.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR", required=True,
+                       help="addresses of peers already in the swarm (they do the check)")
+    reach.add_argument("--host", default="0.0.0.0", help="the address to listen on (default: 0.0.0.0)")
+    reach.add_argument("--port", type=int, help="the port to check (default: any free one)")
+    reach.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="how long each peer may take to answer (default: 10)")
+    reach.add_argument("--events", action="store_true", help=argparse.SUPPRESS)
+    reach.set_defaults(handler=command_reachability)
 
     board = commands.add_parser(
         "dashboard", help="the monitor's database as one static HTML page: loss, peers, throughput, leaderboard",
@@ -491,6 +543,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if getattr(args, "toy_command", None) in ("train-vqgan", "train-clip"):
         args.options = script_options
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in args.debug_logger:
+        logging.getLogger(name).setLevel(logging.DEBUG)
     _handle_stop_signals()
     try:
         return args.handler(args)

@@ -21,8 +21,11 @@ EVENT_PREFIX = "@event "
 
 
 def emit_event(kind: str, **fields) -> None:
-    """Print one event line for a parent process to read (used by ``collab-kit join --events``)."""
-    print(EVENT_PREFIX + json.dumps(dict(type=kind, **fields)), flush=True)
+    """Print one event line for a parent process to read (used by ``collab-kit join --events``), stamped with the
+    wall-clock time it happened at (``at``, seconds since the epoch) unless the fields give one."""
+    event = dict(type=kind, **fields)
+    event.setdefault("at", round(time.time(), 3))
+    print(EVENT_PREFIX + json.dumps(event), flush=True)
 
 
 class PeerFailed(RuntimeError):

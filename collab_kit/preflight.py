@@ -11,9 +11,12 @@ that the GPU is missing or the swarm's address was pasted wrong.
 
 Reachability has two sides. *Out*: can this machine open a connection to the swarm's initial peers?
 (A TCP connection to each address, with a short deadline.) *In*: can others open connections to it?
-Only an address that is routable on the Internet can be dialled from outside; Colab, Kaggle and
-home networks give private addresses behind NAT. Such a peer joins in client mode: it connects out,
-trains and averages like any other, but is never asked to accept a connection.
+That is asked of the swarm (collab_kit.reachability: the initial peers try to dial this machine back),
+since an address class says little: a cloud VM with a private interface may have its port forwarded,
+and a public address may sit behind a firewall. A peer they cannot reach joins in client mode: it
+connects out, trains and averages through the run's anchor, and is never asked to accept a
+connection. Without the check (``check_peers=False``, or peers that cannot answer it) the address class
+decides: only an address routable on the Internet counts as reachable.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from collab_kit.config import RunConfig
+from collab_kit.config import RunConfig, SwarmConfig
 from collab_kit.memory import GiB, format_bytes
+from collab_kit.reachability import ReachabilityVerdict
+from collab_kit.swarm import resolve_reachability
 
 logger = logging.getLogger(__name__)
 
@@ -221,17 +226,33 @@ def is_public(address: str) -> bool:
 class Reachability:
     """How this peer takes part: listening for others, or only connecting out.
 
-    :param public_addresses: addresses others can dial (announced or found on this machine's interfaces)
-    :param client_mode: connect out only (no public address, and a swarm to join)
+    :param public_addresses: addresses others can dial (seen by the swarm's peers, announced, or found on this
+      machine's interfaces)
+    :param client_mode: connect out only
+    :param swarm: the swarm settings the check resolved (the probed port, announced addresses), if it probed
     """
 
     public_addresses: Tuple[str, ...]
     client_mode: bool
+    swarm: Optional[SwarmConfig] = None
 
 
-def check_reachability(facts: MachineFacts, config: RunConfig) -> Tuple[Finding, Reachability]:
-    """Whether others can connect to this peer; client mode is chosen when they cannot."""
+def check_reachability(facts: MachineFacts, config: RunConfig, verdict: Optional[ReachabilityVerdict] = None,
+                       resolved: Optional[SwarmConfig] = None) -> Tuple[Finding, Reachability]:
+    """Whether others can connect to this peer; client mode is chosen when they cannot.
+
+    :param verdict: what the swarm's peers found when they dialled this machine back (collab_kit.reachability);
+      None, or one with no answer: judged by the address class
+    :param resolved: the swarm settings the check resolved along with ``verdict`` (collab_kit.swarm.resolve_reachability)
+    """
     swarm = config.swarm
+    if verdict is not None and verdict.reachable is not None and swarm.client_mode is None:
+        if verdict.reachable:
+            return Finding("reachability", OK, verdict.explain()), \
+                Reachability(verdict.public_addresses, False, resolved)
+        return Finding("reachability", NOTE, f"{verdict.explain()}: joining in client mode, which connects out only "
+                                             f"and averages through the run's anchor (a peer that accepts connections, "
+                                             f"run by the organizer)"), Reachability((), True, resolved)
     announced = tuple(address[0] for address in map(_address_of, swarm.announce_maddrs) if address)
     if swarm.host not in ("0.0.0.0", "::"):
         candidates = (swarm.host,)  # it listens on one address only
@@ -290,11 +311,15 @@ class PreflightReport:
         """
         recommendation = self.recommendation
         client_mode = self.reachability.client_mode if client_mode is None else client_mode
+        swarm = config.swarm
+        if self.reachability.swarm is not None:  # the port that was checked, the address the swarm's peers saw
+            swarm = dataclasses.replace(swarm, port=self.reachability.swarm.port,
+                                        announce_maddrs=self.reachability.swarm.announce_maddrs)
         return dataclasses.replace(
             config,
             model=dataclasses.replace(config.model, reversible=bool(recommendation.checkpointing)),
             optimizer=dataclasses.replace(config.optimizer, batch_size_per_step=int(recommendation.micro_batch)),
-            swarm=dataclasses.replace(config.swarm, client_mode=client_mode))
+            swarm=dataclasses.replace(swarm, client_mode=client_mode))
 
     def __str__(self) -> str:
         marks = {OK: "ok     ", NOTE: "note   ", PROBLEM: "PROBLEM"}
@@ -331,7 +356,8 @@ def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, di
     :param config: the run to join (its preset sets the model whose memory is estimated)
     :param facts: the machine's facts; None reads this machine (``gather_facts``)
     :param disk_path: where data and checkpoints go
-    :param check_peers: try to connect to the initial peers (off: no network at all)
+    :param check_peers: try to connect to the initial peers, and ask them to dial this machine back (off: no network
+      at all; reachability is then judged by the address class)
     :param peer_timeout: seconds to wait for each initial peer
     """
     from collab_kit import memory
@@ -354,9 +380,12 @@ def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, di
     findings.append(check_bitsandbytes(optimizer_device))
     if device != optimizer_device:
         findings.append(check_bitsandbytes(device, needed=False))
+    verdict = resolved = None
     if check_peers:
         findings.append(check_swarm(config.swarm.initial_peers, timeout=peer_timeout))
-    reachability_finding, reachability = check_reachability(facts, config)
+        if findings[-1].status == OK:
+            resolved, verdict = resolve_reachability(config.swarm, timeout=peer_timeout)
+    reachability_finding, reachability = check_reachability(facts, config, verdict, resolved)
     findings.append(reachability_finding)
     for finding in findings:
         (logger.warning if finding.status == PROBLEM else logger.info)(f"{finding.check}: {finding.message}")

@@ -2,21 +2,32 @@
 
 A swarm starts from one peer (the coordinator, or simply the first volunteer). It prints the
 address others use to join; every later peer passes one or more such addresses as ``initial_peers``.
-Peers behind a NAT or firewall join in client mode: they connect out to others but accept no
-incoming connections, so they can train but never serve state to others.
+
+Whether a peer accepts connections is found out, not configured: with ``swarm.client_mode`` left
+None, a peer joining through initial peers asks them to dial it back (collab_kit.reachability) and
+joins in client mode when they cannot: it then connects out only, trains and averages through a peer
+that accepts connections (the run's anchor, collab_kit.anchor), and serves nothing to others. A peer
+that accepts connections answers the same checks for later peers, and its join line lists only
+addresses others can use.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
+import socket
 import threading
 import time
-from typing import List, Optional, Sequence
+from functools import partial
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import hivemind
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from collab_kit.config import SwarmConfig
+from collab_kit.reachability import ReachabilityVerdict, probe_reachability, serve_reachability_checks
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +49,37 @@ class _QuietShutdownFilter(logging.Filter):
         return True
 
 
-logging.getLogger("hivemind.dht.dht").addFilter(_QuietShutdownFilter())
+class _OneLinePerFailedRoundFilter(logging.Filter):
+    """An averaging round that fails is one line in the log, not a traceback.
+
+    hivemind logs every failed round with its traceback (``logger.exception``), in the averager's process: on an
+    Internet link that is a screenful per global step, for something the kit reports itself (the volunteer's
+    epoch record and its lone-training warning say which rounds failed and why).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and record.levelno >= logging.ERROR:
+            error = record.exc_info[1]
+            message = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            record.msg, record.args = f"averaging round failed: {message}", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_filters_installed = False
+
+
+def install_log_filters() -> None:
+    """Quiet hivemind's logs of a peer leaving and of failed averaging rounds (idempotent; start_dht calls it)."""
+    global _filters_installed
+    if _filters_installed:
+        return
+    logging.getLogger("hivemind.dht.dht").addFilter(_QuietShutdownFilter())
+    for name in ("hivemind.averaging.averager", "hivemind.averaging.allreduce"):
+        logging.getLogger(name).addFilter(_OneLinePerFailedRoundFilter())
+    _filters_installed = True
+
 
 ADDRESS_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
@@ -82,13 +123,65 @@ def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> List[str]:
     return checked
 
 
+def _has_public_interface_address() -> bool:
+    import ipaddress
+
+    import psutil
+
+    return any(entry.family == socket.AF_INET and ipaddress.ip_address(entry.address).is_global
+               for entries in psutil.net_if_addrs().values() for entry in entries)
+
+
+def resolve_reachability(config: SwarmConfig, timeout: float = 10.0
+                         ) -> Tuple[SwarmConfig, Optional[ReachabilityVerdict]]:
+    """Decide client mode for ``config`` (unless set): ask the initial peers to dial this machine back.
+
+    - ``client_mode`` already True or False, or no initial peers (the swarm's first peer), or a peer that listens on
+      loopback only (every peer is on this machine): no question asked;
+    - otherwise the probe's verdict decides; a peer the helpers reached announces the address they saw (a port
+      forwarded by a router is then what others dial); when no helper could tell (peers of another kit, say), an
+      interface address that is routable on the Internet means accepting connections, anything else client mode.
+
+    :returns: the configuration with ``client_mode`` (and the probed ``port``, and announced addresses) set, and the
+      verdict (None when nothing was asked)
+    """
+    if config.client_mode is not None:
+        return config, None
+    if not config.initial_peers or config.host.startswith("127.") or config.host == "::1":
+        return dataclasses.replace(config, client_mode=False), None
+    verdict = probe_reachability(config.initial_peers, config.host, config.port, timeout=timeout,
+                                 extra_ports=[port for port in map(_port_of, config.announce_maddrs) if port])
+    if verdict.reachable is None:
+        client_mode = not _has_public_interface_address()
+        how = "in client mode (no address of this machine is routable on the Internet)" if client_mode else \
+            "as a peer that accepts connections (this machine has an address routable on the Internet)"
+        logger.warning(f"{verdict.explain()}: joining {how}")
+    else:
+        client_mode = not verdict.reachable
+    announce = tuple(config.announce_maddrs)
+    if not client_mode and not announce:
+        announce = tuple(f"/ip4/{address}/tcp/{verdict.port}" for address in verdict.public_addresses
+                         if ":" not in address)
+    return dataclasses.replace(config, client_mode=client_mode, port=verdict.port, announce_maddrs=announce), verdict
+
+
+def _port_of(maddr: str) -> Optional[int]:
+    parts = str(maddr).strip("/").split("/")
+    return int(parts[3]) if len(parts) >= 4 and parts[2] == "tcp" and parts[3].isdigit() else None
+
+
 def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
     """Start this peer's DHT: a new swarm if ``config.initial_peers`` is empty, else join through them.
+
+    A ``config`` whose ``client_mode`` is None is resolved first (``resolve_reachability``). A peer that accepts
+    connections answers other peers' reachability checks.
 
     :param config: where to listen, whom to contact first, client mode, relays, identity
     :param dht_kwargs: passed to hivemind.DHT (for instance ``record_validators`` or ``authorizer``)
     :raises SwarmConnectionError: if none of the initial peers could be reached
     """
+    install_log_filters()  # before the DHT's process forks, so that it (and the averagers') inherit them
+    config, _ = resolve_reachability(config)
     initial_peers = parse_initial_peers(config.initial_peers)
     host_maddrs = [f"/ip{'6' if ':' in config.host else '4'}/{config.host}/tcp/{config.port}"]
     try:
@@ -118,20 +211,183 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
                 f"still running and that its address and port are reachable from here"
             ) from e
         raise
+    if not config.client_mode:
+        try:
+            serve_reachability_checks(dht)
+        except BaseException:
+            dht.shutdown()
+            raise
     logger.info(f"DHT started, peer id {dht.peer_id}")
     return dht
 
 
+def _tcp_endpoint(maddr: Multiaddr) -> Optional[Tuple[str, int]]:
+    """(host, port) of a multiaddr's TCP transport, or None (a relayed or non-TCP address)."""
+    if "p2p-circuit" in str(maddr):
+        return None
+    for protocol in ("ip4", "ip6", "dns4", "dns6", "dns"):
+        try:
+            return maddr.value_for_protocol(protocol), int(maddr.value_for_protocol("tcp"))
+        except Exception:  # the multiaddr package raises its own kinds for a protocol that is not there
+            continue
+    return None
+
+
+async def _tcp_answers(endpoint: Optional[Tuple[str, int]], timeout: float) -> bool:
+    """Whether a TCP connection to ``endpoint`` opens within ``timeout`` (None: cannot tell, counted as yes).
+
+    A plain TCP dial, outside libp2p: it says whether the link works without adding to libp2p's dial backoff, which
+    grows with every failed dial of a peer (5 s + tries^2 s) and would keep a peer away long after its link is back.
+    """
+    if endpoint is None:
+        return True
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: bool, timeout: float, _dht, node
+                            ) -> Tuple[int, bool]:
+    """In the DHT's process: with no peer left in the routing table, dial the initial peers that a TCP connection
+    reaches, and ping them (which puts them back in the table).
+
+    :param fresh_connections: drop libp2p's connections to them first (after a cut link: a connection that lived
+      through it can stay stalled in TCP's retransmission backoff long after the link is back)
+    :returns: peers in the routing table afterwards, and whether any initial peer accepted a TCP connection
+    """
+    table = node.protocol.routing_table
+    if len(table.uid_to_peer_id) > 0:
+        return len(table.uid_to_peer_id), True
+    peers = []
+    for address in initial_peers:
+        try:
+            maddr = Multiaddr(address)
+            peer_id = PeerID.from_base58(maddr["p2p"])
+            peers.append((peer_id, maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")), _tcp_endpoint(maddr)))
+        except Exception:  # checked when the swarm was joined; nothing to dial here
+            continue
+    answers = await asyncio.gather(*(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers))
+    for (peer_id, transport, _), answered in zip(peers, answers):
+        if not answered:
+            continue
+        try:
+            if fresh_connections:
+                await asyncio.wait_for(node.p2p._client.disconnect(peer_id), timeout)
+            await asyncio.wait_for(node.p2p._client.connect(peer_id, [transport]), 2 * timeout)
+            await node.protocol.call_ping(peer_id)
+        except Exception as e:  # not yet: the next check tries again
+            logger.debug(f"could not reach initial peer {peer_id}: {e!r}")
+    return len(table.uid_to_peer_id), any(answers)
+
+
+class SwarmWatchdog:
+    """Keeps a peer in the swarm: dials its initial peers again when its DHT knows no one, and tells when its link is
+    down and when it is back.
+
+    Two things look alike from inside a peer and are not:
+
+    - its DHT's routing table empties: a request to its only neighbour (a peer in client mode knows few) timed out on a
+      busy machine or a slow link, and hivemind removes a peer that does not answer. With nobody left to ask, nothing
+      fills the table again, and the peer would read the swarm's progress and find averaging groups no more. The
+      watchdog dials the initial peers again at its next check (every ``period`` seconds).
+    - its link is down: not one initial peer accepts even a TCP connection. The watchdog says so once and calls
+      ``on_link_down`` (the volunteer gives up its averaging round, which cannot finish, and waits). When an initial
+      peer answers again, it drops libp2p's old connections, dials afresh and calls ``on_link_back`` (the volunteer
+      loads the swarm's state and goes on).
+
+    :param dht: this peer's DHT
+    :param initial_peers: the addresses it joined through
+    :param period: seconds between two checks
+    :param timeout: seconds for each TCP check (a libp2p dial gets twice as long)
+    :param on_link_down: called (in the watchdog's thread) when the link goes down
+    :param on_link_back: called (in the watchdog's thread) when the swarm answers again after that
+    """
+
+    def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str], period: float = 1.0, timeout: float = 2.0,
+                 on_link_down: Optional[Callable[[], None]] = None, on_link_back: Optional[Callable[[], None]] = None):
+        self.dht, self.initial_peers, self.period, self.timeout = dht, list(initial_peers), period, timeout
+        self.on_link_down, self.on_link_back = on_link_down, on_link_back
+        self.rejoins = 0  # times the routing table was empty and the initial peers were dialled again with success
+        self.link_outages = 0  # times the link went down
+        self.link_down = threading.Event()  # set while no initial peer accepts a TCP connection
+        self.link_down_since: Optional[float] = None  # time.time() when the link went down
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-swarm-watchdog")
+        if self.initial_peers:
+            self._thread.start()
+
+    def _run(self) -> None:
+        alone_since = None
+        while not self._stop.wait(self.period):
+            try:
+                known, reachable = self.dht.run_coroutine(partial(
+                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout))
+            except Exception as e:  # the DHT is shutting down, or busy: the next check comes as usual
+                logger.debug(f"the swarm watchdog could not check the DHT: {e!r}")
+                continue
+            if known:
+                if alone_since is not None:
+                    self.rejoins += 1
+                    logger.info(f"back in the swarm's DHT after {time.monotonic() - alone_since:.1f} s")
+                alone_since = None
+                if self.link_down.is_set():
+                    logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")
+                    self.link_down.clear()
+                    self.link_down_since = None
+                    self._call(self.on_link_back)
+                continue
+            if alone_since is None:
+                alone_since = time.monotonic()
+                logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
+            if not reachable and not self.link_down.is_set():
+                self.link_outages += 1
+                self.link_down_since = time.time()
+                self.link_down.set()
+                logger.warning("the link to the swarm is down: no initial peer accepts a connection (a cut link, or "
+                               "the peers are gone). Waiting for it to come back")
+                self._call(self.on_link_down)
+
+    @staticmethod
+    def _call(callback: Optional[Callable[[], None]]) -> None:
+        if callback is None:
+            return
+        try:
+            callback()
+        except Exception as e:  # the watchdog must go on watching
+            logger.warning(f"the swarm watchdog's callback failed: {type(e).__name__}: {e}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.period + 4 * self.timeout + 5)
+
+
 def join_addresses(dht: hivemind.DHT) -> List[str]:
-    """The multiaddrs other peers can pass as ``initial_peers`` to join through this one."""
-    return [str(address) for address in dht.get_visible_maddrs()]
+    """The multiaddrs other peers can pass as ``initial_peers`` to join through this one.
+
+    None for a peer in client mode (nobody can dial it); loopback addresses only when the peer has no other (a run
+    that stays on this machine).
+    """
+    if dht.client_mode:
+        return []
+    addresses = [str(address) for address in dht.get_visible_maddrs()]
+    others = [address for address in addresses if not address.startswith(("/ip4/127.", "/ip6/::1/"))]
+    return others or addresses
 
 
-def join_instructions(dht: hivemind.DHT, run_id: Optional[str] = None) -> str:
-    """One line that tells others how to join through this peer."""
-    addresses = " ".join(join_addresses(dht))
+def join_instructions(dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: Sequence[str] = ()) -> str:
+    """One line that tells others how to join: through this peer, or, when nobody can dial it, through
+    ``initial_peers`` (the addresses it joined through)."""
     run = f" --run-id {run_id}" if run_id else ""
-    return f"To join this swarm: collab-kit join{run} --initial-peers {addresses}"
+    addresses = join_addresses(dht)
+    if addresses:
+        return f"To join this swarm: collab-kit join{run} --initial-peers {' '.join(addresses)}"
+    through = " ".join(initial_peers) or "the addresses of a peer that accepts connections"
+    return (f"This peer accepts no connections (others could not dial it back: behind NAT or a firewall), so nobody "
+            f"can join through it. To join this swarm: collab-kit join{run} --initial-peers {through}")
 
 
 def _presence_key(run_id: str) -> str:

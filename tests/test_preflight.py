@@ -10,9 +10,11 @@ import socket
 import pytest
 
 from collab_kit import get_preset
+from collab_kit.config import SwarmConfig
 from collab_kit.memory import GiB
 from collab_kit.preflight import (NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
                                   gather_facts, run_preflight)
+from collab_kit.swarm import start_dht
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +144,21 @@ def test_a_peer_without_a_public_address_joins_in_client_mode(facts):
     report = run_preflight(joining, facts=dataclasses.replace(behind_nat, gpu_name=None, gpu_memory_bytes=None),
                            check_peers=False)
     assert report.apply(joining).swarm.client_mode
+
+
+def test_reachability_is_asked_of_the_swarms_peers(facts):
+    # the first peer answers reachability checks; on loopback it dials this machine back at 127.0.0.1
+    dht = start_dht(SwarmConfig(host="127.0.0.1"))
+    try:
+        live = [str(maddr) for maddr in dht.get_visible_maddrs()]
+        joining = get_preset("tiny", swarm=dict(host="0.0.0.0", initial_peers=live))
+        report = run_preflight(joining, facts=dataclasses.replace(facts, addresses=("192.168.1.20",), gpu_name=None,
+                                                                  gpu_memory_bytes=None))
+        found = finding(report, "reachability")
+        # a private address, yet reachable: the check, not the address class, decides
+        assert found.status == OK and "dialled this one back at 127.0.0.1" in found.message, found
+        applied = report.apply(joining).swarm
+        assert applied.client_mode is False and applied.port == report.reachability.swarm.port != 0
+        assert applied.announce_maddrs == (f"/ip4/127.0.0.1/tcp/{applied.port}",)
+    finally:
+        dht.shutdown()

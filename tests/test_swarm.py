@@ -64,3 +64,56 @@ def test_client_mode_peer_trains_without_listening():
             client.shutdown()
     finally:
         first.shutdown()
+
+
+def test_a_peer_nobody_can_dial_gives_the_addresses_it_joined_through():
+    first = start_dht(SwarmConfig(host="127.0.0.1"))
+    try:
+        addresses = join_addresses(first)
+        client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=addresses))
+        try:
+            assert join_addresses(client) == []
+            line = join_instructions(client, "run1", addresses)
+            assert "accepts no connections" in line and "nobody can join through it" in line
+            assert line.endswith(f"collab-kit join --run-id run1 --initial-peers {' '.join(addresses)}")
+        finally:
+            client.shutdown()
+    finally:
+        first.shutdown()
+
+
+def test_reachability_is_asked_of_the_swarm_only_where_it_can_differ(monkeypatch):
+    from collab_kit import swarm
+
+    asked = []
+    monkeypatch.setattr(swarm, "probe_reachability", lambda *args, **kwargs: asked.append(args))
+    peers = [GOOD]
+    # set by the user, the swarm's first peer, a run on this machine: nothing to ask
+    assert swarm.resolve_reachability(SwarmConfig(client_mode=True, initial_peers=peers))[0].client_mode is True
+    assert swarm.resolve_reachability(SwarmConfig(host="0.0.0.0"))[0].client_mode is False
+    assert swarm.resolve_reachability(SwarmConfig(host="127.0.0.1", initial_peers=peers))[0].client_mode is False
+    assert asked == []
+
+
+def test_a_failed_averaging_round_is_one_log_line(caplog):
+    import logging
+
+    from collab_kit.swarm import install_log_filters
+    from hivemind.averaging.partition import AllreduceException
+
+    install_log_filters()
+    logger = logging.getLogger("hivemind.averaging.averager")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        try:
+            raise AllreduceException("Averaging step failed: could not find a group")
+        except AllreduceException as e:
+            logger.exception(e)
+    finally:
+        logger.removeHandler(handler)
+    [record] = records
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert record.getMessage() == "averaging round failed: Averaging step failed: could not find a group"
