@@ -137,6 +137,12 @@ class OptimizerConfig:
     # how often a peer reads the swarm's progress when it knows of no one else; it reads more or less often
     # (between a sixth and 10/3 of this) once it can estimate when the next global step is due
     progress_refresh_period: float = 3.0
+    # seconds a peer of an averaging round may stay silent (no part sent, no result returned) before the others go on
+    # without it. It must also cover the spread of the moments the group's peers notice that a global step is due
+    # (each notices at its next reading of the swarm's progress, after its current local step). None: the longer
+    # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
+    next_chunk_timeout: Optional[float] = None
+    load_state_timeout: float = 600.0  # seconds a download of the swarm's state may take before it is given up
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds
     # how parameters travel in state averaging: "fp16" halves the bytes, "none" (fp32) leaves peers bit-equal
     state_compression: str = "fp16"
@@ -161,8 +167,10 @@ class OptimizerConfig:
     def __post_init__(self):
         self.betas = tuple(self.betas)
         for name in ("learning_rate", "eps", "max_grad_norm", "matchmaking_time", "averaging_timeout",
-                     "progress_refresh_period"):
+                     "progress_refresh_period", "load_state_timeout"):
             _positive_float("optimizer", name, getattr(self, name))
+        if self.next_chunk_timeout is not None:
+            _positive_float("optimizer", "next_chunk_timeout", self.next_chunk_timeout)
         for name in ("total_steps", "target_batch_size", "batch_size_per_step", "compression_threshold",
                      "average_state_every", "min_8bit_size"):
             _positive_int("optimizer", name, getattr(self, name))
@@ -187,6 +195,13 @@ class OptimizerConfig:
     def warmup_steps(self) -> int:
         return int(self.total_steps * self.warmup_fraction)
 
+    @property
+    def chunk_timeout(self) -> float:
+        """``next_chunk_timeout``, or the default it stands for when None."""
+        if self.next_chunk_timeout is not None:
+            return float(self.next_chunk_timeout)
+        return max(self.matchmaking_time, 3 * self.progress_refresh_period * 10 / 3)
+
 
 @dataclass
 class SwarmConfig:
@@ -196,7 +211,9 @@ class SwarmConfig:
     initial_peers: Sequence[str] = ()  # multiaddrs of peers already in the swarm; empty = start a new swarm
     host: str = "0.0.0.0"  # 127.0.0.1 for a run that stays on this machine
     port: int = 0  # 0 = any free port
-    client_mode: bool = False  # True behind a NAT / firewall: this peer connects out but accepts no connections
+    # True: this peer connects out but accepts no connections (behind NAT or a firewall); None: asked of the swarm's
+    # peers when joining (collab_kit.reachability); False: it accepts connections
+    client_mode: Optional[bool] = None
     use_auto_relay: bool = False  # look for relays so peers behind NAT can still be reached
     identity_path: Optional[str] = None  # a private key file keeps the peer ID across restarts
     announce_maddrs: Sequence[str] = ()  # public addresses to announce, when the host address is not reachable
@@ -218,6 +235,8 @@ class SwarmConfig:
         from collab_kit.swarm import parse_initial_peers
 
         self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
+        _require(self.client_mode in (None, True, False), "swarm.client_mode",
+                 "expected true, false or none (none: found out when joining)", self.client_mode)
         _require(not (self.client_mode and not self.initial_peers), "swarm.client_mode",
                  "a client-mode peer accepts no connections, so it cannot start a swarm: give initial_peers",
                  self.client_mode)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -237,6 +238,12 @@ class TextToImageTransformer(nn.Module):
         cache.length = end
         last = self.final_norm((x1[:, -1] + x2[:, -1]) / 2)
         return last @ self.image_embedding.weight.t()
+
+
+def model_seed(run_id: str) -> int:
+    """The seed of a run's initial parameters: every peer (volunteers, anchors) builds the same ones, so that averaged
+    gradients keep them equal."""
+    return zlib.crc32(run_id.encode())
 
 
 def non_finite_parameters(model: nn.Module) -> List[str]:

@@ -3,8 +3,10 @@
     with Monitor(get_preset("small"), MonitorSettings(db_path="monitor/run.sqlite")) as monitor:
         monitor.run()                                    # until Ctrl-C (or ``stop.set()``)
 
-It trains nothing. It gives volunteers a stable address to join through, and every ``poll_every``
-seconds it reads what the training peers publish in the DHT:
+It trains nothing. It gives volunteers a stable address to join through; on a machine others can dial it
+also runs the run's anchor (collab_kit.anchor: the peer that volunteers behind NAT average through and
+load the swarm's state from); and every ``poll_every`` seconds it reads what the training peers publish
+in the DHT:
 
 - their metrics records (collab_kit.metrics: signed, schema-checked), aggregated into one point of the
   run's time series (loss, alive peers, throughput, global epoch), and their growing sample and
@@ -17,10 +19,10 @@ A contributor is credited under a Hugging Face username only when the run is aut
 binding record (collab_kit.auth) proves that the key that signed the metrics record holds that user's
 access token; otherwise under its peer id.
 
-Every ``checkpoint_every`` global epochs, a background thread downloads the swarm's parameters and
-optimizer state from a training peer (a hivemind TrainingStateAverager with the volunteers' prefix and
-parameter layout, which neither serves its state nor joins averaging groups: the monitor never counts as
-a training peer), and writes them as ``<checkpoints>/epoch-000042/`` (collab_kit.checkpoint: staged, then
+Every ``checkpoint_every`` global epochs, a background thread takes the swarm's parameters from the anchor
+(which holds them), or, without an anchor, downloads them from a training peer (a hivemind
+TrainingStateAverager with the volunteers' prefix and parameter layout, which neither serves its state
+nor joins averaging groups: the monitor never counts as a training peer), and writes them as ``<checkpoints>/epoch-000042/`` (collab_kit.checkpoint: staged, then
 renamed into place), keeps the newest ``keep_last``, records them in the database, and optionally pushes
 them to a Hugging Face Hub model repository. A download that fails (no peer shares its state, a timeout,
 a state that does not fit) is logged and retried with exponential backoff; polling goes on meanwhile.
@@ -31,6 +33,7 @@ and the checkpoint series continues from the newest one on disk or in the databa
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -48,9 +51,11 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgr
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from collab_kit.anchor import Anchor
 from collab_kit.config import RunConfig, SwarmConfig
 from collab_kit.metrics import MetricsSchema, PeerMetrics, SwarmSnapshot, read_metrics, summarize
-from collab_kit.swarm import join_addresses, join_instructions, start_dht
+from collab_kit.optim import is_anchor_record
+from collab_kit.swarm import join_addresses, join_instructions, resolve_reachability, start_dht
 
 logger = logging.getLogger(__name__)
 # hivemind catches a loaded state's schedule up with scheduler.step() alone (the optimizer never steps here)
@@ -92,6 +97,8 @@ def monitor_validators(run_id: str) -> list:
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
     """Read the progress records that hivemind.Optimizer peers publish under ``<run_id>_progress``.
 
+    Anchors' records (no throughput: collab_kit.optim.is_anchor_record) set the epoch but are no training peers.
+
     :param dht: a DHT started with ``record_validators=progress_validators(run_id)``
     """
     found = dht.get(f"{run_id}_progress", latest=True)
@@ -108,7 +115,7 @@ def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
     return SwarmProgress(
         epoch=epoch,
         samples_accumulated=sum(r.samples_accumulated for r in records if r.epoch == epoch),
-        num_peers=len(records),
+        num_peers=sum(not is_anchor_record(record) for record in records),
         samples_per_second=sum(r.samples_per_second for r in records),
     )
 
@@ -169,6 +176,8 @@ class MonitorSettings:
     :param backoff_max: ...up to this many seconds
     :param download_timeout: seconds one state download may take before it counts as failed
     :param address_file: also write the join addresses to this file (for scripts that start volunteers)
+    :param anchor: run the swarm's anchor (collab_kit.anchor) in this process: None (default) when this peer accepts
+      connections, True always (an error in client mode), False never
     """
 
     db_path: Optional[str] = "monitor/run.sqlite"
@@ -182,6 +191,7 @@ class MonitorSettings:
     backoff_max: float = 300.0
     download_timeout: float = 300.0
     address_file: Optional[str] = None
+    anchor: Optional[bool] = None
 
     def __post_init__(self):
         def require(condition: bool, what: str):
@@ -199,6 +209,7 @@ class MonitorSettings:
                     f"{name}={value!r}: expected a positive number of seconds")
         require(self.backoff_max >= self.backoff_initial,
                 f"backoff_max={self.backoff_max} is below backoff_initial={self.backoff_initial}")
+        require(self.anchor in (None, True, False), f"anchor={self.anchor!r}: expected None, True or False")
         require(self.push_to is None or (self.push_to.count("/") == 1 and all(self.push_to.split("/"))),
                 f"push_to={self.push_to!r}: expected a Hub model repository id such as 'user/model'")
 
@@ -242,7 +253,8 @@ def _checkpoint_run_id(path: str) -> Optional[str]:
 class Checkpointer:
     """Saves the swarm's state as a checkpoint every ``checkpoint_every`` global epochs, in a thread of its own.
 
-    The state comes from a training peer through a hivemind TrainingStateAverager built like the volunteers'
+    With an anchor in this process, the state is the anchor's (it holds the swarm's parameters). Without, it
+    comes from a training peer through a hivemind TrainingStateAverager built like the volunteers'
     (collab_kit.optim: the same prefix, parameter groups, optimizer and schedule, so the downloaded tensors
     fall into place). It holds the parameters in the model itself (no offloaded copy), does not share its
     state (``allow_state_sharing=False``) and is in client mode: it is never asked to join an averaging group.
@@ -251,21 +263,22 @@ class Checkpointer:
     :param dht: the monitor's DHT
     :param settings: the monitor's settings (folder, K, N, push_to, backoff, download timeout)
     :param emit: called as ``emit(kind, **fields)`` for "checkpoint", "state_download_failed" and "push_failed"
+    :param anchor: the run's anchor in this process (collab_kit.anchor.Anchor), whose state is saved; None: download
     """
 
     def __init__(self, config: RunConfig, dht: hivemind.DHT, settings: MonitorSettings,
-                 emit: Callable[..., None] = lambda kind, **fields: None):
+                 emit: Callable[..., None] = lambda kind, **fields: None, anchor: Optional[Anchor] = None):
         import torch
 
         from collab_kit.model import TextToImageTransformer
         from collab_kit.optim import make_lamb8bit, make_scheduler_factory, parameter_groups, \
             recording_state_averager_class
 
-        self.config, self.settings, self.emit = config, settings, emit
+        self.config, self.settings, self.emit, self.anchor = config, settings, emit, anchor
         self.model = TextToImageTransformer(config.model)
         # building it forks the averager's process: done before the monitor opens its database (an SQLite
         # connection must not cross a fork)
-        self.averager = recording_state_averager_class()(
+        self.averager = None if anchor is not None else recording_state_averager_class()(
             dht=dht, prefix=f"{config.swarm.run_id}_state_averager",
             optimizer=partial(make_lamb8bit, config=config.optimizer),
             params=parameter_groups(self.model, config.optimizer.weight_decay),
@@ -340,10 +353,14 @@ class Checkpointer:
                 delay = min(2 * delay, self.settings.backoff_max)
 
     def download(self) -> int:
-        """Load the newest state a peer gives into ``self.model``; returns its global epoch.
+        """Load the newest state (the anchor's, else the one a peer gives) into ``self.model``; returns its global epoch.
 
         :raises StateUnavailable: no peer gave its state, or the one given did not fit
         """
+        if self.anchor is not None:
+            epoch, parameters = self.anchor.snapshot()
+            self.model.load_state_dict(parameters)
+            return epoch
         averager = self.averager
         epoch_before, averager.last_downloaded_epoch = averager.local_epoch, None
         # hivemind refuses a state behind its local epoch; -1 accepts any, and tells a state applied from none
@@ -411,7 +428,8 @@ class Checkpointer:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)  # a daemon thread: one stuck in a download does not hold up the exit
-        self.averager.shutdown()
+        if self.averager is not None:
+            self.averager.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,15 +473,15 @@ class WandbLogger:
 class Monitor:
     """The swarm's first peer: polls the DHT, keeps the run's history in SQLite, saves checkpoints.
 
-    Everything starts here (the DHT, the state averager of the checkpoints, the database); ``run`` polls
-    until stopped; ``close`` (or leaving a ``with`` block) stops it all.
+    Everything starts here (the DHT, the anchor or the state averager of the checkpoints, the database); ``run``
+    polls until stopped; ``close`` (or leaving a ``with`` block) stops it all.
 
     :param config: the run's configuration (its swarm section says where to listen; its model and optimizer
       must be the volunteers' for checkpoints)
     :param settings: what to keep and how often (MonitorSettings)
-    :param on_event: called as ``on_event(kind, **fields)`` for "ready", "poll", "checkpoint",
+    :param on_event: called as ``on_event(kind, **fields)`` for "ready", "poll", "anchor_round", "checkpoint",
       "state_download_failed" and "push_failed" (``collab-kit monitor --events`` prints them); calls are serialized
-    :raises MonitorError: W&B asked for but not installed
+    :raises MonitorError: W&B asked for but not installed, or an anchor asked for in client mode
     :raises collab_kit.auth.AuthorizationError: an authorized run refused this peer
     """
 
@@ -478,17 +496,32 @@ class Monitor:
         if self.settings.wandb_project:
             require_wandb(self.settings.wandb_project)  # a missing package fails before anything starts
         self.authorizer = authorize(config.swarm)  # None for an open run
+        # the first peer of a swarm accepts connections; a monitor started again through a volunteer asks the swarm
+        swarm_config, self.reachability = resolve_reachability(config.swarm)
+        self.config = config = dataclasses.replace(config, swarm=swarm_config)
         self.dht = start_dht(config.swarm, record_validators=monitor_validators(self.run_id),
                              **({"authorizer": self.authorizer} if self.authorizer else {}))
-        self._binding_keeper, self.checkpointer, self.history = None, None, None
+        self._binding_keeper, self.checkpointer, self.history, self.anchor = None, None, None, None
         self._verified: Dict[bytes, str] = {}  # record subkey -> the username a binding proved for it
         try:
+            peer_gate = None
             if self.authorizer is not None:
-                from collab_kit.auth import BindingKeeper
+                from collab_kit.auth import BindingKeeper, PeerGate
 
                 self._binding_keeper = BindingKeeper(self.dht, self.authorizer, self.run_id)
+                peer_gate = PeerGate(self.dht, self.run_id, self.authorizer.server_public_key.to_bytes())
+            if self.settings.anchor and self.dht.client_mode:
+                raise MonitorError("an anchor must accept connections, and this monitor is in client mode: run it on "
+                                   "a machine others can dial, or without --anchor")
+            if self.settings.anchor is not False and not self.dht.client_mode:
+                self.anchor = Anchor(config, self.dht, peer_gate=peer_gate, on_round=self._on_anchor_round)
+            elif not self.settings.anchor:
+                logger.warning("this monitor runs no anchor: volunteers behind NAT can average only through "
+                               "another peer that accepts connections")
+            if self.anchor is not None and self.settings.checkpoint_every:
+                self._resume_anchor()
             if self.settings.checkpoint_every:
-                self.checkpointer = Checkpointer(config, self.dht, self.settings, emit=self._emit)
+                self.checkpointer = Checkpointer(config, self.dht, self.settings, emit=self._emit, anchor=self.anchor)
             if self.settings.db_path:
                 from collab_kit.run_history import RunHistory
 
@@ -497,10 +530,32 @@ class Monitor:
                 self.checkpointer.start(self.history)
             if self.settings.wandb_project:
                 self.wandb = WandbLogger(self.settings.wandb_project, config)
+            if self.anchor is not None:
+                self.anchor.start()
         except BaseException:
             self.close()
             raise
         self.last_snapshot: Optional[SwarmSnapshot] = None
+
+    def _resume_anchor(self) -> None:
+        """A monitor started again goes on from its newest checkpoint of this run: its anchor starts from it (the
+        volunteers behind NAT, who train on meanwhile, cannot give their state)."""
+        from collab_kit.checkpoint import list_checkpoints, load_latest_checkpoint
+
+        folder = self.settings.checkpoint_dir
+        if not os.path.isdir(folder) or not list_checkpoints(folder):
+            return
+        try:
+            model, _, metadata, path = load_latest_checkpoint(folder)
+            if metadata.get("run_id") != self.run_id:
+                return  # another run's series (the checkpointer says so)
+            self.anchor.resume_from(dict(model.named_parameters()), int(metadata["global_epoch"]))
+        except Exception as e:  # a series that does not fit this run's model: the anchor starts afresh
+            logger.warning(f"the anchor could not resume from the checkpoints in {folder} ({type(e).__name__}: {e}); "
+                           f"it starts from the run's initial parameters")
+
+    def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
+        self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem)
 
     def _emit(self, kind: str, **fields) -> None:
         if self._on_event is not None:
@@ -575,7 +630,7 @@ class Monitor:
         """
         stop = stop or threading.Event()
         try:
-            print(join_instructions(self.dht, self.run_id), flush=True)
+            print(join_instructions(self.dht, self.run_id, self.config.swarm.initial_peers), flush=True)
             if self.settings.address_file:
                 write_address_file(self.settings.address_file, self.dht)
             self._emit("ready", peer_id=str(self.dht.peer_id), addresses=join_addresses(self.dht))
@@ -600,6 +655,9 @@ class Monitor:
             if self.checkpointer is not None:
                 self.checkpointer.stop()
                 self.checkpointer = None
+            if self.anchor is not None:
+                self.anchor.shutdown()
+                self.anchor = None
             if self._binding_keeper is not None:
                 self._binding_keeper.stop()
                 self._binding_keeper = None
@@ -630,6 +688,7 @@ def run_coordinator(swarm: SwarmConfig, address_file: Optional[str] = None, repo
     :param stop: an event that ends the loop (None: run until interrupted)
     :param on_ready: called with the DHT once the peer is reachable
     """
-    settings = MonitorSettings(db_path=None, checkpoint_every=0, poll_every=report_every, address_file=address_file)
+    settings = MonitorSettings(db_path=None, checkpoint_every=0, poll_every=report_every, address_file=address_file,
+                               anchor=False)
     with Monitor(RunConfig(swarm=swarm), settings) as monitor:
         monitor.run(stop=stop, on_ready=on_ready)

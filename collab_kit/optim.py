@@ -14,18 +14,24 @@ What each piece is for:
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import warnings
 from functools import partial
-from typing import Callable, Iterable, List, Optional
+from typing import AsyncIterator, Callable, Iterable, List, Optional
 
 import bitsandbytes as bnb
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression, Uniform8BitQuantization
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 
 from collab_kit import robust
 from collab_kit.config import OptimizerConfig
@@ -59,9 +65,18 @@ class LAMB8bit(bnb.optim.AdamW8bit):
         super().__init__(params, **kwargs)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[float] = None
+        self._hold_next_step = False
+
+    def hold_next_step(self) -> None:
+        """Make the next ``step()`` leave the parameters and statistics as they are (the gradients it would apply are
+        not the swarm's: collab_kit.anchor's round that no training peer reached)."""
+        self._hold_next_step = True
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._hold_next_step:
+            self._hold_next_step = False
+            return None
         if self.max_grad_norm is not None:
             grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm))
@@ -146,13 +161,162 @@ def recording_state_averager_class() -> type:
                 {"__module__": __name__, "__qualname__": "RecordingTrainingStateAverager"})
 
 
+# what a peer tells its group about itself in each gradient round (hivemind's all-gather): an anchor contributes no
+# samples (collab_kit.anchor), so a round with only anchors beside this peer is not training together
+TRAINER_ROLE, ANCHOR_ROLE = "trainer", "anchor"
+NO_STATE_AVERAGING = 2 ** 62  # an average_state_every no epoch reaches
+
+
+def is_anchor_record(record: LocalTrainingProgress) -> bool:
+    """Whether a hivemind progress record is an anchor's: it reports a throughput of exactly 0, which a peer that
+    trains never does (hivemind publishes a trainer's record only after its first samples)."""
+    return record.samples_per_second == 0.0
+
+
+class RoundResult(dict):
+    """What a gradient round gives back to a peer: each member's role (peer id -> role, from the round's all-gather),
+    and how much of the average came back.
+
+    :ivar received: the share of the averaged vector this peer got back; the rest stayed its own (a reducer failed,
+      or banned this peer for being late): below 1, this peer's step was not the swarm's
+    :ivar failed_senders: senders whose parts this peer, as a reducer, went on without
+    """
+
+    received: float = 1.0
+    failed_senders: int = 0
+
+
+class RoundReportMixin:
+    """Put before a hivemind gradient averager: each round carries this peer's ``round_role`` to its group, and its
+    result is a RoundResult.
+
+    hivemind.Optimizer offers no way to add data to a round's all-gather, and says nothing about a round that
+    returned only part of the average ("Averaging: received 0.0% results" is a log line, and the round counts as
+    done); both are read here, in the averager's process, where the round runs.
+
+    An anchor leads the groups of peers in client mode, which can lead none: it keeps its group open until every
+    training peer it expects has joined (``expect_peers``, kept up to date while the round is pending), then starts
+    ``join_grace`` seconds later, instead of closing at a fixed time and leaving out a peer whose estimate of the
+    epoch's end came later. The expected peers are no cap: a peer it did not expect (one that joined the swarm or
+    loaded its state a moment ago) is let in too, while the group is open.
+    """
+
+    round_role = TRAINER_ROLE
+    join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
+    _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
+    _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
+    _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        kwargs.setdefault("gather", self.round_role)
+        if self.client_mode and kwargs.get("timeout") is not None:
+            # A peer in client mode never leads: its schedule only says until when it may join a group, and a leader
+            # turns away a peer that asks to start before the leader's own time (hivemind's BAD_EXPIRATION_TIME): a
+            # peer whose estimate of the epoch's end is a few seconds early (it just loaded the state, its link is
+            # slow) would find no group. So it asks for the latest start its timeout allows; the anchor starts the
+            # group as soon as its expected peers are in, so nobody waits longer for it.
+            scheduled_time = get_dht_time() + 0.9 * kwargs["timeout"]
+        return super().schedule_step(scheduled_time, **kwargs)
+
+    def expect_peers(self, peer_ids: Iterable[bytes]) -> None:
+        """The peers to wait for in the rounds this peer leads (their ids as bytes; none: hivemind's own rule, which
+        starts the group at the leader's deadline). Sent to the averager's process when it changes."""
+        expected = tuple(sorted(set(peer_ids)))
+        if expected != self._expected_sent:
+            self._expected_sent = expected
+            self._outer_pipe.send(("_set_expected_peers", [], dict(peer_ids=expected)))
+
+    async def _set_expected_peers(self, peer_ids: tuple) -> None:
+        self._expected_peers = frozenset(PeerID(peer_id) for peer_id in peer_ids)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._expected_peers and (self._group_starter is None or self._group_starter.done()):
+            self._group_starter = asyncio.create_task(self._start_group_when_expected_joined())
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def _start_group_when_expected_joined(self) -> None:
+        """While this peer leads a group that is being formed: start it once every expected peer is in (and
+        ``join_grace`` has passed for any it did not expect). Runs in the averager's process."""
+        matchmaking = self._matchmaking
+
+        def ready() -> bool:
+            expected = self._expected_peers - {matchmaking.peer_id}
+            return (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
+                    and matchmaking.current_leader is None and bool(expected)
+                    and expected.issubset(matchmaking.current_followers))
+
+        while matchmaking.is_looking_for_group and not matchmaking.assembled_group.done():
+            if ready():
+                await asyncio.sleep(self.join_grace)
+                async with matchmaking.lock_request_join_group:
+                    if ready():
+                        await matchmaking.leader_assemble_group()
+                        return
+            await asyncio.sleep(0.05)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        result = RoundResult(gathered)
+        running = self._running_groups.get(group_info.group_id)  # registered until this round's step is set
+        if running is not None and running.done() and not running.cancelled() and running.exception() is None:
+            runner = running.result()
+            container = runner.tensor_part_container
+            result.received = 1.0 - container.failed_size / max(1, container.total_size)
+            result.failed_senders = sum(index != float("inf")
+                                        for index in runner.tensor_part_reducer.sender_failed_after)
+        return result
+
+
+def round_report_averager_class(base: type, role: str) -> type:
+    """``base`` (a hivemind gradient averager class) with RoundReportMixin in front, sending ``role``, under ``base``'s
+    name (hivemind names the RPCs after the class: every peer's averager must keep the same name)."""
+    return type(base.__name__, (RoundReportMixin, base),
+                {"__module__": __name__, "__qualname__": f"RoundReport{base.__name__}", "round_role": role})
+
+
+class SwarmProgressTracker(ProgressTracker):
+    """hivemind's ProgressTracker that also counts, at each reading, the peers that train and the anchors.
+
+    hivemind's ``global_progress.num_peers`` counts both: an anchor publishes a record so that its epoch is
+    the swarm's (peers behind NAT, in client mode, do not set the global epoch), with no throughput.
+    """
+
+    training_peers: int = 0  # peers with a progress record that contribute samples (this one included)
+    anchor_peers: int = 0  # peers with a progress record and no throughput (collab_kit.anchor)
+    trainer_records: tuple = ()  # (peer id as bytes, local epoch) of each training peer's record
+    client_mode_trainers: int = 0  # training peers in client mode (they average only through a peer that leads)
+
+    def _parse_swarm_progress_data(self, metadata):
+        progress = super()._parse_swarm_progress_data(metadata)
+        trainers, anchors, clients = [], 0, 0
+        if isinstance(metadata, dict):
+            for entry in metadata.values():
+                if entry.value is None:
+                    continue
+                record = LocalTrainingProgress.parse_obj(entry.value)  # valid: super() parsed it already
+                if is_anchor_record(record):
+                    anchors += 1
+                else:
+                    trainers.append((record.peer_id, record.epoch))
+                    clients += record.client_mode
+        self.trainer_records, self.training_peers, self.anchor_peers = tuple(trainers), len(trainers), anchors
+        self.client_mode_trainers = clients
+        return progress
+
+
 class CollaborativeOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer that counts the global steps averaged with peers, and idles when alone.
+    """hivemind.Optimizer that counts the global steps averaged with other training peers, and idles when alone.
 
     The count is what the demo and the tests check to know that peers really trained together,
     rather than each on its own. A peer alone in the swarm does not look for an averaging group
     ahead of time: hivemind would otherwise run matchmaking (DHT traffic on every core) during the
     last ``matchmaking_time`` seconds of every global epoch, for nothing.
+
+    Each gradient round carries the peer's role to its group (``round_role``): a group of this peer and
+    anchors only (collab_kit.anchor: public peers that reduce for volunteers behind NAT and contribute no
+    samples) has averaged nothing, and counts as a lone step.
 
     :param peer_gate: in an authorized run, a collab_kit.auth.PeerGate for the averagers
     :param on_averaging_start: called with the global epoch and the round's stage each time this peer begins
@@ -161,12 +325,33 @@ class CollaborativeOptimizer(hivemind.Optimizer):
       attribute. ``collab-kit join --events`` reports it, so that tests can act in the middle of a round.
     """
 
+    round_role = TRAINER_ROLE
+
     def __init__(self, peer_gate=None, on_averaging_start: Optional[Callable[[int, str], None]] = None, **kwargs):
         self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
         self.on_averaging_start = on_averaging_start
         super().__init__(**kwargs)
-        self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other peer
-        self.last_group_size = 1
+        if self.client_mode or self.round_role == ANCHOR_ROLE:
+            # Averaging parameters needs a peer that accepts connections to lead each round: for a peer in client mode,
+            # only an anchor; and a round it misses holds up its next gradient round (hivemind waits for the previous
+            # background round first), which then misses the group too. Such peers stay equal to the swarm by applying
+            # the same averaged gradients, and load the swarm's state after a gradient round of theirs failed.
+            self.average_state_every = NO_STATE_AVERAGING
+        self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other training peer
+        # training peers in the last gradient round, this one included when it trains (anchors are not counted)
+        self.last_group_size = int(self.round_role != ANCHOR_ROLE)
+        self.last_anchors_in_group = 0  # anchors in the last gradient round
+        self.last_round_problem: Optional[str] = None  # why the last gradient round failed (None: it did not)
+        self.last_received = 1.0  # the share of the last round's average that came back to this peer
+        self.last_round_epoch: Optional[int] = None  # the local epoch whose gradients the last round averaged
+        self._resync_requested = False
+        self._resync_reason: Optional[str] = None
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        # hivemind.Optimizer._make_progress_tracker (1.1.12), with the counting tracker
+        return SwarmProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                    client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                    **kwargs)
 
     def load_state_from_peers(self, **kwargs) -> bool:
         """Download the newest parameters and optimizer state from a peer of the run (hivemind's method).
@@ -176,6 +361,13 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         """
         self.state_averager.last_downloaded_epoch = None
         epoch_before = self.local_epoch
+        control = self.scheduled_grads
+        if control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            # hivemind would tag along with zero weight, which spares a formed group from waiting for this peer's part;
+            # a round still looking for its group loses nothing by a cancel, and tagging along would keep this peer's
+            # averager busy with a stale round when the swarm's next one, which it must join, starts
+            control.cancel()
+            self.scheduled_grads = None
         super().load_state_from_peers(**kwargs)
         downloaded = self.state_averager.last_downloaded_epoch
         # hivemind refuses a state from an epoch behind this peer's (and keeps its own)
@@ -200,11 +392,19 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        began = super()._begin_averaging_gradients(grad_scaler)
+        # every global step passes here (alone too): what the last round did is reset to "local gradients only"
+        self.last_group_size = int(self.round_role != ANCHOR_ROLE)
+        self.last_anchors_in_group, self.last_round_problem, self.last_received = 0, None, 1.0
+        self.last_round_epoch = self.local_epoch
+        began = self._trigger_gradient_round(grad_scaler)
         if began and self.on_averaging_start is not None:
             control = self.scheduled_grads  # the round just triggered (hivemind's StepControl)
             self.on_averaging_start(self.local_epoch, control.stage.name.lower() if control is not None else "unknown")
         return began
+
+    def _trigger_gradient_round(self, grad_scaler) -> bool:
+        """Start this epoch's gradient round (hivemind's way: the pre-scheduled group, or a new search)."""
+        return super()._begin_averaging_gradients(grad_scaler)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
@@ -218,17 +418,70 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     # (the averagers themselves run as subprocesses)
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        self.last_group_size = 1
-        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
-            if maybe_step_control.exception() is None:
-                group = maybe_step_control.result()
-                self.last_group_size = len(group) if group else 1
-                if self.last_group_size > 1:
-                    self.averaged_rounds += 1
+        if maybe_step_control is None:
+            return  # alone in the swarm: nothing to average
+        if not maybe_step_control.done() or maybe_step_control.cancelled():
+            self.last_round_problem = "the averaging round did not finish"
+        elif maybe_step_control.exception() is not None:
+            error = maybe_step_control.exception()
+            self.last_round_problem = str(error) or type(error).__name__
+        else:
+            result = maybe_step_control.result() or {}
+            roles = list(result.values())  # this peer's own role is among them
+            self.last_anchors_in_group = sum(role == ANCHOR_ROLE for role in roles) - (self.round_role == ANCHOR_ROLE)
+            self.last_group_size = sum(role != ANCHOR_ROLE for role in roles)  # a peer of another kit counts as one
+            self.last_received = float(getattr(result, "received", 1.0))
+            if self.last_received < 1.0:
+                share = f"{self.last_received:.1%}" if self.last_received < 0.9995 else "not all"
+                self.last_round_problem = (f"only {share} of the average came back (a peer that reduces part of it "
+                                           f"failed, or gave up waiting for this one)")
+        others = self.last_group_size - (self.round_role != ANCHOR_ROLE)
+        if others >= 1 and self.last_received >= 0.5:
+            self.averaged_rounds += 1
+        # this peer's step differs from the swarm's when its round failed or came back in part, or when it stepped on
+        # its own gradients while others trained (and no anchor took its step too): it loads the swarm's state next
+        diverged = self.last_round_problem is not None or (
+            others == 0 and self.last_anchors_in_group == 0 and self.tracker.training_peers > 1)
+        if diverged and self.round_role != ANCHOR_ROLE:
+            self._resync_requested = True
+
+    def request_resync(self, reason: str) -> None:
+        """Load the swarm's state at the next step (safe to call from another thread): this peer's parameters may no
+        longer be the swarm's."""
+        self._resync_reason = reason
+        self._resync_requested = True
+
+    def cancel_pending_round(self) -> bool:
+        """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that
+        waits for it goes on with this peer's own gradients at once, instead of at the round's timeout. Returns whether
+        a round was cancelled."""
+        control = self.scheduled_grads
+        if control is None or control.done():
+            return False
+        return bool(control.cancel())
+
+    def _should_load_state_from_peers(self) -> bool:
+        if self._resync_requested:
+            self._resync_requested = False
+            reason = self._resync_reason or (f"its last global step was not the swarm's "
+                                             f"({self.last_round_problem or 'no group'})")
+            self._resync_reason = None
+            logger.info(f"this peer loads the swarm's state: {reason}")
+            return True
+        if self.client_mode and self.tracker.anchor_peers > 0 and self.local_epoch < self.tracker.global_epoch:
+            # For a peer in client mode, the swarm's epoch is the anchor's, and the anchor moves on only when its round
+            # is over: a peer behind it missed that round (it loaded the state while the round ran, or was left out of
+            # the group). hivemind lets a peer one epoch behind go on, for peers that end an epoch a moment apart;
+            # here that would keep this peer one epoch (and one update) behind the others for good.
+            logger.info(f"this peer loads the swarm's state: the anchor is at epoch {self.tracker.global_epoch}, this "
+                        f"peer at {self.local_epoch} (it missed a round)")
+            return True
+        return super()._should_load_state_from_peers()
 
 
 def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, config: OptimizerConfig,
-                   client_mode: bool = False, verbose: bool = False, peer_gate=None, **kwargs) -> CollaborativeOptimizer:
+                   client_mode: bool = False, verbose: bool = False, peer_gate=None,
+                   optimizer_class: type = CollaborativeOptimizer, **kwargs) -> CollaborativeOptimizer:
     """Build the collaborative optimizer for ``model``, connected to the swarm through ``dht``.
 
     :param model: the model whose parameters the swarm trains
@@ -239,20 +492,24 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     :param verbose: log each stage of every global step
     :param peer_gate: in an authorized run, a collab_kit.auth.PeerGate: the gradient and state averagers then
       serve only peers bound to a valid access token
+    :param optimizer_class: CollaborativeOptimizer or a subclass (collab_kit.anchor.AnchorOptimizer)
     :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``, which then replaces the
         one ``config.aggregation`` chooses)
     """
-    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself
-    request_timeout = min(3.0, config.matchmaking_time / 2)
+    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself. A peer
+    # in client mode leads no group, so no two of its requests can wait on each other, and its only leaders are the
+    # few peers that accept connections (an anchor): a leader that answers late over a slow or busy link is better
+    # than none, and a request given up waits for the leader's next declaration (seconds), which can cost the round
+    request_timeout = min(5.0, 0.9 * config.matchmaking_time) if client_mode else min(3.0, config.matchmaking_time / 2)
     # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
-    averager_class = GradientAverager
+    averager_class = round_report_averager_class(GradientAverager, optimizer_class.round_role)
     if peer_gate is not None:
         from collab_kit.auth import authorized_averager_class
 
-        averager_class = authorized_averager_class(GradientAverager, peer_gate)
+        averager_class = authorized_averager_class(averager_class, peer_gate)
     kwargs.setdefault("grad_averager_factory", robust.grad_averager_factory(
         config.aggregation, config.clip_tau, config.clip_iterations, averager_class, request_timeout=request_timeout))
-    return CollaborativeOptimizer(
+    return optimizer_class(
         peer_gate=peer_gate,
         dht=dht,
         run_id=run_id,
@@ -269,6 +526,8 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         state_averaging_compression=Float16Compression() if config.state_compression == "fp16" else NoCompression(),
         matchmaking_time=config.matchmaking_time,
         averaging_timeout=config.averaging_timeout,
+        next_chunk_timeout=config.chunk_timeout,
+        load_state_timeout=config.load_state_timeout,
         averager_opts=dict(request_timeout=request_timeout),
         tracker_opts=dict(default_refresh_period=config.progress_refresh_period,
                           min_refresh_period=config.progress_refresh_period / 6,

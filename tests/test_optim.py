@@ -123,3 +123,37 @@ def test_make_optimizer_wires_the_papers_choices_into_hivemind():
     assert wiring["target"] == config.target_batch_size
     assert wiring["matchmaking"] == config.matchmaking_time and wiring["timeout"] == config.averaging_timeout
     assert wiring["compression"] == "SizeAdaptiveCompression" and wiring["threshold"] == 2 ** 16
+
+
+def test_a_held_step_leaves_parameters_and_statistics_as_they_are():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 128)
+    config = get_preset("paper").optimizer
+    optimizer = make_lamb8bit(parameter_groups(layer, config.weight_decay), config)
+    for param in layer.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    statistics = optimizer.state[layer.weight]["state1"].clone()
+    optimizer.hold_next_step()  # the anchor's round that no training peer reached
+    optimizer.step()
+    assert all(torch.equal(before[name], p) for name, p in layer.named_parameters())
+    assert torch.equal(statistics, optimizer.state[layer.weight]["state1"])
+    optimizer.step()  # only the next step is held
+    assert not torch.equal(before["weight"], layer.weight)
+
+
+def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes():
+    import pickle
+
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from collab_kit.optim import ANCHOR_ROLE, RoundResult, round_report_averager_class
+
+    averager_class = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
+    # hivemind names RPCs after the class: a peer with the mixin and one without still talk to each other
+    assert averager_class.__name__ == "GradientAverager" and averager_class.round_role == ANCHOR_ROLE
+    result = RoundResult({"a": "trainer", "b": ANCHOR_ROLE})
+    result.received, result.failed_senders = 0.5, 1
+    copy = pickle.loads(pickle.dumps(result))
+    assert copy == result and (copy.received, copy.failed_senders) == (0.5, 1)
