@@ -24,12 +24,12 @@ import io
 import logging
 import os
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 if TYPE_CHECKING:  # loaded on first use: run_history loads hivemind (seconds), which a missing file need not wait for
     from collab_kit.metrics import SwarmSnapshot
-    from collab_kit.run_history import CheckpointRow, Contributor
+    from collab_kit.run_history import CheckpointRow, Contributor, PeerAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class DashboardData:
     series: List[SwarmSnapshot]  # one point per poll, oldest first
     contributors: List[Contributor]  # most samples first
     checkpoints: List[CheckpointRow]  # by epoch
+    averaging: List[PeerAveraging] = field(default_factory=list)  # each peer's last round, peers alone first
 
     @property
     def latest(self) -> Optional[SwarmSnapshot]:
@@ -100,7 +101,7 @@ def load(db_path: str = DEFAULT_DB_PATH) -> DashboardData:
         raise ValueError(f"cannot open {db_path!r} ({e}): pass the file `collab-kit monitor --db` writes") from None
     try:
         return DashboardData(db_path=db_path, series=history.series(), contributors=history.leaderboard(),
-                             checkpoints=history.checkpoints())
+                             checkpoints=history.checkpoints(), averaging=history.peer_averaging())
     except sqlite3.DatabaseError as e:  # no such table, or not an SQLite file at all
         raise ValueError(f"{db_path!r} is not a monitor database ({e}): pass the file `collab-kit monitor --db` "
                          f"writes") from None
@@ -282,7 +283,8 @@ table.ck-table .number { text-align: right; font-variant-numeric: tabular-nums; 
 table.ck-table thead th { background: #24324a; color: #ffffff; }
 table.leaderboard tbody tr:nth-child(odd) { background: #e6eefa; }
 table.leaderboard tbody tr:nth-child(even) { background: #cfdcf2; }
-table.checkpoints tbody tr { border-bottom: 1px solid #d0d7de; }
+table.checkpoints tbody tr, table.averaging tbody tr { border-bottom: 1px solid #d0d7de; }
+table.averaging tr.alone td { background: #ffebe9; }
 table.ck-table .name { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; word-break: break-all; }
 p.ck-empty { padding: 12px 16px; background: #fff8c5; border: 1px solid #d4a72c; border-radius: 6px; }
 """
@@ -344,6 +346,19 @@ def checkpoints_html(checkpoints: Sequence[CheckpointRow]) -> str:
             f'<th>pushed to</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>')
 
 
+def averaging_html(peers: Sequence[PeerAveraging], limit: Optional[int] = 200) -> str:
+    """Each training peer's last gradient round: with how many other peers, or alone (highlighted) and why."""
+    if not peers:
+        return '<p class="ck-empty">No peer has reported its averaging yet.</p>'
+    shown = peers if limit is None else peers[:limit]
+    body = "\n".join(
+        f'<tr class="{"alone" if peer.alone else "together"}"><td class="name">{_e(peer.name)}</td>'
+        f'<td>{_e(peer.describe())}</td><td>{_e(format_time(peer.last_seen))}</td></tr>' for peer in shown)
+    more = f"<p>... and {len(peers) - len(shown)} more peers.</p>" if len(shown) < len(peers) else ""
+    return ('<table class="ck-table averaging"><thead><tr><th>peer</th><th>its last global step</th>'
+            f'<th>reported</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>{more}')
+
+
 def stats_html(data: DashboardData, now: Optional[float] = None) -> str:
     """The latest figures as cards (or, before the first poll, the message that there are none)."""
     latest = data.latest
@@ -383,6 +398,7 @@ def render_page(data: DashboardData, title: str = DEFAULT_TITLE, loss_x: str = "
                            f'<figcaption>{_e(CAPTIONS[kind])}</figcaption></figure>')
         parts.append(f'<h2>The run</h2>\n<div class="plots">\n{chr(10).join(figures)}\n</div>')
     parts.append(f"<h2>Leaderboard</h2>\n{leaderboard_html(leaderboard_rows(data.contributors), max_contributors)}")
+    parts.append(f"<h2>Averaging, per peer</h2>\n{averaging_html(data.averaging, max_contributors)}")
     parts.append(f"<h2>Checkpoints</h2>\n{checkpoints_html(data.checkpoints)}")
     body = "\n".join(parts)
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
@@ -437,6 +453,7 @@ def show_leaderboard(source=DEFAULT_DB_PATH, limit: Optional[int] = 50) -> None:
 
     data = _data(source)
     display(HTML(f"<style>{TABLE_STYLE}</style>{leaderboard_html(leaderboard_rows(data.contributors), limit)}"
+                 f"<h3>Averaging, per peer</h3>{averaging_html(data.averaging, limit)}"
                  f"<h3>Checkpoints</h3>{checkpoints_html(data.checkpoints)}"))
 
 

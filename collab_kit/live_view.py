@@ -14,6 +14,8 @@ import io
 import logging
 from typing import List, Optional
 
+from collab_kit.volunteer import LONE_AFTER_EPOCHS
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,6 +32,7 @@ class LiveView:
         self.target_batch_size = target_batch_size
         self.title = title
         self.records: List = []  # collab_kit.volunteer.EpochRecord
+        self.warnings: List = []  # collab_kit.volunteer.LoneWarning
         if display is None:
             from collab_kit.auth import _in_notebook
 
@@ -41,10 +44,24 @@ class LiveView:
     def contributed_samples(self) -> int:
         return sum(record.samples for record in self.records)
 
+    def lone_epochs(self) -> int:
+        """Global epochs in a row, up to the last, not averaged while other peers trained."""
+        count = 0
+        for record in reversed(self.records):
+            if record.averaged or getattr(record, "training_peers", 1) <= 1:
+                break
+            count += 1
+        return count
+
     def caption(self) -> str:
-        """One line: the last epoch's loss, peers, and what this volunteer gave so far."""
+        """One line: the last epoch's loss, peers, and what this volunteer gave so far (or that it trains alone)."""
         if not self.records:
             return "waiting for the first global epoch..."
+        alone = self.lone_epochs()
+        if alone >= LONE_AFTER_EPOCHS:
+            last = self.records[-1]
+            return (f"TRAINING ALONE for {alone} epochs while {last.training_peers - 1} other peer(s) train: "
+                    f"{last.problem or 'no other training peer in its averaging groups'} (see the warning below)")
         last = self.records[-1]
         share = (f", {last.samples / self.target_batch_size:.0%} of the swarm's last batch"
                  if self.target_batch_size else "")
@@ -82,13 +99,20 @@ class LiveView:
         share_ax.set(title="your contribution", xlabel="global epoch", ylabel="samples")
         if self.records:
             share_ax.legend(fontsize="small")
-        figure.suptitle(f"{self.title}: {self.caption()}", fontsize="medium")
+        figure.suptitle(f"{self.title}: {self.caption()}", fontsize="medium",
+                        color="tab:red" if self.lone_epochs() >= LONE_AFTER_EPOCHS else "black")
         return figure
 
     def png(self) -> bytes:
         buffer = io.BytesIO()
         self.figure().savefig(buffer, format="png", dpi=80)
         return buffer.getvalue()
+
+    def warn(self, warning) -> None:
+        """Print a lone-training warning under the figure (text, so a saved notebook keeps it): pass as
+        ``Volunteer.train(on_lone=view.warn)``."""
+        self.warnings.append(warning)
+        print(f"WARNING: {warning}", flush=True)
 
     def update(self, record) -> None:
         """Add an epoch's record and redraw: pass as ``Volunteer.train(on_epoch=view.update)``."""

@@ -50,6 +50,11 @@ class PeerMetrics(BaseModel):
     mini_steps: conint(ge=0, strict=True)  # local steps (micro-batches) in that epoch
     compute_seconds: confloat(ge=0.0, strict=True)  # seconds spent training since it started
     time: StrictFloat  # DHT time of the report
+    # its last gradient round: how many other training peers it was averaged with (0: alone), how many global epochs
+    # in a row went unaveraged while others trained, and why (None for peers that do not report it)
+    averaged_with: Optional[conint(ge=0, strict=True)] = None
+    lone_epochs: Optional[conint(ge=0, strict=True)] = None
+    lone_reason: Optional[constr(strict=True, max_length=300)] = None
 
     @validator("loss", "samples_per_second", "compute_seconds", "time")
     def _finite(cls, value: float) -> float:
@@ -126,7 +131,8 @@ class MetricsPublisher:
         self.compute_seconds += float(seconds)
 
     def publish(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float,
-                wait: bool = True) -> bool:
+                wait: bool = True, averaged_with: Optional[int] = None, lone_epochs: Optional[int] = None,
+                lone_reason: Optional[str] = None) -> bool:
         """Store this peer's record now; returns whether the DHT accepted it.
 
         A non-finite loss is not published (the schema would refuse it): the record is skipped with a
@@ -134,6 +140,9 @@ class MetricsPublisher:
 
         :param wait: wait for the DHT's answer; False returns True at once and stores in the background
           (what the training loop does: a slow DHT must not hold up a step)
+        :param averaged_with: other training peers in its last gradient round (0: it stepped alone)
+        :param lone_epochs: global epochs in a row not averaged while other peers trained
+        :param lone_reason: why they were not (None when averaged)
         """
         if not math.isfinite(loss):
             logger.warning(f"not publishing metrics for epoch {epoch}: the loss is {loss}")
@@ -141,7 +150,10 @@ class MetricsPublisher:
         record = PeerMetrics(
             peer_id=self.dht.peer_id.to_base58(), username=self.username, epoch=int(epoch),
             samples_per_second=float(samples_per_second), samples_accumulated=self.samples_accumulated,
-            loss=float(loss), mini_steps=int(mini_steps), compute_seconds=self.compute_seconds, time=get_dht_time())
+            loss=float(loss), mini_steps=int(mini_steps), compute_seconds=self.compute_seconds, time=get_dht_time(),
+            averaged_with=None if averaged_with is None else max(0, int(averaged_with)),
+            lone_epochs=None if lone_epochs is None else int(lone_epochs),
+            lone_reason=None if lone_reason is None else str(lone_reason)[:300])
         stored = self.dht.store(metrics_key(self.run_id), subkey=self.public_key_subkey, value=record.dict(),
                                 expiration_time=get_dht_time() + self.expiration, return_future=not wait)
         if not wait:

@@ -9,8 +9,9 @@ writes it, which SQLite's WAL mode allows):
 
     swarm(time, epoch, loss, alive_peers, samples_per_second)           one row per poll
     contributors(name, samples, compute_seconds, first_seen, last_seen)  the leaderboard
-    peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen)
-        the last counters seen from each signed record, so that only their growth is credited
+    peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, lone_epochs, lone_reason)
+        the last counters seen from each signed record, so that only their growth is credited, and how the
+        peer's last gradient round went (with how many other training peers, or alone for how long and why)
     checkpoints(epoch, path, time, pushed_to)                            checkpoints the monitor wrote
     run(key, value)                                                      the run id the file belongs to
 
@@ -45,6 +46,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     epoch INTEGER PRIMARY KEY, path TEXT NOT NULL, time REAL NOT NULL, pushed_to TEXT);
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# columns added after the first release: added to a file that lacks them (name, SQL type)
+LATER_PEER_COLUMNS = (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT"))
 
 
 @dataclass
@@ -56,6 +59,35 @@ class Contributor:
     compute_seconds: float
     first_seen: float
     last_seen: float
+
+
+@dataclass
+class PeerAveraging:
+    """How one training peer's last gradient round went, as its newest record says.
+
+    :param averaged_with: other training peers in that round (0: it stepped alone; None: the peer does not say)
+    :param lone_epochs: global epochs in a row it was not averaged while others trained
+    :param lone_reason: why (None when it was averaged)
+    """
+
+    peer_id: str
+    name: str
+    last_seen: float
+    averaged_with: Optional[int]
+    lone_epochs: Optional[int]
+    lone_reason: Optional[str]
+
+    @property
+    def alone(self) -> bool:
+        return bool(self.lone_epochs)
+
+    def describe(self) -> str:
+        """"averaging with 2 peers", "alone for 4 epochs: why", or "not reported"."""
+        if self.alone:
+            return f"alone for {self.lone_epochs} epoch(s): {self.lone_reason or 'no reason given'}"
+        if self.averaged_with is None:
+            return "not reported"
+        return f"averaging with {self.averaged_with} peer(s)" if self.averaged_with else "alone in the swarm"
 
 
 @dataclass
@@ -90,6 +122,11 @@ class RunHistory:
             self._connection.execute("PRAGMA journal_mode=WAL")  # readers (the dashboard) never block the monitor
             self._connection.execute("PRAGMA synchronous=FULL")  # a committed poll survives a power cut
             self._connection.executescript(SCHEMA)
+            present = {row[1] for row in self._connection.execute("PRAGMA table_info(peers)")}
+            with self._connection:
+                for column, kind in LATER_PEER_COLUMNS:
+                    if column not in present:
+                        self._connection.execute(f"ALTER TABLE peers ADD COLUMN {column} {kind}")
         self._lock = threading.Lock()
         if run_id is not None and not read_only:
             self._claim(run_id)
@@ -152,11 +189,14 @@ class RunHistory:
             new_seconds = record.compute_seconds - row[1] if record.compute_seconds >= row[1] \
                 else record.compute_seconds
         self._connection.execute(
-            "INSERT INTO peers (key, peer_id, name, samples_accumulated, compute_seconds, last_seen) "
-            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET peer_id = excluded.peer_id, "
-            "name = excluded.name, samples_accumulated = excluded.samples_accumulated, "
-            "compute_seconds = excluded.compute_seconds, last_seen = excluded.last_seen",
-            (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time))
+            "INSERT INTO peers (key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, "
+            "lone_epochs, lone_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+            "peer_id = excluded.peer_id, name = excluded.name, samples_accumulated = excluded.samples_accumulated, "
+            "compute_seconds = excluded.compute_seconds, last_seen = excluded.last_seen, "
+            "averaged_with = excluded.averaged_with, lone_epochs = excluded.lone_epochs, "
+            "lone_reason = excluded.lone_reason",
+            (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time,
+             record.averaged_with, record.lone_epochs, record.lone_reason))
         self._connection.execute(
             "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
@@ -188,6 +228,21 @@ class RunHistory:
             rows = self._connection.execute(query + (" LIMIT ?" if limit else ""),
                                             (limit,) if limit else ()).fetchall()
         return [Contributor(*row) for row in rows]
+
+    def peer_averaging(self, since: Optional[float] = None) -> List[PeerAveraging]:
+        """Each peer's last gradient round as its newest record said, peers alone first, then by name.
+
+        :param since: only peers seen at this DHT time or later (None: every peer ever seen)
+        """
+        try:
+            with self._lock:
+                rows = self._connection.execute(
+                    "SELECT peer_id, name, last_seen, averaged_with, lone_epochs, lone_reason FROM peers "
+                    "WHERE last_seen >= ?", (since if since is not None else float("-inf"),)).fetchall()
+        except sqlite3.OperationalError:  # a file from before these columns, opened read-only
+            return []
+        peers = [PeerAveraging(*row) for row in rows]
+        return sorted(peers, key=lambda peer: (not peer.alone, peer.name))
 
     def checkpoints(self) -> List[CheckpointRow]:
         with self._lock:

@@ -13,11 +13,11 @@ the swarm's parameters and optimizer state instead (``Volunteer._recover_from_no
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -27,9 +27,9 @@ from tqdm.auto import tqdm
 from collab_kit.config import RunConfig
 from collab_kit.data import ShardStream, batches, caption_tokenizer, peer_data_seed
 from collab_kit.metrics import MetricsPublisher
-from collab_kit.model import TextToImageTransformer, non_finite_parameters
+from collab_kit.model import TextToImageTransformer, model_seed, non_finite_parameters
 from collab_kit.optim import make_optimizer
-from collab_kit.swarm import join_instructions, start_dht
+from collab_kit.swarm import SwarmWatchdog, join_instructions, resolve_reachability, start_dht
 from collab_kit.swarm import wait_for_peers as wait_for_peers_in_swarm
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,13 @@ class EpochRecord:
     loss: float  # mean loss of this peer's local steps in that epoch
     local_steps: int
     samples: int  # samples this peer contributed
-    averaged: bool  # gradients of this epoch were averaged with at least one other peer
-    group_size: int  # peers in the gradient averaging group (1 = local gradients only)
-    num_peers: int  # peers the swarm reported when the epoch ended
+    averaged: bool  # gradients of this epoch were averaged with at least one other training peer
+    group_size: int  # training peers in the gradient averaging group, this one included (1 = local gradients only)
+    num_peers: int  # peers the swarm reported when the epoch ended (anchors included)
     seconds: float
+    anchors: int = 0  # anchors in the round (collab_kit.anchor: peers that reduce for others, with no samples)
+    training_peers: int = 1  # peers that trained in the swarm when the epoch ended, this one included
+    problem: Optional[str] = None  # why the round failed or came back in part (None: it did not)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,6 +70,80 @@ class RestoreRecord:
         return asdict(self)
 
 
+@dataclass
+class LoneWarning:
+    """Said when a volunteer's global steps go unaveraged while other peers train: it is training alone.
+
+    :param epoch: the global epoch at which it was said
+    :param epochs: global epochs in a row that were not averaged
+    :param training_peers: peers that trained in the swarm meanwhile (this one included)
+    :param reason: why, as far as this peer can tell
+    :param advice: what to do about it
+    """
+
+    epoch: int
+    epochs: int
+    training_peers: int
+    reason: str
+    advice: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"training alone: the last {self.epochs} global steps were not averaged with any other peer, although "
+                f"{self.training_peers - 1} other peer(s) train in the swarm. Why: {self.reason}. What to do: "
+                f"{self.advice}")
+
+
+LONE_AFTER_EPOCHS = 3  # unaveraged global epochs in a row, while others train, before a volunteer is told it is alone
+
+
+class LoneTrainingWatch:
+    """Notices a volunteer that trains alone while others are present, and says why (once per stretch).
+
+    hivemind goes on with a peer's own gradients when its averaging round fails, so such a volunteer
+    would otherwise believe it trains with the swarm. After ``after_epochs`` global epochs in a row
+    that were not averaged while other training peers were present, ``observe`` returns a LoneWarning;
+    the next one comes only after an averaged epoch ended the stretch.
+
+    :param after_epochs: unaveraged epochs in a row (with others present) before saying so
+    """
+
+    def __init__(self, after_epochs: int = LONE_AFTER_EPOCHS):
+        self.after_epochs = after_epochs
+        self.streak = 0
+        self._warned = False
+
+    def observe(self, record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
+                matchmaking_time: float) -> Optional[LoneWarning]:
+        """Count one epoch; returns the warning when a stretch of lone epochs reaches ``after_epochs``."""
+        if record.averaged or record.training_peers <= 1:
+            self.streak, self._warned = 0, False
+            return None
+        self.streak += 1
+        if self.streak < self.after_epochs or self._warned:
+            return None
+        self._warned = True
+        if client_mode and not anchors_in_swarm and not record.anchors:
+            reason = ("this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
+                      "so no averaging group can hold it")
+            advice = ("the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
+                      "anchor, which volunteers behind NAT average through); or join from a machine with a public "
+                      "address or a forwarded port")
+        elif record.problem:
+            reason = f"its averaging rounds fail ({record.problem})"
+            advice = (f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "
+                      f"optimizer.matchmaking_time=... (now {averaging_timeout:g} s and {matchmaking_time:g} s; every "
+                      f"peer of the run needs the same); check the link (a speed test, another network)")
+        else:
+            reason = "its averaging groups held no other training peer (the others joined other rounds)"
+            advice = ("check that every peer runs the same --preset, --run-id and --set options; if it goes on, restart "
+                      "this peer")
+        return LoneWarning(epoch=record.epoch, epochs=self.streak, training_peers=record.training_peers,
+                           reason=reason, advice=advice)
+
+
 class NonFiniteTrainingError(RuntimeError):
     """Training cannot go on: the model is not finite and no peer could give its state, or every step stays nan."""
 
@@ -75,7 +152,9 @@ class NonFiniteTrainingError(RuntimeError):
 class TrainingHistory:
     epochs: List[EpochRecord] = field(default_factory=list)
     restores: List[RestoreRecord] = field(default_factory=list)
+    lone_warnings: List[LoneWarning] = field(default_factory=list)  # stretches of training alone while others trained
     skipped_steps: int = 0  # local steps dropped because their loss or gradients were not finite
+    link_outages: int = 0  # times training waited for the link to the swarm to come back
     start_epoch: int = 0  # the global epoch this peer started at (> 0 when it joined late)
     final_epoch: int = 0
     local_steps: int = 0
@@ -134,11 +213,6 @@ def authorize(swarm_config):
     return authorizer
 
 
-def model_seed(run_id: str) -> int:
-    """Every peer of a run builds the same initial parameters, so that averaged gradients keep them equal."""
-    return zlib.crc32(run_id.encode())
-
-
 class Volunteer:
     """One peer of a collaborative run: builds everything it needs, then trains with the swarm.
 
@@ -155,12 +229,17 @@ class Volunteer:
 
     def __init__(self, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
                  num_threads: Optional[int] = None, verbose: bool = False, authorizer=None):
-        self.config = config
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.authorizer = authorizer if authorizer is not None else authorize(config.swarm)
+        # client mode or not, asked of the swarm (collab_kit.reachability) unless the configuration says
+        swarm_config, self.reachability = resolve_reachability(config.swarm)
+        self.config = config = dataclasses.replace(config, swarm=swarm_config)
         self.dht = start_dht(config.swarm, **({"authorizer": self.authorizer} if self.authorizer else {}))
         self._binding_keeper = None
+        # back in the DHT when it lost its neighbours; a cut link said, waited out and followed by loading the state
+        self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
+                                       on_link_back=self._on_link_back)
         try:
             peer_gate = None
             if self.authorizer is not None:
@@ -168,7 +247,7 @@ class Volunteer:
 
                 self._binding_keeper = BindingKeeper(self.dht, self.authorizer, config.swarm.run_id)
                 peer_gate = PeerGate(self.dht, config.swarm.run_id, self.authorizer.server_public_key.to_bytes())
-            self.join_line = join_instructions(self.dht, config.swarm.run_id)
+            self.join_line = join_instructions(self.dht, config.swarm.run_id, config.swarm.initial_peers)
             torch.manual_seed(model_seed(config.swarm.run_id))
             self.model = TextToImageTransformer(config.model)
             if data_seed is None:
@@ -190,15 +269,31 @@ class Volunteer:
         except BaseException:
             if self._binding_keeper is not None:
                 self._binding_keeper.stop()
+            self._watchdog.stop()
             self.dht.shutdown()
             raise
         self._closed = False
         self._stop_requested = threading.Event()
         self._non_finite_streak = 0
+        self._lone_watch = LoneTrainingWatch()
 
     def request_stop(self):
         """Ask ``train`` to stop after the current step (safe to call from a signal handler or a thread)."""
         self._stop_requested.set()
+
+    # -- a cut link (called by the watchdog's thread) -------------------------------------------
+
+    def _on_link_down(self) -> None:
+        """The round under way cannot finish without the link: give it up now rather than at its timeout, so that
+        nothing of this peer waits for it when the link is back."""
+        optimizer = getattr(self, "optimizer", None)  # None while the constructor still builds it
+        if optimizer is not None and optimizer.cancel_pending_round():
+            logger.info("gave up the averaging round under way: it cannot finish while the link is down")
+
+    def _on_link_back(self) -> None:
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            optimizer.request_resync("its link to the swarm was down, and the swarm went on meanwhile")
 
     # -- the swarm's view -----------------------------------------------------------------------
 
@@ -230,7 +325,9 @@ class Volunteer:
     def train(self, epochs: Optional[int] = None, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
               progress: bool = True, on_epoch: Optional[Callable[[EpochRecord], None]] = None,
               wait_for_peers: int = 1, wait_timeout: float = 120.0,
-              on_restore: Optional[Callable[[RestoreRecord], None]] = None) -> TrainingHistory:
+              on_restore: Optional[Callable[[RestoreRecord], None]] = None,
+              on_lone: Optional[Callable[[LoneWarning], None]] = None,
+              on_link: Optional[Callable[[str], None]] = None) -> TrainingHistory:
         """Train with the swarm until one of the limits is reached.
 
         Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
@@ -246,6 +343,10 @@ class Volunteer:
         :param wait_timeout: seconds to wait for them before raising SwarmConnectionError
         :param on_restore: called with a RestoreRecord each time this peer loads (or tries to load) the swarm's
           state: when it starts behind the swarm, and after a step whose loss or gradients were not finite
+        :param on_lone: called with a LoneWarning when this peer's global steps go unaveraged for a few epochs while
+          others train (also logged as a warning, whatever this is)
+        :param on_link: called with "down" when training stops to wait for the link to the swarm (no initial peer
+          accepts a connection), and with "back" when it goes on
         :raises NonFiniteTrainingError: the model is not finite and no peer can give its state, or the loss stays
           non-finite for ``max_non_finite_steps`` steps in a row
         """
@@ -275,7 +376,7 @@ class Volunteer:
                        disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
                        dynamic_ncols=True)
             self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch,
-                            on_restore)
+                            on_restore, on_lone, on_link)
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
             history.interrupted = True
@@ -288,13 +389,18 @@ class Volunteer:
 
     def _run_steps(self, stream, history: TrainingHistory, bar, max_epochs: Optional[int],
                    max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]],
-                   on_restore: Optional[Callable[[RestoreRecord], None]] = None) -> None:
+                   on_restore: Optional[Callable[[RestoreRecord], None]] = None,
+                   on_lone: Optional[Callable[[LoneWarning], None]] = None,
+                   on_link: Optional[Callable[[str], None]] = None) -> None:
         """The training loop proper: one local step per batch until a limit is reached."""
         epoch_losses: List[float] = []
         epoch_start = time.perf_counter()
         batch_size = self.config.optimizer.batch_size_per_step
         self.model.train()
         for batch in stream:
+            if self._watchdog.link_down.is_set():
+                self._wait_for_link(history, on_link)
+                epoch_losses, epoch_start = [], time.perf_counter()  # the swarm's state replaces what came before
             if self._stop_requested.is_set():
                 raise KeyboardInterrupt
             if (max_epochs is not None and self.local_epoch >= max_epochs) or \
@@ -316,13 +422,28 @@ class Volunteer:
             epoch_losses.append(loss.item())
 
             if self.local_epoch != epoch_before:
+                optimizer = self.optimizer
+                averaged = optimizer.averaged_rounds > rounds_before
+                # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own
+                in_round = optimizer.averaged_rounds > rounds_before or optimizer.last_round_epoch == epoch_before
                 record = EpochRecord(
                     epoch=epoch_before, loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
-                    samples=len(epoch_losses) * batch_size, averaged=self.optimizer.averaged_rounds > rounds_before,
-                    group_size=self.optimizer.last_group_size, num_peers=self.global_progress.num_peers,
-                    seconds=time.perf_counter() - epoch_start)
+                    samples=len(epoch_losses) * batch_size, averaged=averaged,
+                    group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
+                    seconds=time.perf_counter() - epoch_start,
+                    anchors=optimizer.last_anchors_in_group if in_round else 0,
+                    training_peers=max(1, optimizer.tracker.training_peers),
+                    problem=optimizer.last_round_problem if in_round else "this peer was behind the swarm")
                 history.epochs.append(record)
                 epoch_losses, epoch_start = [], time.perf_counter()
+                warning = self._lone_watch.observe(record, bool(self.config.swarm.client_mode),
+                                                   optimizer.tracker.anchor_peers, self.config.optimizer.averaging_timeout,
+                                                   self.config.optimizer.matchmaking_time)
+                if warning is not None:
+                    logger.warning(str(warning))
+                    history.lone_warnings.append(warning)
+                    if on_lone is not None:
+                        on_lone(warning)
                 self._publish_metrics(record)
                 if on_epoch is not None:
                     on_epoch(record)
@@ -339,6 +460,17 @@ class Volunteer:
             bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
                             samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
                             refresh=False)
+
+    def _wait_for_link(self, history: TrainingHistory, on_link: Optional[Callable[[str], None]] = None) -> None:
+        """Training waits while the link to the swarm is down: steps taken meanwhile could be averaged with nobody, and
+        the swarm's state (loaded when the link is back) would replace them anyway."""
+        history.link_outages += 1
+        if on_link is not None:
+            on_link("down")
+        while self._watchdog.link_down.is_set() and not self._stop_requested.is_set():
+            self._stop_requested.wait(0.2)
+        if not self._stop_requested.is_set() and on_link is not None:
+            on_link("back")
 
     # -- non-finite steps -----------------------------------------------------------------------
 
@@ -416,7 +548,10 @@ class Volunteer:
         self.metrics.add_work(record.samples, record.seconds)
         try:
             self.metrics.publish(epoch=self.local_epoch, loss=record.loss, mini_steps=record.local_steps,
-                                 samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False)
+                                 samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False,
+                                 averaged_with=record.group_size - 1, lone_epochs=self._lone_watch.streak,
+                                 lone_reason=None if record.averaged or record.training_peers <= 1 else
+                                 (record.problem or "no other training peer in its averaging group"))
         except Exception as e:  # the DHT may be shutting down or unreachable for a moment
             logger.warning(f"could not publish this peer's metrics: {e}")
 
@@ -448,6 +583,7 @@ class Volunteer:
             return
         self._closed = True
         try:
+            self._watchdog.stop()
             if self._binding_keeper is not None:
                 self._binding_keeper.stop()
             self.optimizer.shutdown()

@@ -94,7 +94,11 @@ def test_clip_round_trips_through_a_local_folder(ranker, images, tmp_path):
     folder = ranker.save_pretrained(str(tmp_path / "tiny-clip"))
     loaded = ClipRanker.from_pretrained(folder, device="cpu")
     assert loaded.image_size == 32 and loaded.tokenizer(PROMPT)["input_ids"] == ranker.tokenizer(PROMPT)["input_ids"]
-    assert torch.equal(loaded.score(PROMPT, images), ranker.score(PROMPT, images))
+    # the weights come back bit for bit; the scores only to float precision: on a busy machine the math libraries may
+    # split a sum over fewer threads, in another order (seen once: equal to 4 decimals, not to the last bit)
+    saved, reloaded = ranker.model.state_dict(), loaded.model.state_dict()
+    assert saved.keys() == reloaded.keys() and all(torch.equal(saved[name], reloaded[name]) for name in saved)
+    assert torch.allclose(loaded.score(PROMPT, images), ranker.score(PROMPT, images), rtol=0, atol=1e-5)
 
 
 def test_clip_loads_from_a_hub_repository(ranker, images, tmp_path, hub_server):
