@@ -391,6 +391,10 @@ class Checkpointer:
 
         wanted = self.next_epoch
         epoch = self.download()
+        if epoch < wanted and self.anchor is not None:
+            # the anchor took no round up to that epoch and could download no newer state
+            raise StateUnavailable(f"no peer gave its state of epoch {wanted} or later (the anchor holds epoch {epoch}; "
+                                   f"no training peer shares a newer state yet)")
         if epoch < wanted:
             raise StateUnavailable(f"the newest state a peer gave is of epoch {epoch}, before epoch {wanted}")
         from collab_kit.model import non_finite_parameters

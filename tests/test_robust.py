@@ -98,26 +98,38 @@ def test_config_checks_the_aggregation_fields():
             OptimizerConfig(**fields)
 
 
-def test_make_optimizer_chooses_the_gradient_averager_from_the_config(monkeypatch):
+def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     from hivemind.optim.grad_averager import GradientAverager
 
     from collab_kit import optim
     from collab_kit.model import TextToImageTransformer
 
     built = []
-    monkeypatch.setattr(optim, "CollaborativeOptimizer", lambda **kwargs: built.append(kwargs))  # no swarm needed
+
+    class RecordingOptimizer:  # takes the optimizer's place: what make_optimizer builds it with, no swarm needed
+        round_role = optim.CollaborativeOptimizer.round_role
+
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
     config = get_preset("tiny")
     model = TextToImageTransformer(config.model)
-    optim.make_optimizer(model, None, "run", config.optimizer)
+    optim.make_optimizer(model, None, "run", config.optimizer, optimizer_class=RecordingOptimizer)
     mean = built[-1]["grad_averager_factory"]
-    assert mean.func is GradientAverager and mean.keywords == dict(request_timeout=1.0)  # as before the option
+    # hivemind's GradientAverager as it is, reporting each round's outcome, under its own name (the RPCs' names)
+    assert issubclass(mean.func, GradientAverager) and issubclass(mean.func, optim.RoundReportMixin)
+    assert mean.func.__name__ == "GradientAverager" and not issubclass(mean.func, robust.CenteredClipAveragerMixin)
+    assert mean.keywords == dict(request_timeout=1.0)  # as before the option
     config.optimizer.aggregation, config.optimizer.clip_tau = "centered_clip", 2.0
-    optim.make_optimizer(model, None, "run", config.optimizer)
+    optim.make_optimizer(model, None, "run", config.optimizer, optimizer_class=RecordingOptimizer)
     robust_factory = built[-1]["grad_averager_factory"]
-    assert robust_factory.func is robust.CenteredClipGradientAverager
+    assert issubclass(robust_factory.func, robust.CenteredClipAveragerMixin)
+    assert issubclass(robust_factory.func, optim.RoundReportMixin)
+    assert robust_factory.func.__name__ == robust.CenteredClipGradientAverager.__name__
     assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=30, request_timeout=1.0)
     mine = object()
-    optim.make_optimizer(model, None, "run", config.optimizer, grad_averager_factory=mine)
+    optim.make_optimizer(model, None, "run", config.optimizer, grad_averager_factory=mine,
+                         optimizer_class=RecordingOptimizer)
     assert built[-1]["grad_averager_factory"] is mine  # the caller's factory wins
 
 
