@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -113,35 +113,41 @@ class LoneTrainingWatch:
     def __init__(self, after_epochs: int = LONE_AFTER_EPOCHS):
         self.after_epochs = after_epochs
         self.streak = 0
+        self.reason: Optional[str] = None  # why the epochs of the current stretch were not averaged (None: averaged)
         self._warned = False
 
     def observe(self, record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
                 matchmaking_time: float) -> Optional[LoneWarning]:
         """Count one epoch; returns the warning when a stretch of lone epochs reaches ``after_epochs``."""
         if record.averaged or record.training_peers <= 1:
-            self.streak, self._warned = 0, False
+            self.streak, self.reason, self._warned = 0, None, False
             return None
         self.streak += 1
+        self.reason, advice = self.diagnose(record, client_mode, anchors_in_swarm, averaging_timeout, matchmaking_time)
         if self.streak < self.after_epochs or self._warned:
             return None
         self._warned = True
-        if client_mode and not anchors_in_swarm and not record.anchors:
-            reason = ("this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
-                      "so no averaging group can hold it")
-            advice = ("the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
-                      "anchor, which volunteers behind NAT average through); or join from a machine with a public "
-                      "address or a forwarded port")
-        elif record.problem:
-            reason = f"its averaging rounds fail ({record.problem})"
-            advice = (f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "
-                      f"optimizer.matchmaking_time=... (now {averaging_timeout:g} s and {matchmaking_time:g} s; every "
-                      f"peer of the run needs the same); check the link (a speed test, another network)")
-        else:
-            reason = "its averaging groups held no other training peer (the others joined other rounds)"
-            advice = ("check that every peer runs the same --preset, --run-id and --set options; if it goes on, restart "
-                      "this peer")
         return LoneWarning(epoch=record.epoch, epochs=self.streak, training_peers=record.training_peers,
-                           reason=reason, advice=advice)
+                           reason=self.reason, advice=advice)
+
+    @staticmethod
+    def diagnose(record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
+                 matchmaking_time: float) -> Tuple[str, str]:
+        """Why an epoch was not averaged, as far as this peer can tell, and what to do about it: (reason, advice)."""
+        if client_mode and not anchors_in_swarm and not record.anchors:
+            return ("this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
+                    "so no averaging group can hold it",
+                    "the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
+                    "anchor, which volunteers behind NAT average through); or join from a machine with a public "
+                    "address or a forwarded port")
+        if record.problem:
+            return (f"its averaging rounds fail ({record.problem})",
+                    f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "
+                    f"optimizer.matchmaking_time=... (now {averaging_timeout:g} s and {matchmaking_time:g} s; every "
+                    f"peer of the run needs the same); check the link (a speed test, another network)")
+        return ("its averaging groups held no other training peer (the others joined other rounds)",
+                "check that every peer runs the same --preset, --run-id and --set options; if it goes on, restart "
+                "this peer")
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -550,8 +556,7 @@ class Volunteer:
             self.metrics.publish(epoch=self.local_epoch, loss=record.loss, mini_steps=record.local_steps,
                                  samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False,
                                  averaged_with=record.group_size - 1, lone_epochs=self._lone_watch.streak,
-                                 lone_reason=None if record.averaged or record.training_peers <= 1 else
-                                 (record.problem or "no other training peer in its averaging group"))
+                                 lone_reason=self._lone_watch.reason)
         except Exception as e:  # the DHT may be shutting down or unreachable for a moment
             logger.warning(f"could not publish this peer's metrics: {e}")
 

@@ -43,8 +43,13 @@ def test_alone_in_the_swarm_is_not_training_alone():
 def test_behind_nat_with_no_anchor_the_reason_names_the_missing_public_peer():
     watch = LoneTrainingWatch(after_epochs=2)
     observe(watch, epoch(0, averaged=False), anchors_in_swarm=0)
+    # the reason the metrics record carries (the monitor's history) is the same diagnosis, from the first lone epoch
+    assert watch.streak == 1 and "no peer of the swarm accepts connections" in watch.reason
     warning = observe(watch, epoch(1, averaged=False), anchors_in_swarm=0)
     assert "client mode" in warning.reason and "no peer of the swarm accepts connections" in warning.reason
+    assert watch.reason == warning.reason
+    observe(watch, epoch(2, averaged=True), anchors_in_swarm=0)
+    assert watch.streak == 0 and watch.reason is None
     assert "collab-kit monitor" in warning.advice and "anchor" in warning.advice
     # the same peer with an anchor in the swarm: not the reason
     watch = LoneTrainingWatch(after_epochs=1)
