@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from functools import partial
 from typing import AsyncIterator, Callable, Iterable, List, Optional
@@ -134,6 +135,24 @@ def make_scheduler_factory(config: OptimizerConfig):
     return partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule)
 
 
+class ForkedTorchThreadsMixin:
+    """Put before a hivemind averager class: its process (a fork of the trainer's) rebuilds torch's thread pool once,
+    before any of its threads runs a tensor operation.
+
+    A forked process inherits a torch whose thread pool belongs to the parent, and the first operation of each thread
+    rebuilds it. hivemind's averagers compress and decompress the parts of a round in several threads at once, and in
+    the first round of a process those first operations race: with more than one torch thread, one of them can fail
+    with "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (measured here: 91 of 100 forked processes whose 4
+    threads began together). hivemind drops that exception silently: the part is never sent, the reducer drops this
+    peer after next_chunk_timeout, and the round is lost (what a peer behind a 5 Mbit/s link met in one run of two).
+    """
+
+    def run(self):
+        # in the averager's own process, in one thread, before hivemind starts its event loop and executors
+        torch.set_num_threads(torch.get_num_threads())
+        super().run()
+
+
 class DownloadRecorderMixin(DecentralizedAverager):
     """Remembers the epoch of the last state ``load_state_from_peers`` downloaded (None: no peer gave one).
 
@@ -155,9 +174,10 @@ class DownloadRecorderMixin(DecentralizedAverager):
 
 
 def recording_state_averager_class() -> type:
-    """TrainingStateAverager with DownloadRecorderMixin behind it, under TrainingStateAverager's name (hivemind
-    names its RPCs after the class: peers with and without the mixin still talk to each other)."""
-    return type(TrainingStateAverager.__name__, (TrainingStateAverager, DownloadRecorderMixin),
+    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin in front), under
+    TrainingStateAverager's name (hivemind names its RPCs after the class: peers with and without the mixins still talk
+    to each other)."""
+    return type(TrainingStateAverager.__name__, (ForkedTorchThreadsMixin, TrainingStateAverager, DownloadRecorderMixin),
                 {"__module__": __name__, "__qualname__": "RecordingTrainingStateAverager"})
 
 
@@ -270,9 +290,10 @@ class RoundReportMixin:
 
 
 def round_report_averager_class(base: type, role: str) -> type:
-    """``base`` (a hivemind gradient averager class) with RoundReportMixin in front, sending ``role``, under ``base``'s
-    name (hivemind names the RPCs after the class: every peer's averager must keep the same name)."""
-    return type(base.__name__, (RoundReportMixin, base),
+    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin) in front,
+    sending ``role``, under ``base``'s name (hivemind names the RPCs after the class: every peer's averager must keep
+    the same name)."""
+    return type(base.__name__, (ForkedTorchThreadsMixin, RoundReportMixin, base),
                 {"__module__": __name__, "__qualname__": f"RoundReport{base.__name__}", "round_role": role})
 
 
@@ -346,6 +367,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self.last_round_epoch: Optional[int] = None  # the local epoch whose gradients the last round averaged
         self._resync_requested = False
         self._resync_reason: Optional[str] = None
+        self._loaded: Optional[tuple] = None  # (epoch, seconds) of a state just loaded, until the next step's check
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         # hivemind.Optimizer._make_progress_tracker (1.1.12), with the counting tracker
@@ -368,10 +390,22 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             # averager busy with a stale round when the swarm's next one, which it must join, starts
             control.cancel()
             self.scheduled_grads = None
+        started = time.monotonic()
         super().load_state_from_peers(**kwargs)
         downloaded = self.state_averager.last_downloaded_epoch
         # hivemind refuses a state from an epoch behind this peer's (and keeps its own)
-        return downloaded is not None and downloaded >= epoch_before
+        loaded = downloaded is not None and downloaded >= epoch_before
+        if loaded:
+            self._loaded = (self.local_epoch, time.monotonic() - started)
+        return loaded
+
+    def adopt_epoch(self, epoch: int) -> None:
+        """Go on at ``epoch`` with the parameters held now (hivemind's catching up, for any distance)."""
+        with self.tracker.pause_updates():
+            self.state_averager.local_epoch = epoch
+            self.tracker.report_local_progress(epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = epoch
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         """hivemind's state averager, which remembers what it downloads (DownloadRecorderMixin); in an authorized
@@ -461,6 +495,25 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         return bool(control.cancel())
 
     def _should_load_state_from_peers(self) -> bool:
+        wanted = self._wants_swarm_state()
+        loaded, self._loaded = self._loaded, None
+        if wanted and loaded is not None and loaded[0] == self.local_epoch < self.tracker.global_epoch:
+            # The swarm moved on while this peer downloaded its state: on a slow link the download (parameters and
+            # optimizer state, about 6 bytes a parameter) can take longer than an epoch, and a peer that downloaded
+            # again would spend every epoch downloading, never training. hivemind goes on at the swarm's epoch when one
+            # behind; this peer does so further behind too: its parameters miss the few updates made during the
+            # download (as a delayed update does), and from now on it applies the same averaged steps as everyone.
+            epoch, seconds = loaded
+            logger.warning(f"the swarm moved from epoch {epoch} to {self.tracker.global_epoch} while this peer "
+                           f"downloaded its state ({seconds:.0f} s): it goes on at epoch {self.tracker.global_epoch} "
+                           f"without downloading again (its parameters miss {self.tracker.global_epoch - epoch} "
+                           f"update(s))")
+            self.adopt_epoch(self.tracker.global_epoch)
+            return False
+        return wanted
+
+    def _wants_swarm_state(self) -> bool:
+        """Whether this peer's parameters are behind or apart from the swarm's (hivemind's rule and the kit's)."""
         if self._resync_requested:
             self._resync_requested = False
             reason = self._resync_reason or (f"its last global step was not the swarm's "
@@ -507,8 +560,24 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         from collab_kit.auth import authorized_averager_class
 
         averager_class = authorized_averager_class(averager_class, peer_gate)
+    averager_kwargs = dict(request_timeout=request_timeout,
+                           # hivemind would have a peer that loads the swarm's state download the last averaged
+                           # gradients too (as many bytes again as the parameters, in fp32), which nothing uses after
+                           # a download: on a slow link that made catching up take 1.7x as long
+                           allow_state_sharing=False)
+    if client_mode:
+        # hivemind sends a peer in client mode its averaged parts only once it has sent all of its own, and gives up on
+        # its reducer when no part comes back within reducer_timeout of that (by default 2 x next_chunk_timeout). Its
+        # only reducers are peers that accept connections (the anchor), which can return the first part only when every
+        # member's first part is in: one member that starts sending late on a slow link holds every other member's
+        # first part back. The round's own deadline (averaging_timeout) is the one that must hold here.
+        averager_kwargs["reducer_timeout"] = max(config.averaging_timeout, 2 * config.chunk_timeout)
+    if optimizer_class.round_role == ANCHOR_ROLE:
+        # the anchor reduces the whole vector of every volunteer behind NAT, each sending over its own slow link; a
+        # sender that stalls for next_chunk_timeout is dropped from the round, and it loses the round
+        averager_kwargs["sender_timeout"] = max(config.chunk_timeout, config.averaging_timeout / 2)
     kwargs.setdefault("grad_averager_factory", robust.grad_averager_factory(
-        config.aggregation, config.clip_tau, config.clip_iterations, averager_class, request_timeout=request_timeout))
+        config.aggregation, config.clip_tau, config.clip_iterations, averager_class, **averager_kwargs))
     return optimizer_class(
         peer_gate=peer_gate,
         dht=dht,

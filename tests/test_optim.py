@@ -1,8 +1,10 @@
 """The paper's optimizer: schedule, parameter groups, 8-bit LAMB, compression, and the hivemind wiring."""
 import json
+import multiprocessing as mp
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ from hivemind.proto import runtime_pb2
 
 from collab_kit.config import get_preset
 from collab_kit.model import TextToImageTransformer
-from collab_kit.optim import gradient_compression, linear_warmup_then_decay, make_lamb8bit, parameter_groups
+from collab_kit.optim import (ForkedTorchThreadsMixin, gradient_compression, linear_warmup_then_decay, make_lamb8bit,
+                              parameter_groups)
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero():
@@ -157,3 +160,70 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
     result.received, result.failed_senders = 0.5, 1
     copy = pickle.loads(pickle.dumps(result))
     assert copy == result and (copy.received, copy.failed_senders) == (0.5, 1)
+
+
+# -- averagers in forked processes --------------------------------------------------------------------------------
+
+
+class _ThreadsAtOnce(mp.get_context("fork").Process):
+    """A forked process whose threads run their first tensor operation at the same moment, as hivemind's averagers
+    compress the parts of their first round; it reports how many of them failed."""
+
+    def __init__(self, results, threads: int = 4):
+        super().__init__(daemon=True)
+        self.results, self.threads = results, threads
+
+    def run(self):
+        barrier, failures = threading.Barrier(self.threads), []
+
+        def first_operation():
+            barrier.wait()
+            try:
+                torch.ones(300_000).mean()
+            except RuntimeError as e:  # "pool INTERNAL ASSERT FAILED ... Invalid thread pool!"
+                failures.append(str(e))
+
+        workers = [threading.Thread(target=first_operation) for _ in range(self.threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        self.results.put(len(failures))
+
+
+class _ThreadsAtOnceRebuilt(ForkedTorchThreadsMixin, _ThreadsAtOnce):
+    pass
+
+
+def _failed_processes(process_class, count: int = 12) -> int:
+    results = mp.get_context("fork").Queue()
+    failed = 0
+    for _ in range(count):
+        process = process_class(results)
+        process.start()
+        failed += results.get(timeout=60) > 0
+        process.join(timeout=10)
+    return failed
+
+
+def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a trainer with more than one torch thread (volunteers use every core)
+    try:
+        torch.randn(500, 500).sum()  # the trainer used torch before hivemind forked its averagers
+        # without the mixin the race is real on this torch: the test would show nothing if it were not
+        assert _failed_processes(_ThreadsAtOnce) > 0, "torch no longer fails here: ForkedTorchThreadsMixin may go"
+        assert _failed_processes(_ThreadsAtOnceRebuilt) == 0
+    finally:
+        torch.set_num_threads(threads_before)
+    # every averager the kit builds carries it: gradient averagers (plain, CenteredClip, authorized) and state averagers
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from collab_kit.optim import ANCHOR_ROLE, TRAINER_ROLE, recording_state_averager_class, round_report_averager_class
+    from collab_kit.robust import with_centered_clip
+
+    for role in (TRAINER_ROLE, ANCHOR_ROLE):
+        averager_class = round_report_averager_class(GradientAverager, role)
+        assert issubclass(averager_class, ForkedTorchThreadsMixin)
+        assert issubclass(with_centered_clip(averager_class), ForkedTorchThreadsMixin)
+    assert issubclass(recording_state_averager_class(), ForkedTorchThreadsMixin)
