@@ -293,22 +293,26 @@ class SwarmWatchdog:
       busy machine or a slow link, and hivemind removes a peer that does not answer. With nobody left to ask, nothing
       fills the table again, and the peer would read the swarm's progress and find averaging groups no more. The
       watchdog dials the initial peers again at its next check (every ``period`` seconds).
-    - its link is down: not one initial peer accepts even a TCP connection. The watchdog says so once and calls
-      ``on_link_down`` (the volunteer gives up its averaging round, which cannot finish, and waits). When an initial
-      peer answers again, it drops libp2p's old connections, dials afresh and calls ``on_link_back`` (the volunteer
-      loads the swarm's state and goes on).
+    - its link is down: not one initial peer accepts even a TCP connection, check after check for ``down_after``
+      seconds (a thin link that a download fills queues a new connection behind it for seconds: one check that times
+      out is no cut). The watchdog says so once and calls ``on_link_down`` (the volunteer gives up its averaging round,
+      which cannot finish, and waits). When an initial peer answers again, it drops libp2p's old connections, dials
+      afresh and calls ``on_link_back`` (the volunteer loads the swarm's state and goes on).
 
     :param dht: this peer's DHT
     :param initial_peers: the addresses it joined through
     :param period: seconds between two checks
     :param timeout: seconds for each TCP check (a libp2p dial gets twice as long)
+    :param down_after: seconds of checks that no initial peer answered before the link counts as down
     :param on_link_down: called (in the watchdog's thread) when the link goes down
     :param on_link_back: called (in the watchdog's thread) when the swarm answers again after that
     """
 
     def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str], period: float = 1.0, timeout: float = 2.0,
-                 on_link_down: Optional[Callable[[], None]] = None, on_link_back: Optional[Callable[[], None]] = None):
+                 down_after: float = 8.0, on_link_down: Optional[Callable[[], None]] = None,
+                 on_link_back: Optional[Callable[[], None]] = None):
         self.dht, self.initial_peers, self.period, self.timeout = dht, list(initial_peers), period, timeout
+        self.down_after = down_after
         self.on_link_down, self.on_link_back = on_link_down, on_link_back
         self.rejoins = 0  # times the routing table was empty and the initial peers were dialled again with success
         self.link_outages = 0  # times the link went down
@@ -320,7 +324,7 @@ class SwarmWatchdog:
             self._thread.start()
 
     def _run(self) -> None:
-        alone_since = None
+        alone_since = unanswered_since = None
         while not self._stop.wait(self.period):
             try:
                 known, reachable = self.dht.run_coroutine(partial(
@@ -328,6 +332,7 @@ class SwarmWatchdog:
             except Exception as e:  # the DHT is shutting down, or busy: the next check comes as usual
                 logger.debug(f"the swarm watchdog could not check the DHT: {e!r}")
                 continue
+            unanswered_since = None if reachable else unanswered_since or time.monotonic()
             if known:
                 if alone_since is not None:
                     self.rejoins += 1
@@ -342,7 +347,8 @@ class SwarmWatchdog:
             if alone_since is None:
                 alone_since = time.monotonic()
                 logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
-            if not reachable and not self.link_down.is_set():
+            cut = not reachable and time.monotonic() - unanswered_since >= self.down_after
+            if cut and not self.link_down.is_set():
                 self.link_outages += 1
                 self.link_down_since = time.time()
                 self.link_down.set()

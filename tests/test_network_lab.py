@@ -1,0 +1,290 @@
+"""The swarm where volunteers are: behind NAT, on capped and cut links, in Linux network namespaces.
+
+Every test builds its own lab (collab_kit.netlab: an "Internet" bridge at 10.77.0.0/16, public hosts, homes
+behind NAT routers at 192.168.N.0/24) and runs the real ``collab-kit`` commands inside it; the lab and every
+process in it are removed at the end, whatever happens. Where namespaces cannot be made (no root, no iproute2
+or iptables), the tests skip with the reason.
+"""
+import math
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from collab_kit.netlab import NetworkLab, lab_unavailable, list_namespaces
+from collab_kit.run_history import RunHistory
+
+REASON = lab_unavailable()
+needs_lab = pytest.mark.skipif(REASON is not None, reason=f"no network lab on this machine: {REASON}")
+
+# tiny steps take milliseconds: a larger batch makes each global epoch last a few seconds, long against matchmaking
+# and the peers' progress readings, as epochs of the real presets are (minutes against 15 s)
+EPOCH_SETTINGS = ["--set", "optimizer.target_batch_size=8192"]
+# the late joiner's link in the NAT scenario, each way: the tiny model's state (~0.3 MB) then takes longer than an epoch
+LATE_JOINER_MBIT = 0.25
+# what each peer's log says about matchmaking and the link, for a failure to be read from the logs alone
+DEBUG_LOGS = ["--debug-logger", "hivemind.averaging.matchmaking", "--debug-logger", "collab_kit.swarm",
+              "--debug-logger", "collab_kit.optim", "--debug-logger", "collab_kit.volunteer"]
+
+
+@pytest.fixture
+def lab():
+    created = NetworkLab()
+    try:
+        yield created
+    finally:
+        created.close()
+        left = [name for name in list_namespaces() if name.startswith(created.tag)]
+        assert not left, f"the lab left namespaces behind: {left}"
+
+
+def start_monitor(lab, tmp_path, run_id, *extra):
+    server = lab.public_host("server")
+    monitor = server.start("monitor", [*DEBUG_LOGS, "monitor", "--preset", "tiny", "--run-id", run_id, "--host", "0.0.0.0",
+                                       "--events", "--report-every", "1", "--db", str(tmp_path / "monitor.sqlite"),
+                                       *EPOCH_SETTINGS, *extra], str(tmp_path / "monitor.log"))
+    addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")["addresses"]
+    assert addresses and all("/ip4/10.77.0." in address for address in addresses), addresses  # no 127.0.0.1
+    return server, monitor, addresses
+
+
+def start_volunteer(host, tmp_path, run_id, addresses, shards, *extra):
+    return host.start(host.name, [*DEBUG_LOGS, "join", "--preset", "tiny", "--run-id", run_id, "--host", "0.0.0.0",
+                                  "--initial-peers", *addresses, "--data", shards, "--threads", "1", "--events", "--no-progress",
+                                  *EPOCH_SETTINGS, *extra], str(tmp_path / f"{host.name}.log"))
+
+
+def epochs_of(peer):
+    return [event for event in peer.events if event["type"] == "epoch"]
+
+
+def log_of(peer) -> str:
+    with open(peer.log_path) as f:
+        return f.read()
+
+
+# -- the lab itself ------------------------------------------------------------------------------------------
+
+
+def _serve_once(host, port, ready: threading.Event, outcome: list):
+    """Accept one connection inside ``host`` (a small Python server in its namespace) and read it to its end."""
+    code = ("import socket,sys;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+            f"s.bind(('0.0.0.0',{port}));s.listen();print('listening',flush=True);s.settimeout(8)\n"
+            "try:\n c,a=s.accept();print('accepted',flush=True)\n while c.recv(1<<16): pass\n"
+            "except Exception as e:\n print('none',flush=True)")
+    process = subprocess.Popen(host.command(sys.executable, "-c", code), stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "listening"
+    ready.set()
+    outcome.append(process.stdout.readline().strip())
+    process.wait(10)
+
+
+def _connect(host, address, port, payload: int = 0, timeout: float = 2.0) -> bool:
+    code = (f"import socket;s=socket.create_connection(('{address}',{port}),timeout={timeout});"
+            f"s.sendall(b'x'*{payload});s.close()")
+    return host.run(sys.executable, "-c", code, check=False).returncode == 0
+
+
+@needs_lab
+def test_the_lab_puts_homes_behind_nat_caps_and_cuts_links_and_leaves_nothing_behind():
+    with NetworkLab() as lab:
+        server, alice = lab.public_host("server"), lab.home("alice")
+        assert alice.address.startswith("192.168.") and alice.public_address.startswith("10.77.1.")
+        # out of the home: allowed, and the server sees the router's address
+        ready, outcome = threading.Event(), []
+        thread = threading.Thread(target=_serve_once, args=(server, 5001, ready, outcome))
+        thread.start()
+        ready.wait(10)
+        before = alice.link_bytes()
+        assert _connect(alice, server.address, 5001, payload=200_000)
+        thread.join(15)
+        assert outcome == ["accepted"]
+        after = alice.link_bytes()
+        assert after.sent - before.sent >= 200_000  # the link's counters see the payload (and its headers)
+        # into the home: nobody outside can dial it, neither at its own address nor at its router's
+        ready, outcome = threading.Event(), []
+        thread = threading.Thread(target=_serve_once, args=(alice, 5002, ready, outcome))
+        thread.start()
+        ready.wait(10)
+        assert not _connect(server, alice.address, 5002)
+        assert not _connect(server, alice.public_address, 5002)
+        thread.join(15)
+        assert outcome == ["none"]
+        # a capped link: a token bucket on each direction, in the router
+        alice.limit(20)
+        for namespace, device in (alice.uplink, alice.downlink):
+            shown = subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", device],
+                                   capture_output=True, text=True).stdout
+            assert "tbf" in shown and "20Mbit" in shown, shown
+        # a cut link drops everything, silently; restored, it works again
+        ready, outcome = threading.Event(), []
+        thread = threading.Thread(target=_serve_once, args=(server, 5003, ready, outcome))
+        thread.start()
+        ready.wait(10)
+        alice.cut()
+        started = time.monotonic()
+        assert not _connect(alice, server.address, 5003, timeout=1.5)
+        assert time.monotonic() - started >= 1.0  # a timeout, not a refusal: the packets vanished
+        alice.restore()
+        assert _connect(alice, server.address, 5003)
+        thread.join(15)
+        assert outcome == ["accepted"]
+        tag = lab.tag
+    assert not [name for name in list_namespaces() if name.startswith(tag)]
+
+
+# -- reachability by probe -----------------------------------------------------------------------------------
+
+
+@needs_lab
+@pytest.mark.slow
+def test_the_probe_tells_nat_and_firewalls_from_public_and_forwarded_hosts(lab, tmp_path):
+    server, monitor, addresses = start_monitor(lab, tmp_path, "probe", "--checkpoint-every", "0")
+    hosts = [(lab.home("home"), None, False, None),
+             (lab.public_host("firewalled", drop_inbound=True), None, False, None),
+             (lab.public_host("public"), None, True, "10.77.0."),
+             (lab.home("vm", forward_port=31337), 31337, True, "10.77.1.")]
+    for host, port, reachable, seen_at in hosts:
+        args = ["reachability", "--initial-peers", *addresses, "--events", "--timeout", "5"]
+        checker = host.start(f"check-{host.name}", args + (["--port", str(port)] if port else []),
+                             str(tmp_path / f"check-{host.name}.log"))
+        verdict = checker.wait_for(lambda e: e["type"] == "reachability", timeout=60, what="its verdict")
+        assert verdict["reachable"] is reachable, (host, verdict)
+        if reachable:
+            # the address others must dial: the host's own, or its router's for a forwarded port
+            assert verdict["public_addresses"] == [host.public_address], verdict
+            assert verdict["public_addresses"][0].startswith(seen_at)
+        else:
+            assert verdict["public_addresses"] == []
+            outcomes = {result for answer in verdict["answers"] for result in answer["results"].values()}
+            # a home router refuses or drops; a firewall that drops makes the dial time out
+            assert outcomes <= {"refused", "timeout"}, verdict
+        assert checker.wait_exit(30) == 0
+
+
+# -- the paper's scenario -----------------------------------------------------------------------------------
+
+
+@needs_lab
+@pytest.mark.slow
+def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_late_one_gets_the_state(
+        lab, tmp_path, tiny_shards):
+    run_id, last_epoch = "nat_run", 16
+    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "4",
+                                               "--checkpoints", str(tmp_path / "checkpoints"))
+    homes = [lab.home(f"home{i}") for i in range(3)]
+    volunteers = [start_volunteer(home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch),
+                                  "--wait-for-peers", "3") for home in homes]
+    for volunteer in volunteers:  # no flag: each asked the monitor, which could not dial it back
+        ready = volunteer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
+        assert ready["addresses"] == []  # nobody can join through a peer behind NAT
+        assert "accepts no connections" in log_of(volunteer) and "--initial-peers " + addresses[0] in log_of(volunteer)
+    # a fourth volunteer joins late, behind its own NAT on a thin link: downloading the swarm's state (about 6 bytes a
+    # parameter) takes it longer than an epoch, as a large model's does on a home link; it starts at the swarm's epoch
+    # with that state and goes on from the swarm's epoch of then, rather than downloading again and again
+    volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= 4, timeout=400, what="epoch 4")
+    swarm_epoch = max(event["epoch"] for peer in volunteers for event in epochs_of(peer))
+    late_home = lab.home("late")
+    late_home.limit(LATE_JOINER_MBIT)
+    late = start_volunteer(late_home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch))
+    restore = late.wait_for(lambda e: e["type"] == "restore", timeout=180, what="loading the swarm's state")
+    assert restore["reason"] == "behind_swarm" and restore["loaded"], restore
+    assert restore["epoch_after"] >= swarm_epoch, (restore, swarm_epoch)
+    for peer in volunteers + [late]:
+        done = peer.wait_for(lambda e: e["type"] == "done", timeout=600, what="the end of training")
+        assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
+    for peer in volunteers:
+        epochs = [event for event in epochs_of(peer) if event["epoch"] >= 1]  # after the first epoch
+        together = [event for event in epochs if event["averaged"] and event["group_size"] >= 2]
+        assert len(epochs) >= 8, epochs
+        assert len(together) >= 0.9 * len(epochs), (peer.name, [(e["epoch"], e["group_size"], e["problem"])
+                                                                for e in epochs])
+        losses = [event["loss"] for event in epochs_of(peer)]
+        assert all(math.isfinite(loss) for loss in losses)
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses  # the loss falls
+    late_epochs = epochs_of(late)
+    assert late_epochs and late_epochs[0]["epoch"] >= swarm_epoch
+    assert any(event["averaged"] for event in late_epochs), late_epochs
+    # its download outlasted an epoch: it went on from the swarm's epoch instead of downloading again; and its thin
+    # link, full for seconds, was never taken for a cut one
+    assert "without downloading again" in log_of(late)
+    assert late.wait_for(lambda e: e["type"] == "done", timeout=5, what="its summary")["link_outages"] == 0
+    # the monitor's anchor reduced the rounds, and its checkpoints hold the swarm's state
+    checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=60, what="a checkpoint")
+    assert checkpoint["epoch"] >= 4
+    monitor.wait_for(lambda e: e["type"] == "anchor_round" and e["epoch"] >= last_epoch - 1, timeout=60,
+                     what="the last round")
+    rounds = [e for e in monitor.events if e["type"] == "anchor_round"]
+    assert sum(e["training_peers"] >= 2 for e in rounds) >= 0.9 * (last_epoch - 1), rounds
+
+
+# -- training alone is said ---------------------------------------------------------------------------------
+
+
+@needs_lab
+@pytest.mark.slow
+def test_volunteers_behind_nat_with_no_anchor_are_told_they_train_alone(lab, tmp_path, tiny_shards):
+    run_id = "lone_run"
+    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", "--no-anchor")
+    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, run_id, addresses, tiny_shards,
+                                  "--max-epochs", "6", "--wait-for-peers", "2") for i in range(2)]
+    for volunteer in volunteers:
+        lone = volunteer.wait_for(lambda e: e["type"] == "lone", timeout=300, what="the lone-training warning")
+        assert lone["epochs"] >= 3 and lone["training_peers"] == 2
+        assert "client mode" in lone["reason"] and "collab-kit monitor" in lone["advice"], lone
+        volunteer.wait_for(lambda e: e["type"] == "done", timeout=300, what="the end of training")
+        log = log_of(volunteer)
+        assert "training alone: the last 3 global steps were not averaged" in log  # the CLI's warning line
+        assert "Traceback" not in log  # failed rounds are one line each, not tracebacks
+    # the monitor's history says, per peer, that it trains alone and why
+    def alone_in_history():
+        with RunHistory(str(tmp_path / "monitor.sqlite"), read_only=True) as history:
+            return [peer for peer in history.peer_averaging() if peer.alone]
+    deadline = time.monotonic() + 30
+    while len(alone_in_history()) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    peers = alone_in_history()
+    assert len(peers) == 2, peers
+    assert all(peer.lone_epochs >= 3 and "client mode" in peer.lone_reason for peer in peers), peers
+    assert all(peer.describe().startswith("alone for") for peer in peers), [peer.describe() for peer in peers]
+
+
+# -- a cut link ----------------------------------------------------------------------------------------------
+
+
+@needs_lab
+@pytest.mark.slow
+def test_a_link_cut_for_30_s_while_averaging_heals_by_itself(lab, tmp_path, tiny_shards):
+    run_id = "cut_run"
+    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0")
+    homes = [lab.home(f"home{i}") for i in range(3)]
+    volunteers = [start_volunteer(home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", "40",
+                                  "--wait-for-peers", "3") for home in homes]
+    cut_peer, others = volunteers[0], volunteers[1:]
+    cut_peer.wait_for(lambda e: e["type"] == "averaging" and e["epoch"] >= 3, timeout=400, what="averaging")
+    epoch_at_cut = max(event["epoch"] for peer in volunteers for event in epochs_of(peer))
+    homes[0].cut()
+    cut_at = time.monotonic()
+    try:
+        for peer in others:  # the others go on without it
+            peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= epoch_at_cut + 3, timeout=120,
+                          what="3 more epochs while the link is cut")
+        assert cut_peer.process.poll() is None
+        threading.Event().wait(max(0.0, 30.0 - (time.monotonic() - cut_at)))  # the cut lasts 30 s in all
+    finally:
+        homes[0].restore()
+    restored_at = max(event["epoch"] for peer in others for event in epochs_of(peer))
+    # it noticed the cut (training waited for the link instead of stepping alone) and noticed the link's return
+    assert cut_peer.wait_for(lambda e: e["type"] == "link" and e["state"] == "down", timeout=5, what="the cut")
+    cut_peer.wait_for(lambda e: e["type"] == "link" and e["state"] == "back", timeout=60, what="the link's return")
+    # back by itself: within 3 epochs of the link's return it averages with the others again, no restart
+    together = cut_peer.wait_for(lambda e: e["type"] == "epoch" and e["averaged"] and e["group_size"] >= 2
+                                 and e["epoch"] > epoch_at_cut + 1, timeout=300, what="averaging again")
+    assert cut_peer.process.poll() is None  # the same process
+    assert together["epoch"] <= restored_at + 3, (together, restored_at)
+    for peer in volunteers:
+        assert all(math.isfinite(event["loss"]) for event in epochs_of(peer))
+    for peer in volunteers:
+        peer.interrupt()
