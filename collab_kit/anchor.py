@@ -239,13 +239,6 @@ class AnchorOptimizer(CollaborativeOptimizer):
             self.adopt_epoch(self.swarm_epoch)
         return loaded
 
-    def adopt_epoch(self, epoch: int) -> None:
-        """Go on at ``epoch`` with the parameters held now (a checkpoint's, or the swarm's when no peer can give them)."""
-        with self.tracker.pause_updates():
-            self.state_averager.local_epoch = epoch
-            self.tracker.report_local_progress(epoch, samples_accumulated=0)
-            self.state_averager.state_sharing_priority = epoch
-
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         if self.last_group_size == 0 or self.last_round_problem is not None:

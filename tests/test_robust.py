@@ -119,14 +119,20 @@ def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     # hivemind's GradientAverager as it is, reporting each round's outcome, under its own name (the RPCs' names)
     assert issubclass(mean.func, GradientAverager) and issubclass(mean.func, optim.RoundReportMixin)
     assert mean.func.__name__ == "GradientAverager" and not issubclass(mean.func, robust.CenteredClipAveragerMixin)
-    assert mean.keywords == dict(request_timeout=1.0)  # as before the option
+    # as before the option; the averaged gradients are no state to download (a late joiner needs the parameters)
+    assert mean.keywords == dict(request_timeout=1.0, allow_state_sharing=False)
     config.optimizer.aggregation, config.optimizer.clip_tau = "centered_clip", 2.0
     optim.make_optimizer(model, None, "run", config.optimizer, optimizer_class=RecordingOptimizer)
     robust_factory = built[-1]["grad_averager_factory"]
     assert issubclass(robust_factory.func, robust.CenteredClipAveragerMixin)
     assert issubclass(robust_factory.func, optim.RoundReportMixin)
     assert robust_factory.func.__name__ == robust.CenteredClipGradientAverager.__name__
-    assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=30, request_timeout=1.0)
+    assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=30, request_timeout=1.0,
+                                           allow_state_sharing=False)
+    # a peer in client mode waits for its reducer as long as the round may last: its averaged parts come back only
+    # after it has sent all of its own, and after every member's first part reached the reducer
+    optim.make_optimizer(model, None, "run", config.optimizer, client_mode=True, optimizer_class=RecordingOptimizer)
+    assert built[-1]["grad_averager_factory"].keywords["reducer_timeout"] == config.optimizer.averaging_timeout
     mine = object()
     optim.make_optimizer(model, None, "run", config.optimizer, grad_averager_factory=mine,
                          optimizer_class=RecordingOptimizer)
