@@ -15,7 +15,7 @@ import platform
 import sys
 import traceback
 from types import ModuleType
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -184,6 +184,21 @@ def main(module: ModuleType, argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--no-write", action="store_true", help="print the figures without touching RESULTS.md")
     args = parser.parse_args(argv)
     sys.exit(run_modules([module], quick=args.quick, write=not args.no_write))
+
+
+def main_or_peer(module: ModuleType, argv: Optional[Sequence[str]], description: str,
+                 add_peer_arguments: Callable[[argparse.ArgumentParser], None],
+                 peer_main: Callable[[argparse.Namespace], int]) -> None:
+    """Command line of a benchmark whose peers are processes of its own: with ``--peer``, one peer (``peer_main`` on
+    the arguments ``add_peer_arguments`` declares); without, the benchmark itself (``main``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--peer" not in argv:
+        main(module, argv)
+        return
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--peer", action="store_true")
+    add_peer_arguments(parser)
+    sys.exit(peer_main(parser.parse_args(argv)))
 
 
 def pick(values: Sequence[float], how: str = "best") -> float:

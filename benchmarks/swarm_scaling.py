@@ -144,6 +144,27 @@ def make_model(width: int):
                                torch.nn.Linear(width, narrow))
 
 
+def step_on_simulated_accelerator(optimizer, compute_started: float, compute_seconds: float,
+                                  overlapped: float) -> Tuple[float, bool]:
+    """End a micro-batch begun at ``compute_started`` as if an accelerator took ``compute_seconds`` for it, then step.
+
+    The sleep IS the compute being simulated (however little this CPU needed), not a wait for an event. An ordinary
+    step is bookkeeping on the CPU (queue the gradients' accumulation, report progress) that runs while an accelerator
+    still computes the queued kernels, so it overlaps the next micro-batch; on 2 busy cores it can take tens of ms,
+    which would otherwise count as compute. A global step waits for the swarm (averaging): the accelerator is idle
+    then, nothing overlaps.
+
+    :param overlapped: what the previous step returned (0.0 at first)
+    :returns: the seconds of this step that the next micro-batch's compute hides, and whether a global epoch ended
+    """
+    time.sleep(max(0.0, compute_seconds - overlapped - (time.perf_counter() - compute_started)))
+    epoch_before, step_started = optimizer.local_epoch, time.perf_counter()
+    optimizer.step()  # accumulates; a global step (all-reduce with the swarm) once the target batch is in
+    optimizer.zero_grad()
+    new_epoch = optimizer.local_epoch != epoch_before
+    return (0.0 if new_epoch else min(time.perf_counter() - step_started, compute_seconds)), new_epoch
+
+
 def peer_main(args: argparse.Namespace) -> int:
     """Train as one peer of the simulated swarm until its global epoch reaches ``args.epochs``."""
     import torch
@@ -183,21 +204,9 @@ def peer_main(args: argparse.Namespace) -> int:
                 targets = teacher(inputs)
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
             loss.backward()
-            # the simulated accelerator: a micro-batch takes compute_seconds, however little this CPU needed
-            # for the tiny model (the sleep IS the compute being simulated, not a wait for an event)
-            time.sleep(max(0.0, args.compute_seconds - overlapped - (time.perf_counter() - started)))
-            epoch_before = optimizer.local_epoch
-            step_started = time.perf_counter()
-            optimizer.step()  # accumulates; a global step (all-reduce with the swarm) once the target batch is in
-            optimizer.zero_grad()
-            # An ordinary step is bookkeeping on the CPU (queue the gradients' accumulation, report progress) that
-            # runs while an accelerator still computes the queued kernels, so it overlaps the next micro-batch; on
-            # 2 busy cores it can take tens of ms, which would otherwise count as compute. A global step waits for
-            # the swarm (averaging): the accelerator is idle then, nothing overlaps.
-            overlapped = 0.0 if optimizer.local_epoch != epoch_before else \
-                min(time.perf_counter() - step_started, args.compute_seconds)
+            overlapped, new_epoch = step_on_simulated_accelerator(optimizer, started, args.compute_seconds, overlapped)
             steps += 1
-            if optimizer.local_epoch != epoch_before:
+            if new_epoch:
                 emit_event("epoch", epoch=optimizer.local_epoch, time=time.time(), samples=steps * args.micro_batch,
                            group_size=optimizer.last_group_size, loss=loss.item())
                 steps = 0
@@ -408,13 +417,8 @@ def run(quick: bool = False) -> List[dict]:
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--peer" not in argv:
-        common.main(sys.modules[__name__], argv)
-        return
-    parser = argparse.ArgumentParser(description="one simulated peer of the swarm scaling benchmark")
-    parser.add_argument("--peer", action="store_true")
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of one peer (``--peer``), started by the benchmark itself."""
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[],
                         help="addresses of a peer in the swarm; '-': read them from the first line of stdin")
@@ -428,7 +432,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--width", type=int, default=FULL.width)
     parser.add_argument("--seed", type=int, default=0, help="seed of this peer's data")
     parser.add_argument("--verbose", action="store_true", help="log every stage of hivemind's global steps")
-    sys.exit(peer_main(parser.parse_args(argv)))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    common.main_or_peer(sys.modules[__name__], argv, "one simulated peer of the swarm scaling benchmark",
+                        add_peer_arguments, peer_main)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,10 @@ class OptimizerConfig:
     # (each notices at its next reading of the swarm's progress, after its current local step). None: the longer
     # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
     next_chunk_timeout: Optional[float] = None
-    load_state_timeout: float = 600.0  # seconds a download of the swarm's state may take before it is given up
+    # seconds a download of the swarm's state may take before it is given up and started again. A stalled download is
+    # noticed sooner (next_chunk_timeout per chunk): this bounds a slow one, and hivemind starts a given-up download
+    # from scratch, forever. The paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s.
+    load_state_timeout: float = 1800.0
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds
     # how parameters travel in state averaging: "fp16" halves the bytes, "none" (fp32) leaves peers bit-equal
     state_compression: str = "fp16"
