@@ -368,6 +368,11 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self._resync_requested = False
         self._resync_reason: Optional[str] = None
         self._loaded: Optional[tuple] = None  # (epoch, seconds) of a state just loaded, until the next step's check
+        self._load_reason: Optional[str] = None  # why a step decided to load the swarm's state, until it did
+        # the loads that steps decided on (this peer behind or apart from the swarm), each a dict with the reason
+        # ("problem"), whether a peer gave its state ("loaded"), and the epochs before and after; for the caller to
+        # take (a volunteer reports each one as it reports the state it loads at its start)
+        self.step_loads: List[dict] = []
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         # hivemind.Optimizer._make_progress_tracker (1.1.12), with the counting tracker
@@ -391,12 +396,16 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             control.cancel()
             self.scheduled_grads = None
         started = time.monotonic()
+        reason, self._load_reason = self._load_reason, None
         super().load_state_from_peers(**kwargs)
         downloaded = self.state_averager.last_downloaded_epoch
         # hivemind refuses a state from an epoch behind this peer's (and keeps its own)
         loaded = downloaded is not None and downloaded >= epoch_before
         if loaded:
             self._loaded = (self.local_epoch, time.monotonic() - started)
+        if reason is not None:
+            self.step_loads.append(dict(problem=reason, loaded=loaded, epoch_before=epoch_before,
+                                        epoch_after=self.local_epoch))
         return loaded
 
     def adopt_epoch(self, epoch: int) -> None:
@@ -495,6 +504,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         return bool(control.cancel())
 
     def _should_load_state_from_peers(self) -> bool:
+        self._load_reason = None  # set by _wants_swarm_state for the load that hivemind's step makes when this is True
         wanted = self._wants_swarm_state()
         loaded, self._loaded = self._loaded, None
         if wanted and loaded is not None and loaded[0] == self.local_epoch < self.tracker.global_epoch:
@@ -509,7 +519,11 @@ class CollaborativeOptimizer(hivemind.Optimizer):
                            f"without downloading again (its parameters miss {self.tracker.global_epoch - epoch} "
                            f"update(s))")
             self.adopt_epoch(self.tracker.global_epoch)
+            self._load_reason = None  # no load follows
             return False
+        if wanted and self._load_reason is None:
+            self._load_reason = (f"the swarm was at epoch {self.tracker.global_epoch}, this peer at "
+                                 f"{self.local_epoch}")
         return wanted
 
     def _wants_swarm_state(self) -> bool:
@@ -520,14 +534,16 @@ class CollaborativeOptimizer(hivemind.Optimizer):
                                              f"({self.last_round_problem or 'no group'})")
             self._resync_reason = None
             logger.info(f"this peer loads the swarm's state: {reason}")
+            self._load_reason = reason
             return True
         if self.client_mode and self.tracker.anchor_peers > 0 and self.local_epoch < self.tracker.global_epoch:
             # For a peer in client mode, the swarm's epoch is the anchor's, and the anchor moves on only when its round
             # is over: a peer behind it missed that round (it loaded the state while the round ran, or was left out of
             # the group). hivemind lets a peer one epoch behind go on, for peers that end an epoch a moment apart;
             # here that would keep this peer one epoch (and one update) behind the others for good.
-            logger.info(f"this peer loads the swarm's state: the anchor is at epoch {self.tracker.global_epoch}, this "
-                        f"peer at {self.local_epoch} (it missed a round)")
+            self._load_reason = (f"the anchor was at epoch {self.tracker.global_epoch}, this peer at "
+                                 f"{self.local_epoch} (it missed a round)")
+            logger.info(f"this peer loads the swarm's state: {self._load_reason}")
             return True
         return super()._should_load_state_from_peers()
 

@@ -249,17 +249,29 @@ async def _tcp_answers(endpoint: Optional[Tuple[str, int]], timeout: float) -> b
     return True
 
 
-async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: bool, timeout: float, _dht, node
-                            ) -> Tuple[int, bool]:
-    """In the DHT's process: with no peer left in the routing table, dial the initial peers that a TCP connection
-    reaches, and ping them (which puts them back in the table).
+async def _ping_answers(node, peer_id: PeerID, timeout: float) -> bool:
+    """Whether a neighbour of the DHT answers a ping within ``timeout`` (over libp2p's connection to it)."""
+    try:
+        return await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout) is not None
+    except asyncio.TimeoutError:
+        return False
 
-    :param fresh_connections: drop libp2p's connections to them first (after a cut link: a connection that lived
-      through it can stay stalled in TCP's retransmission backoff long after the link is back)
-    :returns: peers in the routing table afterwards, and whether any initial peer accepted a TCP connection
+
+async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: bool, timeout: float, probe_link: bool,
+                            _dht, node) -> Tuple[int, bool]:
+    """In the DHT's process: tell whether the link to the swarm works, and with no peer left in the routing table,
+    dial the initial peers that a TCP connection reaches and ping them (which puts them back in the table).
+
+    :param fresh_connections: drop libp2p's connections to the initial peers and the neighbours first (after a cut
+      link: a connection that lived through it can stay stalled in TCP's retransmission backoff long after the link
+      is back)
+    :param probe_link: check the link even while the routing table holds peers (with an empty table it is always
+      checked): a TCP connection to each initial peer and a ping to a few neighbours, any answer meaning the link works
+    :returns: peers in the routing table afterwards, and whether the link works (True when not checked)
     """
     table = node.protocol.routing_table
-    if len(table.uid_to_peer_id) > 0:
+    neighbours = list(table.uid_to_peer_id.values())[:3]
+    if neighbours and not probe_link:
         return len(table.uid_to_peer_id), True
     peers = []
     for address in initial_peers:
@@ -269,17 +281,24 @@ async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: boo
             peers.append((peer_id, maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")), _tcp_endpoint(maddr)))
         except Exception:  # checked when the swarm was joined; nothing to dial here
             continue
-    answers = await asyncio.gather(*(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers))
-    for (peer_id, transport, _), answered in zip(peers, answers):
-        if not answered:
-            continue
-        try:
-            if fresh_connections:
+    if fresh_connections:  # pings over a connection stalled by the cut would fail while the link works again
+        for peer_id in {peer_id for peer_id, _, _ in peers} | set(neighbours):
+            try:
                 await asyncio.wait_for(node.p2p._client.disconnect(peer_id), timeout)
-            await asyncio.wait_for(node.p2p._client.connect(peer_id, [transport]), 2 * timeout)
-            await node.protocol.call_ping(peer_id)
-        except Exception as e:  # not yet: the next check tries again
-            logger.debug(f"could not reach initial peer {peer_id}: {e!r}")
+            except Exception as e:  # already gone
+                logger.debug(f"could not drop the connection to {peer_id}: {e!r}")
+    answers = await asyncio.gather(*(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers),
+                                   *(_ping_answers(node, peer_id, timeout) for peer_id in neighbours))
+    tcp_answers = answers[:len(peers)]
+    if fresh_connections or not neighbours:
+        for (peer_id, transport, _), answered in zip(peers, tcp_answers):
+            if not answered:
+                continue
+            try:
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, [transport]), 2 * timeout)
+                await node.protocol.call_ping(peer_id)
+            except Exception as e:  # not yet: the next check tries again
+                logger.debug(f"could not reach initial peer {peer_id}: {e!r}")
     return len(table.uid_to_peer_id), any(answers)
 
 
@@ -293,30 +312,36 @@ class SwarmWatchdog:
       busy machine or a slow link, and hivemind removes a peer that does not answer. With nobody left to ask, nothing
       fills the table again, and the peer would read the swarm's progress and find averaging groups no more. The
       watchdog dials the initial peers again at its next check (every ``period`` seconds).
-    - its link is down: not one initial peer accepts even a TCP connection, check after check for ``down_after``
-      seconds (a thin link that a download fills queues a new connection behind it for seconds: one check that times
-      out is no cut). The watchdog says so once and calls ``on_link_down`` (the volunteer gives up its averaging round,
-      which cannot finish, and waits). When an initial peer answers again, it drops libp2p's old connections, dials
-      afresh and calls ``on_link_back`` (the volunteer loads the swarm's state and goes on).
+    - its link is down: every ``probe_every`` seconds (every check while the table is empty or a probe went
+      unanswered) it opens a TCP connection to each initial peer and pings a few neighbours of its DHT. Any answer
+      means the link works: the initial peers may be gone while the swarm lives on. When nothing answers, probe after
+      probe, for ``down_after`` seconds (a thin link that a download fills queues a new connection behind it for
+      seconds: one probe that times out is no cut), the watchdog says so once and calls ``on_link_down`` (the
+      volunteer gives up its averaging round, which cannot finish, and waits). The table is no sign here: hivemind
+      empties it only when a request of the peer's own times out, tens of seconds into a cut. When an initial peer
+      answers again, it drops libp2p's old connections, dials afresh and calls ``on_link_back`` (the volunteer loads
+      the swarm's state and goes on).
 
     :param dht: this peer's DHT
     :param initial_peers: the addresses it joined through
     :param period: seconds between two checks
-    :param timeout: seconds for each TCP check (a libp2p dial gets twice as long)
-    :param down_after: seconds of checks that no initial peer answered before the link counts as down
+    :param timeout: seconds for each TCP connection and ping of a probe (a libp2p dial gets twice as long)
+    :param probe_every: seconds between two probes of the link while all is well
+    :param down_after: seconds of probes that nothing answered before the link counts as down
     :param on_link_down: called (in the watchdog's thread) when the link goes down
     :param on_link_back: called (in the watchdog's thread) when the swarm answers again after that
     """
 
-    def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str], period: float = 1.0, timeout: float = 2.0,
-                 down_after: float = 8.0, on_link_down: Optional[Callable[[], None]] = None,
+    def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str], period: float = 1.0, timeout: float = 4.0,
+                 probe_every: float = 5.0, down_after: float = 8.0,
+                 on_link_down: Optional[Callable[[], None]] = None,
                  on_link_back: Optional[Callable[[], None]] = None):
         self.dht, self.initial_peers, self.period, self.timeout = dht, list(initial_peers), period, timeout
-        self.down_after = down_after
+        self.probe_every, self.down_after = probe_every, down_after
         self.on_link_down, self.on_link_back = on_link_down, on_link_back
         self.rejoins = 0  # times the routing table was empty and the initial peers were dialled again with success
         self.link_outages = 0  # times the link went down
-        self.link_down = threading.Event()  # set while no initial peer accepts a TCP connection
+        self.link_down = threading.Event()  # set while nothing of the swarm answers
         self.link_down_since: Optional[float] = None  # time.time() when the link went down
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-swarm-watchdog")
@@ -325,35 +350,39 @@ class SwarmWatchdog:
 
     def _run(self) -> None:
         alone_since = unanswered_since = None
+        next_probe = time.monotonic() + self.probe_every
         while not self._stop.wait(self.period):
+            started = time.monotonic()
+            probe = self.link_down.is_set() or unanswered_since is not None or started >= next_probe
             try:
                 known, reachable = self.dht.run_coroutine(partial(
-                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout))
+                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout, probe))
             except Exception as e:  # the DHT is shutting down, or busy: the next check comes as usual
                 logger.debug(f"the swarm watchdog could not check the DHT: {e!r}")
                 continue
-            unanswered_since = None if reachable else unanswered_since or time.monotonic()
-            if known:
-                if alone_since is not None:
-                    self.rejoins += 1
-                    logger.info(f"back in the swarm's DHT after {time.monotonic() - alone_since:.1f} s")
+            now = time.monotonic()
+            if probe:
+                next_probe = now + self.probe_every
+            unanswered_since = None if reachable else unanswered_since or started
+            if known and alone_since is not None:
+                self.rejoins += 1
+                logger.info(f"back in the swarm's DHT after {now - alone_since:.1f} s")
                 alone_since = None
-                if self.link_down.is_set():
+            elif not known and alone_since is None:
+                alone_since = now
+                logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
+            if self.link_down.is_set():
+                if known and reachable:
                     logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")
                     self.link_down.clear()
                     self.link_down_since = None
                     self._call(self.on_link_back)
-                continue
-            if alone_since is None:
-                alone_since = time.monotonic()
-                logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
-            cut = not reachable and time.monotonic() - unanswered_since >= self.down_after
-            if cut and not self.link_down.is_set():
+            elif unanswered_since is not None and now - unanswered_since >= self.down_after:
                 self.link_outages += 1
                 self.link_down_since = time.time()
                 self.link_down.set()
-                logger.warning("the link to the swarm is down: no initial peer accepts a connection (a cut link, or "
-                               "the peers are gone). Waiting for it to come back")
+                logger.warning("the link to the swarm is down: no initial peer accepts a connection and no neighbour "
+                               "answers (a cut link, or the peers are gone). Waiting for it to come back")
                 self._call(self.on_link_down)
 
     @staticmethod

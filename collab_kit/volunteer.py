@@ -59,7 +59,9 @@ class EpochRecord:
 class RestoreRecord:
     """One time this peer loaded (or tried to load) the swarm's parameters and optimizer state."""
 
-    reason: str  # "behind_swarm" (it joined or came back late) or "non_finite" (its loss, gradients or parameters)
+    # "behind_swarm" (it joined or came back late, or its last global step was not the swarm's) or "non_finite" (its
+    # loss, gradients or parameters)
+    reason: str
     problem: str  # what was seen, in words
     loaded: bool  # a peer gave its state; False: none could, the local state was kept
     epoch_before: int
@@ -311,13 +313,16 @@ class Volunteer:
     def global_progress(self):
         return self.optimizer.tracker.global_progress
 
-    def catch_up(self, timeout: float = 10.0) -> bool:
+    def catch_up(self, timeout: float = 30.0) -> bool:
         """If the swarm is ahead, download its current parameters and optimizer state.
 
-        :param timeout: seconds to wait for the swarm's progress before deciding
+        :param timeout: seconds to wait for the swarm's progress before deciding (a busy machine or a thin link can
+          take several); without it, this peer starts at its own epoch and its first step finds it behind
         :returns: True if state was loaded from peers
         """
-        self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
+        if not self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout):
+            logger.info(f"the swarm's progress did not come within {timeout:.0f} s: starting at this peer's epoch "
+                        f"({self.local_epoch}); its first step loads the swarm's state if the swarm is ahead")
         if self.optimizer.local_epoch < self.optimizer.tracker.global_epoch:
             logger.info(f"the swarm is at epoch {self.optimizer.tracker.global_epoch}: loading its state")
             if self.optimizer.load_state_from_peers():
@@ -348,7 +353,8 @@ class Volunteer:
           the swarm is already past its first epoch
         :param wait_timeout: seconds to wait for them before raising SwarmConnectionError
         :param on_restore: called with a RestoreRecord each time this peer loads (or tries to load) the swarm's
-          state: when it starts behind the swarm, and after a step whose loss or gradients were not finite
+          state: when it starts behind the swarm, when a step finds it behind or apart from the swarm, and after a
+          step whose loss or gradients were not finite
         :param on_lone: called with a LoneWarning when this peer's global steps go unaveraged for a few epochs while
           others train (also logged as a warning, whatever this is)
         :param on_link: called with "down" when training stops to wait for the link to the swarm (no initial peer
@@ -425,6 +431,7 @@ class Volunteer:
             self.optimizer.step()  # accumulates; when the swarm has target_batch_size samples, a global step
             self.optimizer.zero_grad()
             history.local_steps += 1
+            self._record_step_loads(history, on_restore)
             epoch_losses.append(loss.item())
 
             if self.local_epoch != epoch_before:
@@ -539,6 +546,15 @@ class Volunteer:
                 f"checkpoint (or with peers that train), and consider a lower optimizer.learning_rate")
         logger.warning("no peer could give its state: this step is skipped, training goes on from the local state "
                        "(its parameters are finite)")
+
+    def _record_step_loads(self, history: TrainingHistory,
+                           on_restore: Optional[Callable[[RestoreRecord], None]]) -> None:
+        """Report the swarm's states that the step just taken loaded (this peer found itself behind or apart from the
+        swarm: it joined while the swarm's progress was still unknown to it, missed a round, or its link was cut)."""
+        loads, self.optimizer.step_loads = self.optimizer.step_loads, []
+        for load in loads:
+            self._record_restore(history, RestoreRecord(reason="behind_swarm", local_step=history.local_steps, **load),
+                                 on_restore)
 
     @staticmethod
     def _record_restore(history: TrainingHistory, record: RestoreRecord,

@@ -6,6 +6,7 @@ process in it are removed at the end, whatever happens. Where namespaces cannot 
 or iptables), the tests skip with the reason.
 """
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -189,7 +190,8 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
     late_home = lab.home("late")
     late_home.limit(LATE_JOINER_MBIT)
     late = start_volunteer(late_home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch))
-    restore = late.wait_for(lambda e: e["type"] == "restore", timeout=180, what="loading the swarm's state")
+    restore = late.wait_for(lambda e: e["type"] == "restore" and e["loaded"], timeout=180,
+                            what="loading the swarm's state")
     assert restore["reason"] == "behind_swarm" and restore["loaded"], restore
     assert restore["epoch_after"] >= swarm_epoch, (restore, swarm_epoch)
     for peer in volunteers + [late]:
@@ -272,13 +274,19 @@ def test_a_link_cut_for_30_s_while_averaging_heals_by_itself(lab, tmp_path, tiny
             peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= epoch_at_cut + 3, timeout=120,
                           what="3 more epochs while the link is cut")
         assert cut_peer.process.poll() is None
+        # it noticed the cut before the link came back (training waited for the link instead of stepping alone)
+        cut_peer.wait_for(lambda e: e["type"] == "link" and e["state"] == "down",
+                          timeout=max(1.0, 30.0 - (time.monotonic() - cut_at)), what="the cut")
         threading.Event().wait(max(0.0, 30.0 - (time.monotonic() - cut_at)))  # the cut lasts 30 s in all
     finally:
         homes[0].restore()
     restored_at = max(event["epoch"] for peer in others for event in epochs_of(peer))
-    # it noticed the cut (training waited for the link instead of stepping alone) and noticed the link's return
-    assert cut_peer.wait_for(lambda e: e["type"] == "link" and e["state"] == "down", timeout=5, what="the cut")
-    cut_peer.wait_for(lambda e: e["type"] == "link" and e["state"] == "back", timeout=60, what="the link's return")
+    # and noticed the link's return, then took the swarm's state (the swarm went on meanwhile)
+    back = cut_peer.wait_for(lambda e: e["type"] == "link" and e["state"] == "back", timeout=60,
+                             what="the link's return")
+    reload = cut_peer.wait_for(lambda e: e["type"] == "restore" and e["loaded"] and e["at"] >= back["at"], timeout=120,
+                               what="the swarm's state after the link's return")
+    assert reload["reason"] == "behind_swarm" and reload["epoch_after"] >= restored_at, (reload, restored_at)
     # back by itself: within 3 epochs of the link's return it averages with the others again, no restart
     together = cut_peer.wait_for(lambda e: e["type"] == "epoch" and e["averaged"] and e["group_size"] >= 2
                                  and e["epoch"] > epoch_at_cut + 1, timeout=300, what="averaging again")
@@ -288,3 +296,32 @@ def test_a_link_cut_for_30_s_while_averaging_heals_by_itself(lab, tmp_path, tiny
         assert all(math.isfinite(event["loss"]) for event in epochs_of(peer))
     for peer in volunteers:
         peer.interrupt()
+
+
+# -- the link watch ------------------------------------------------------------------------------------------
+
+
+@needs_lab
+def test_a_cut_link_is_told_while_the_dht_still_holds_its_neighbour_and_its_return_too(lab, tmp_path):
+    # an idle peer's DHT makes no request of its own, so hivemind never empties its routing table during a cut: the
+    # watchdog probes the link itself (TCP to the initial peers, pings to a few neighbours)
+    script = os.path.join(os.path.dirname(__file__), "link_watch_peer.py")
+    server, home = lab.public_host("server"), lab.home("home")
+    serving = server.start("serve", [script, "serve"], str(tmp_path / "serve.log"), command=[sys.executable])
+    addresses = serving.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
+    watching = home.start("watch", [script, "watch", *addresses], str(tmp_path / "watch.log"), command=[sys.executable])
+    assert watching.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its start")["neighbours"] == 1
+    home.cut()
+    cut_at = time.time()
+    try:
+        # told before a cut of 30 s ends (probes every 5 s, each waiting up to 4 s; down after 8 s unanswered) ...
+        down = watching.wait_for(lambda e: e["type"] == "link" and e["state"] == "down", timeout=30, what="the cut")
+        assert down["at"] - cut_at >= 8  # ... and not at the first probe that timed out
+    finally:
+        home.restore()
+    back = watching.wait_for(lambda e: e["type"] == "link" and e["state"] == "back", timeout=30,
+                             what="the link's return")
+    # the neighbour is in the routing table again (the peer reads the swarm's progress and finds groups as before)
+    watching.wait_for(lambda e: e["type"] == "table" and e["neighbours"] == 1 and e["at"] > back["at"], timeout=15,
+                      what="its neighbour back in the table")
+    assert [event["state"] for event in watching.events if event["type"] == "link"] == ["down", "back"]
