@@ -14,16 +14,22 @@ import zlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import brotli
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from huggingface_hub import HfFileSystem
 
 logger = logging.getLogger(__name__)
 
 MAX_CODEBOOK_SIZE = 2 ** 16  # a code is stored in at most 16 bits
 MAX_CODES_PER_IMAGE = 2 ** 16 - 1  # the count is stored in 16 bits
 _BROTLI_FLAG = 0x80  # header bit: the payload is Brotli-compressed
+# the largest Brotli window a record may declare: brotli.compress's default, which the kit's first shards used. The
+# decoder allocates the window (4 MiB here) before it writes a byte; a stream declaring 16 MiB (lgwin 24) would cost
+# that much memory even when the output is cut at a few bytes
+MAX_BROTLI_WINDOW_BITS = 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,32 +89,88 @@ def encode_codes(codes: np.ndarray, codebook_size: Optional[int] = None, quality
     for bits in sorted({bits_per_code(codebook_size), 16}):
         packed = _pack(codes, bits)
         candidates.append(bytes([bits]) + header_count + packed)
-        candidates.append(bytes([bits | _BROTLI_FLAG]) + header_count + brotli.compress(packed, quality=quality))
+        # a window just large enough for the payload: what the decoder must allocate to read it
+        window = min(MAX_BROTLI_WINDOW_BITS, max(10, len(packed).bit_length()))
+        candidates.append(bytes([bits | _BROTLI_FLAG]) + header_count +
+                          brotli.compress(packed, quality=quality, lgwin=window))
     return min(candidates, key=len)
+
+
+class InvalidCodesError(ValueError):
+    """A sample's stored codes cannot be decoded: the only error ``decode_codes`` raises, whatever the bytes."""
+
+
+def _brotli_window_bits(payload: bytes) -> Optional[int]:
+    """The window a Brotli stream declares in its first bits (RFC 7932, 9.1); None for the large-window extension or
+    a reserved value."""
+    if not payload:
+        return None
+    bits = payload[0] | (payload[1] << 8 if len(payload) > 1 else 0)
+    if bits & 1 == 0:
+        return 16
+    if (bits >> 1) & 7:
+        return 17 + ((bits >> 1) & 7)
+    value = (bits >> 4) & 7
+    if value == 1:
+        return None
+    return 8 + value if value else 17
+
+
+def _decompress_bounded(payload: bytes, size: int) -> bytes:
+    """Brotli-decompress ``payload``, which must hold exactly ``size`` bytes, in memory and time bounded by ``size``.
+
+    A record of a few hundred bytes can expand to gigabytes (a decompression bomb): its window is checked first
+    (the decoder's memory), and the decompressor is never let past ``size``, so such a record costs at most what a
+    legal one does before it is refused.
+    """
+    window = _brotli_window_bits(payload)
+    if window is None or window > MAX_BROTLI_WINDOW_BITS:
+        raise InvalidCodesError(f"a sample's codes declare a Brotli window of "
+                                f"{'an unknown size' if window is None else f'{2 ** window} bytes'}, more than a "
+                                f"record of at most 131,070 bytes needs (at most {2 ** MAX_BROTLI_WINDOW_BITS}): "
+                                f"refused (a damaged record, or a decompression bomb)")
+    decompressor = brotli.Decompressor()
+    try:
+        # the output buffer stops growing at the limit (brotli rounds it up to its next block, some 32 KiB)
+        data = decompressor.process(payload, output_buffer_limit=size + 1)
+    except brotli.error as e:
+        raise InvalidCodesError(f"a sample's codes are not valid Brotli data ({e}): the shard is corrupt") from None
+    if len(data) > size or not decompressor.can_accept_more_data():
+        raise InvalidCodesError(f"a sample's codes decompress to more than the {size} bytes its header announces "
+                                f"(a damaged record, or a decompression bomb): refused")
+    if not decompressor.is_finished():
+        raise InvalidCodesError(f"a sample's codes are cut short: {len(data)} of the {size} bytes its header "
+                                f"announces, and the Brotli stream does not end")
+    return data
 
 
 def decode_codes(data: bytes, expected_length: Optional[int] = None) -> np.ndarray:
     """The codes ``encode_codes`` stored, as a flat int64 array.
 
-    :param expected_length: if given, raise a ValueError when the sample holds another number of codes
+    Any bytes at all can be given: what is not a valid record raises InvalidCodesError (a ValueError), in time and
+    memory bounded by the largest legal record (65,535 codes of 16 bits: 131,070 bytes of payload).
+
+    :param expected_length: if given, raise InvalidCodesError when the sample holds another number of codes
+    :raises InvalidCodesError: the bytes are not a record of this codec, or not the expected number of codes
     """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidCodesError(f"a sample's codes are a {type(data).__name__}, not bytes: the shard's codes "
+                                f"column must be binary (written by collab_kit.data.write_shard)")
+    data = bytes(data)
     if len(data) < 3 or not 1 <= (data[0] & ~_BROTLI_FLAG) <= 16:
-        raise ValueError("a sample's codes are not in collab_kit's format (a header of bits per code and a "
-                         "count): the shard is corrupt or was written by something else")
+        raise InvalidCodesError("a sample's codes are not in collab_kit's format (a header of bits per code and a "
+                                "count): the shard is corrupt or was written by something else")
     bits, count, payload = data[0] & ~_BROTLI_FLAG, int.from_bytes(data[1:3], "little"), data[3:]
+    if expected_length is not None and count != expected_length:
+        raise InvalidCodesError(f"a sample holds {count} image codes but the model expects {expected_length}: "
+                                f"the shards were made for another image size")
+    size = (count * bits + 7) // 8
     if data[0] & _BROTLI_FLAG:
-        try:
-            payload = brotli.decompress(payload)
-        except brotli.error as e:
-            raise ValueError(f"a sample's codes are not valid Brotli data ({e}): the shard is corrupt") from None
+        payload = _decompress_bounded(payload, size)
     try:
-        codes = _unpack(payload, bits, count)
+        return _unpack(payload, bits, count)
     except ValueError as e:
-        raise ValueError(f"a sample's codes are damaged: it {e}") from None
-    if expected_length is not None and codes.size != expected_length:
-        raise ValueError(f"a sample holds {codes.size} image codes but the model expects {expected_length}: "
-                         f"the shards were made for another image size")
-    return codes
+        raise InvalidCodesError(f"a sample's codes are damaged: it {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,8 +304,6 @@ def is_hub_dataset(source: str) -> bool:
 def list_shards(shards: str) -> List[str]:
     """The parquet files of a local folder, a glob, or a Hub dataset repository (``hf://`` paths), sorted."""
     if is_hub_dataset(shards):
-        from huggingface_hub import HfFileSystem
-
         repo = shards[len("hf://datasets/"):] if shards.startswith("hf://") else shards
         try:
             paths = sorted("hf://" + path for path in HfFileSystem().glob(f"datasets/{repo}/**/*.parquet"))
@@ -273,13 +333,17 @@ def peer_data_seed(peer_id: bytes, seed: int = 0) -> int:
 
 
 class SkippedSamples:
-    """What a stream skipped, by reason, and the shards it could not read; logged at most once per ``log_every``."""
+    """What a stream skipped: samples by reason, and shards by reason (each shard named once in the log).
 
-    REASONS = ("invalid codes", "wrong number of codes", "codes outside the codebook", "empty caption")
+    Samples are counted each time a pass meets them; a shard that does not fit is counted once.
+    """
+
+    REASONS = ("invalid codes", "wrong number of codes", "codes outside the codebook", "empty caption",
+               "invalid caption")
 
     def __init__(self, log_every: int = 1000):
         self.counts: Dict[str, int] = {reason: 0 for reason in self.REASONS}
-        self.unreadable_shards: List[str] = []
+        self.shards: Dict[str, str] = {}  # path -> why it was skipped whole
         self.log_every = log_every
 
     def add(self, reason: str, source: str, detail: str) -> None:
@@ -288,35 +352,119 @@ class SkippedSamples:
         if count == 1 or count % self.log_every == 0:
             logger.warning(f"skipped sample {source} ({reason}: {detail}); {count} skipped for this reason so far")
 
+    def shard_skipped(self, path: str, reason: str, detail: str) -> None:
+        """A shard that cannot be read, or whose columns or metadata do not fit the model: skipped whole."""
+        if path not in self.shards:
+            self.shards[path] = reason
+            logger.error(f"skipping shard {path}: {reason} ({detail})")
+
     def shard_failed(self, path: str, error: Exception) -> None:
-        if path not in self.unreadable_shards:
-            self.unreadable_shards.append(path)
-            logger.error(f"cannot read shard {path} ({type(error).__name__}: {error}); skipping it")
+        self.shard_skipped(path, "unreadable", f"{type(error).__name__}: {error}")
+
+    @property
+    def unreadable_shards(self) -> List[str]:
+        """Every shard skipped whole, whatever the reason."""
+        return list(self.shards)
+
+    @property
+    def shard_counts(self) -> Dict[str, int]:
+        """Shards skipped whole, by reason."""
+        counts: Dict[str, int] = {}
+        for reason in self.shards.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
 
-def _shard_rows(shards: List[str], skipped: SkippedSamples) -> Iterator[dict]:
-    """The raw rows of each shard in ``shards`` (a generator for datasets.IterableDataset.from_generator)."""
+def shard_misfit(schema: pa.Schema, image_length: Optional[int] = None,
+                 codebook_size: Optional[int] = None) -> Optional[Tuple[str, str]]:
+    """Why a shard cannot feed the model, read from its schema alone (None: it fits).
+
+    :returns: (reason, detail): "wrong columns" (no caption or codes column, or one of the wrong type), "newer
+      format", "unreadable metadata", "other codebook" (codes from a larger codebook than the model's), "other image
+      size" (a code grid of another size)
+    """
+    fields = {field.name: field.type for field in schema}
+    missing = [name for name in ("caption", "codes") if name not in fields]
+    if missing:
+        return "wrong columns", (f"no {' or '.join(missing)} column (it has {', '.join(fields) or 'none'}); "
+                                 f"shards are made by `collab-kit preprocess`")
+    caption, codes = fields["caption"], fields["codes"]
+    if not (pa.types.is_string(caption) or pa.types.is_large_string(caption)):
+        return "wrong columns", f"its captions are {caption}, not strings"
+    if not (pa.types.is_binary(codes) or pa.types.is_large_binary(codes) or pa.types.is_fixed_size_binary(codes)):
+        return "wrong columns", f"its codes are {codes}, not binary records of collab_kit's codec"
+    source_id = fields.get("source_id")
+    if source_id is not None and not (pa.types.is_string(source_id) or pa.types.is_large_string(source_id)
+                                      or pa.types.is_integer(source_id)):
+        return "wrong columns", f"its source ids are {source_id}, not strings"
+    raw = (schema.metadata or {}).get(b"collab_kit")
+    if not raw:
+        return None  # shards of another tool: each sample's codes are checked as they are read
+    try:
+        metadata = json.loads(raw)
+        if not isinstance(metadata, dict):
+            raise ValueError(f"a {type(metadata).__name__}, not an object")
+        recorded_format, recorded_codebook, side = (metadata.get(key) for key in ("format", "codebook_size",
+                                                                                   "image_side"))
+        for key, value in (("format", recorded_format), ("codebook_size", recorded_codebook), ("image_side", side)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{key} is {value!r}, not a count")
+    except ValueError as e:
+        return "unreadable metadata", f"its collab_kit metadata is not what write_shard records: {e}"
+    if recorded_format is not None and recorded_format > SHARD_FORMAT:
+        return "newer format", (f"written in shard format {recorded_format}, this collab_kit reads up to "
+                                f"{SHARD_FORMAT}: upgrade collab_kit")
+    if codebook_size is not None and recorded_codebook is not None and recorded_codebook > codebook_size:
+        return "other codebook", (f"its codes come from a codebook of {recorded_codebook}, the model's holds "
+                                  f"{codebook_size}")
+    if image_length is not None and side is not None and side * side != image_length:
+        return "other image size", f"its images are {side}x{side} codes, the model takes {image_length} codes"
+    return None
+
+
+# what _shard_rows yields, declared: datasets would otherwise infer it from the first rows
+_ROW_FEATURES = datasets.Features(dict(caption=datasets.Value("string"), codes=datasets.Value("binary"),
+                                       source=datasets.Value("string")))
+
+
+def _shard_rows(shards: List[str], skipped: SkippedSamples, image_length: Optional[int] = None,
+                codebook_size: Optional[int] = None) -> Iterator[dict]:
+    """The rows of each shard in ``shards`` that fits the model (a generator for IterableDataset.from_generator):
+    caption (str, or None when the shard holds none), codes (bytes or None) and source."""
     for path in shards:
+        if path in skipped.shards:
+            continue  # said once, skipped in every pass
         try:
             if path.startswith("hf://"):
-                from huggingface_hub import HfFileSystem
-
                 source = HfFileSystem().open(path[len("hf://"):], "rb")
             else:
                 source = path
-            columns = ["caption", "codes", "source_id"]
             parquet = pq.ParquetFile(source)
-            if "source_id" not in parquet.schema_arrow.names:  # shards written before source ids
-                columns = columns[:2]
+            misfit = shard_misfit(parquet.schema_arrow, image_length, codebook_size)
+            if misfit is not None:
+                skipped.shard_skipped(path, *misfit)
+                continue
+            columns = ["caption", "codes"] + (["source_id"] if "source_id" in parquet.schema_arrow.names else [])
+            name = os.path.basename(path)
             for batch in parquet.iter_batches(batch_size=256, columns=columns):
-                values = batch.to_pydict()
-                ids = values.get("source_id") or [str(i) for i in range(batch.num_rows)]
-                for caption, codes, source_id in zip(values["caption"], values["codes"], ids):
-                    yield dict(caption=caption, codes=codes, source=f"{os.path.basename(path)}:{source_id}")
+                # captions as bytes: one that is not UTF-8 is one bad sample, not a shard that stops reading
+                captions = batch.column("caption").cast(pa.large_binary()).to_pylist()
+                codes = batch.column("codes").to_pylist()
+                ids = (batch.column("source_id").to_pylist() if "source_id" in columns else
+                       [None] * batch.num_rows)
+                for row, (caption, record, source_id) in enumerate(zip(captions, codes, ids)):
+                    source = f"{name}:{source_id if source_id is not None else row}"
+                    if caption is not None:
+                        try:
+                            caption = caption.decode("utf-8")
+                        except UnicodeDecodeError as e:
+                            skipped.add("invalid caption", source, f"not UTF-8 ({e.reason})")
+                            continue
+                    yield dict(caption=caption, codes=record, source=source)
         except Exception as e:  # a damaged or vanished shard must not end training: the others go on
             skipped.shard_failed(path, e)
 
@@ -329,9 +477,13 @@ class ShardStream(torch.utils.data.IterableDataset):
     (each peer derives its own from its identity) and on the pass, so passes are repeatable. Rows
     are read as they are needed, from local files or over HTTP from a Hub dataset repository.
 
-    A bad sample never stops training: invalid codes, a wrong number of codes, codes outside the
-    codebook or an empty caption are skipped and counted in ``stream.skipped.counts``; a shard that
-    cannot be read is reported by name (``stream.skipped.unreadable_shards``) and skipped.
+    Shards come from whoever published the dataset, so nothing in them may stop training. Before a shard is read,
+    its schema is checked (``shard_misfit``: columns and their types, the codebook and grid it records): a shard
+    that does not fit is skipped whole, named once in the log and counted in ``stream.skipped.shards``; so is one
+    that cannot be read. Each sample is then decoded on its own: invalid codes (decompression bombs included:
+    ``decode_codes`` never expands a record past the largest legal size), a wrong number of codes, codes outside
+    the codebook, an empty caption or one the tokenizer cannot take are skipped and counted by reason in
+    ``stream.skipped.counts``.
 
     :param shards: a folder of parquet shards, a glob, or a Hub dataset id ``user/name``
     :param text_length: captions are tokenized, cut and padded to this many tokens
@@ -353,26 +505,27 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.skipped = SkippedSamples(log_every)
         self.passes = 0  # passes started over the shards
+        self._rows = None  # the datasets pipeline, built at the first pass
 
     def _dataset(self):
-        import datasets
-
         # datasets waits 5 s for its reader threads at the end of each shuffled pass; ours has none
         datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.0
-        rows = datasets.IterableDataset.from_generator(_shard_rows, gen_kwargs=dict(shards=self.paths,
-                                                                                    skipped=self.skipped))
+        rows = datasets.IterableDataset.from_generator(
+            _shard_rows, features=_ROW_FEATURES,
+            gen_kwargs=dict(shards=self.paths, skipped=self.skipped, image_length=self.image_length,
+                            codebook_size=self.codebook_size))
         # seeds above 2**32 are folded: numpy's generators take 32-bit seeds here
         return rows.shuffle(seed=self.seed % 2 ** 32, buffer_size=self.shuffle_buffer)
 
     def _sample(self, row: dict) -> Optional[Dict[str, torch.Tensor]]:
         """A training sample, or None (counted) if the row is unusable."""
         caption, source = row["caption"], row["source"]
-        if not caption or not caption.strip():
+        if not isinstance(caption, str) or not caption.strip():
             self.skipped.add("empty caption", source, "no text")
             return None
         try:
             codes = decode_codes(row["codes"] or b"")
-        except ValueError as e:
+        except Exception as e:  # InvalidCodesError is all the codec raises; anything else is one bad sample too
             self.skipped.add("invalid codes", source, str(e))
             return None
         if codes.size != self.image_length:
@@ -382,25 +535,36 @@ class ShardStream(torch.utils.data.IterableDataset):
             self.skipped.add("codes outside the codebook", source,
                              f"code {codes.max()} in a codebook of {self.codebook_size}")
             return None
-        return dict(text_tokens=torch.tensor(self.tokenizer.encode(caption, self.text_length)),
-                    image_codes=torch.from_numpy(codes))
+        try:
+            tokens = torch.tensor(self.tokenizer.encode(caption, self.text_length), dtype=torch.long)
+            if tokens.shape != (self.text_length,):
+                raise ValueError(f"the tokenizer gave {tuple(tokens.shape)} ids where {self.text_length} were asked")
+        except Exception as e:  # whatever a tokenizer raises on odd text, it is this sample's problem only
+            self.skipped.add("invalid caption", source, f"{type(e).__name__}: {e}")
+            return None
+        return dict(text_tokens=tokens, image_codes=torch.from_numpy(codes))
+
+    def one_pass(self) -> Iterator[Dict[str, torch.Tensor]]:
+        """The usable samples of the next pass over every shard, each once, in this pass's order."""
+        if self._rows is None:
+            self._rows = self._dataset()
+        self._rows.set_epoch(self.passes)
+        self.passes += 1
+        usable = 0
+        for row in self._rows:
+            sample = self._sample(row)
+            if sample is not None:
+                usable += 1
+                yield sample
+        logger.debug(f"finished pass {self.passes} over {len(self.paths)} shards ({usable} samples)")
+        if usable == 0:
+            raise RuntimeError(f"no usable sample in {len(self.paths)} shard(s): skipped samples {self.skipped.counts}, "
+                               f"skipped shards {self.skipped.shards}; check that the shards were made for this "
+                               f"model (image codes, codebook)")
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
-        dataset = self._dataset()
         while True:
-            dataset.set_epoch(self.passes)
-            self.passes += 1
-            usable = 0
-            for row in dataset:
-                sample = self._sample(row)
-                if sample is not None:
-                    usable += 1
-                    yield sample
-            logger.debug(f"finished pass {self.passes} over {len(self.paths)} shards ({usable} samples)")
-            if usable == 0:
-                raise RuntimeError(f"no usable sample in {len(self.paths)} shard(s): skipped {self.skipped.counts}, "
-                                   f"unreadable shards {self.skipped.unreadable_shards}; check that the shards "
-                                   f"were made for this model (image codes, codebook)")
+            yield from self.one_pass()
 
 
 def batches(stream: ShardStream, batch_size: int) -> Iterator[Dict[str, torch.Tensor]]:
