@@ -24,21 +24,30 @@ A token is accepted when whoami says ``type == "user"`` (an organization's token
 own token ``"app"``) and ``auth.type`` is one of ``accepted_auth_types`` (by default ``"access_token"`` only: the
 tokens made at huggingface.co/settings/tokens; an OAuth app acting for a user says ``"app_token_as_user"``), and
 when the user is a member of ``organization`` (whoami's ``orgs[].name``) or on the ``allowlist``. Names are
-compared without regard to case, as the Hub does.
+compared exactly, and only names the Hub allows count (ASCII letters, digits, '-', '_' and '.'): compared without
+case, look-alikes such as ``kiß-lab`` and ``kiss-lab`` would pass for each other.
 
 Every answer but 200 is ``{"detail": "<what is wrong and what to do>"}``:
 
     400  the body is not a JSON object with a base64 RSA public key in "peer_public_key" (the message names the
          field and says what is expected)
     401  no Authorization header, not "Bearer <token>", or a token the Hub does not know (log in again)
-    403  an organization or app token (use a personal user token), or a user who is not a member (join the org)
+    403  an organization or app token (use a personal user token), a user who is not a member (join the org), or
+         a name from the Hub that is not a Hugging Face name
     405  another method on the endpoint; 404 another path
+    408  the request did not arrive whole within ``request_deadline`` seconds of its first byte (the connection
+         is closed)
     413  a body over ``max_body_bytes``, refused from its Content-Length (or while it streams) before any parsing
     415  a Content-Type other than JSON
     429  more than ``joins_per_minute`` joins of one user in the last minute (with ``Retry-After``)
     503  the Hub could not be reached or answered with an error of its own (including its own 429), too many
          Hub checks are under way at once, or (from uvicorn, with ``serve``) 256 connections are open: not the
          client's fault, and retrying later helps
+
+With ``serve``, slow and idle clients cannot take the server down: a connection must deliver each whole request
+within ``request_deadline`` seconds (408 and closed otherwise), an idle one is closed 5 s after its last answer
+(or ``request_deadline`` after it opened, if it never sends anything), and one client address holds at most
+``connections_per_client`` connections (more are closed as they open), so that one client cannot use up the 256.
 
 Nothing a client sends makes a 5xx other than these 503s: malformed HTTP is answered by uvicorn (400), anything
 that reaches the endpoint is checked before it is used, and the body is checked before the Hub is asked.
@@ -66,12 +75,15 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
+import h11
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from collab_kit.access_token import (DEFAULT_TOKEN_LIFETIME, MalformedToken, issue_token, load_or_create_private_key,
                                      public_key_to_text, read_public_key, token_to_json)
@@ -85,7 +97,7 @@ RATE_WINDOW_SECONDS = 60.0
 # a peer key is hivemind's RSAPrivateKey (2048 bits); far smaller keys are forgeable, far larger ones only slow
 # every peer that verifies them
 MIN_PEER_KEY_BITS, MAX_PEER_KEY_BITS = 2048, 8192
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a Hugging Face user or organization name
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*", re.ASCII)  # a Hugging Face user or organization name
 _TOKEN = re.compile(r"^[\x21-\x7e]{1,1024}$")  # printable ASCII without spaces: what can travel in a header
 _JSON_TYPES = ("", "application/json")
 
@@ -117,6 +129,12 @@ class AuthServerSettings:
       huggingface.co/settings/tokens). A token from an OAuth app acting for a user (``app_token_as_user``;
       huggingface_hub's browser login is such an app) is refused unless added here
     :param max_pending_hub_checks: Hub checks under way at once; past it a join is answered 503 at once
+    :param request_deadline: seconds a connection has to deliver a whole request (headers and body) from its first
+      byte; a client that sends part of a request and stalls is answered 408 and closed then, so that slow or
+      stalled clients cannot hold every connection
+    :param connections_per_client: connections one client address may hold open at once; more are closed as they
+      open (0: no cap). Behind a reverse proxy every connection comes from the proxy's address: there the proxy caps
+      per client, and this cap bounds what the proxy may hold
     """
 
     organization: Optional[str] = None
@@ -132,6 +150,8 @@ class AuthServerSettings:
     max_body_bytes: int = 64 * 1024
     accepted_auth_types: Sequence[str] = ("access_token",)
     max_pending_hub_checks: int = 32
+    request_deadline: float = 10.0
+    connections_per_client: int = 32
 
     def __post_init__(self):
         if isinstance(self.allowlist, str):  # one name, not its letters
@@ -173,6 +193,14 @@ class AuthServerSettings:
         if not (isinstance(self.hub_timeout, (int, float)) and not isinstance(self.hub_timeout, bool)
                 and self.hub_timeout > 0):
             raise ValueError(f"hub_timeout={self.hub_timeout!r} is not allowed: expected positive seconds")
+        if not (isinstance(self.request_deadline, (int, float)) and not isinstance(self.request_deadline, bool)
+                and 0 < self.request_deadline < float("inf")):
+            raise ValueError(f"request_deadline={self.request_deadline!r} is not allowed: expected positive seconds "
+                             f"(a join's request is under a kilobyte: a few seconds are plenty)")
+        if not (isinstance(self.connections_per_client, int) and not isinstance(self.connections_per_client, bool)
+                and self.connections_per_client >= 0):
+            raise ValueError(f"connections_per_client={self.connections_per_client!r} is not allowed: expected a "
+                             f"count (0: no cap)")
         if not _positive_int(self.max_body_bytes) or self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes!r} is not allowed: expected at least 1024 "
                              f"(a join's body is about 500 bytes)")
@@ -197,8 +225,14 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def is_hub_name(name) -> bool:
+    """Whether ``name`` is what the Hub allows for a user or an organization: ASCII letters, digits, '-', '_' and
+    '.', starting with a letter or digit, at most 96 characters."""
+    return isinstance(name, str) and len(name) <= 96 and _NAME.fullmatch(name) is not None
+
+
 def _check_name(what: str, name) -> None:
-    if not isinstance(name, str) or not _NAME.match(name) or len(name) > 96:
+    if not is_hub_name(name):
         hint = ""
         if isinstance(name, str) and "/" in name:
             hint = f" (give the name alone: {name.rstrip('/').rsplit('/', 1)[-1]!r}, not a URL)"
@@ -346,7 +380,7 @@ class AuthServer:
         self._hub_threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="auth-whoami")
         self._pending_hub_checks = 0  # touched only on the event loop's thread
         self._admit_lock = threading.Lock()  # the rate check and the record of a join happen as one
-        self._allowlist = {name.casefold() for name in settings.allowlist}
+        self._allowlist = set(settings.allowlist)
         self._tokens_url = f"{settings.hub_endpoint}/settings/tokens"
         logger.info(f"auth server key {settings.key_path}, database {settings.database_path}, "
                     f"Hub {settings.hub_endpoint}")
@@ -435,8 +469,15 @@ class AuthServer:
             raise Refusal(503, "the authentication server could not reach the Hugging Face Hub; try again in a "
                                "minute", {"Retry-After": "60"}) from None
         if not isinstance(answer, dict) or not isinstance(answer.get("name"), str) or not answer["name"]:
-            logger.warning(f"the Hub's whoami answer has no name: {str(answer)[:200]}")
+            logger.warning(f"the Hub's whoami answer has no name: {ascii(answer)[:200]}")
             raise Refusal(503, "the Hugging Face Hub gave an unexpected answer about this token; try again later")
+        if not is_hub_name(answer["name"]):
+            # not a name the Hub gives: a stand-in or a tampered answer; nothing of it is recorded or signed
+            logger.warning(f"the Hub's whoami answer names the user {ascii(answer['name'])[:120]}, which is not a "
+                           f"Hugging Face name: refused")
+            raise Refusal(403, f"the Hub names this token's user {ascii(answer['name'])[:120]}, which is not a "
+                               f"Hugging Face user name (letters, digits, '-', '_' and '.'): this server does not "
+                               f"admit it; tell the run's organisers")
         return answer
 
     def check_member(self, whoami: dict) -> str:
@@ -455,14 +496,20 @@ class AuthServer:
             raise Refusal(403, f"this token ({auth_type or 'of an unknown kind'}) was given to an app or by a "
                                f"browser login; {personal} (`hf auth login --token hf_...`, or paste it into "
                                f"notebook_login())")
-        if name.casefold() in self._allowlist:
+        if name in self._allowlist:
             return name
         organization = self.settings.organization
         orgs = whoami.get("orgs") if isinstance(whoami.get("orgs"), list) else []
-        org_names = {org.get("name").casefold() for org in orgs
-                     if isinstance(org, dict) and isinstance(org.get("name"), str)}
-        if organization is not None and organization.casefold() in org_names:
+        # exactly, and only names the Hub allows: compared without case (casefold), look-alikes such as 'kiß' and
+        # 'kiss', or a Kelvin sign and 'K', would pass for each other
+        org_names = {org.get("name") for org in orgs
+                     if isinstance(org, dict) and isinstance(org.get("name"), str) and is_hub_name(org.get("name"))}
+        if organization is not None and organization in org_names:
             return name
+        if organization is not None and organization.lower() in {org.lower() for org in org_names}:
+            logger.warning(f"{name} is a member of an organization whose name differs from --organization "
+                           f"{organization} in case only: names are compared exactly; give the name as the Hub "
+                           f"writes it")
         if organization is None:
             raise Refusal(403, f"{name} is not on this run's list of participants: ask the run's organisers to "
                                f"add you")
@@ -595,6 +642,79 @@ def create_app(settings: AuthServerSettings) -> FastAPI:
     return app
 
 
+def _request_timeout_answer(deadline: float) -> bytes:
+    body = json.dumps({"detail": f"the request did not arrive whole within {deadline:g} s; send it again, "
+                                 f"at once"}).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def guarded_protocol_class(request_deadline: float, connections_per_client: int) -> type:
+    """uvicorn's h11 protocol with what it lacks against slow and idle clients, for one server: a deadline for each
+    whole request, and a cap on connections per client address (see ``AuthServerSettings``).
+
+    uvicorn waits forever for a request that stops halfway, and its ``limit_concurrency`` counts such connections:
+    one client holding a few hundred half-sent requests would have every other join answered 503.
+    """
+    open_connections: Dict[str, int] = {}  # client address -> connections open now
+    refused: Dict[str, int] = {}  # client address -> connections closed for the cap (for the log)
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline_timer = None
+            self._address = self.client[0] if self.client else None
+            if self._address is not None:
+                open_connections[self._address] = open_connections.get(self._address, 0) + 1
+                if connections_per_client and open_connections[self._address] > connections_per_client:
+                    refused[self._address] = refused.get(self._address, 0) + 1
+                    if refused[self._address] % 100 == 1:  # one line per hundred, not one per connection
+                        logger.warning(f"{self._address} holds {connections_per_client} connections already: "
+                                       f"closing its new ones ({refused[self._address]} so far)")
+                    transport.close()
+                    return
+            self._arm_deadline()  # a connection that never sends a byte is closed at the deadline too
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm_deadline()  # the first bytes of a new request on a kept-alive connection
+            super().data_received(data)
+            if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+                self._disarm_deadline()  # the whole request is in
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_deadline()
+            if self._address is not None:
+                left = open_connections.get(self._address, 1) - 1
+                if left > 0:
+                    open_connections[self._address] = left
+                else:
+                    open_connections.pop(self._address, None)
+                    refused.pop(self._address, None)
+            super().connection_lost(exc)
+
+        def _arm_deadline(self) -> None:
+            self._deadline_timer = self.loop.call_later(request_deadline, self._deadline_passed)
+
+        def _disarm_deadline(self) -> None:
+            if getattr(self, "_deadline_timer", None) is not None:
+                self._deadline_timer.cancel()
+                self._deadline_timer = None
+
+        def _deadline_passed(self) -> None:
+            self._deadline_timer = None
+            if self.transport.is_closing() or self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+                return
+            logger.info(f"closed a connection from {self._address}: its request did not arrive whole within "
+                        f"{request_deadline:g} s")
+            answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+            if not answering:  # (the cycle of a kept-alive connection's last request is over)
+                self.transport.write(_request_timeout_answer(request_deadline))
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
 def listening_line(settings: AuthServerSettings, host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     return f"auth server for run {settings.run_id} ({settings.who_may_join}) listening on http://{shown}:{port}"
@@ -610,8 +730,6 @@ def serve(settings: AuthServerSettings, host: str = "127.0.0.1", port: int = DEF
     :param port: the port to listen on; 0 for any free one (the listening line says which)
     :param on_listening: called with the listening line once the socket is bound (by default it is printed)
     """
-    import uvicorn
-
     app = create_app(settings)
     if on_listening is None:
         def on_listening(line: str):
@@ -619,7 +737,8 @@ def serve(settings: AuthServerSettings, host: str = "127.0.0.1", port: int = DEF
 
     # a short keep-alive: volunteers join once an hour, idle connections only hold a slot
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            timeout_keep_alive=5, limit_concurrency=256, server_header=False)
+                            timeout_keep_alive=5, limit_concurrency=256, server_header=False,
+                            http=guarded_protocol_class(settings.request_deadline, settings.connections_per_client))
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):

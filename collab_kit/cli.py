@@ -208,7 +208,8 @@ def command_auth_server(args: argparse.Namespace) -> int:
         raise CommandError(f"--token-lifetime {args.token_lifetime:g}: expected a positive number of minutes")
     options = dict(organization=args.organization, allowlist=args.allow or (), database_path=args.db,
                    key_path=args.key, token_lifetime=datetime.timedelta(minutes=args.token_lifetime),
-                   joins_per_minute=args.rate_limit, coordinator_addresses=args.coordinator or ())
+                   joins_per_minute=args.rate_limit, coordinator_addresses=args.coordinator or (),
+                   request_deadline=args.request_deadline, connections_per_client=args.connections_per_client)
     if args.run_id is not None:
         options["run_id"] = args.run_id
     if args.hub_endpoint is not None:
@@ -451,6 +452,12 @@ def make_parser() -> argparse.ArgumentParser:
                       help="joins one user may make per minute (default: 10)")
     auth.add_argument("--hub-endpoint", metavar="URL",
                       help="the Hugging Face Hub that checks tokens (default: $HF_ENDPOINT or https://huggingface.co)")
+    auth.add_argument("--request-deadline", type=float, default=10.0, metavar="SECONDS",
+                      help="seconds a client has to send a whole request; slower ones are answered 408 and "
+                           "closed (default: 10)")
+    auth.add_argument("--connections-per-client", type=int, default=32, metavar="N",
+                      help="connections one client address may hold open at once, 0 for no cap (default: 32); "
+                           "behind a reverse proxy, every connection comes from the proxy")
     auth.add_argument("--events", action="store_true", help=argparse.SUPPRESS)  # machine-readable lines
     auth.set_defaults(handler=command_auth_server)
 

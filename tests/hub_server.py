@@ -349,7 +349,8 @@ class StandInHub:
 
 
 def _entity_id(name: str) -> str:
-    return hashlib.sha1(name.encode()).hexdigest()[:24]  # the Hub's ids are 24 hex digits
+    # the Hub's ids are 24 hex digits; a name with a lone surrogate (a hostile answer) still gets one
+    return hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def _entity(kind: str, name: str) -> dict:

@@ -151,8 +151,9 @@ def test_a_non_member_is_told_which_organization_to_join_and_the_allowlist_lets_
     answer = join(server.url, hub.add_user_token("outsider-otto", orgs=["other-org"]), peer_key)
     assert answer.status_code == 403
     assert "outsider-otto" in answer.json()["detail"] and f"join {hub.endpoint}/{ORG}" in answer.json()["detail"]
-    # organization names are compared without regard to case, as the Hub treats them
-    assert join(server.url, hub.add_user_token("member-max", orgs=[ORG.upper()]), peer_key).status_code == 200
+    # names are compared exactly: an organization of another case is another name (the organiser's log says so)
+    assert join(server.url, hub.add_user_token("member-max", orgs=[ORG.upper()]), peer_key).status_code == 403
+    assert "differs from --organization" in "".join(server.output)
     allowed = join(server.url, hub.add_user_token("guest-gwen"), peer_key)
     assert allowed.status_code == 200 and allowed.json()["username"] == "guest-gwen"
 
@@ -470,3 +471,143 @@ def test_fuzz_no_malformed_request_gets_a_5xx_or_hangs(hub, server, peer_key):
     answer = join(server.url, hub.add_user_token("after-fuzz-ava", orgs=[ORG]), peer_key)
     assert answer.status_code == 200, answer.text
     print(f"fuzz: {len(cases)} requests in {elapsed:.1f} s, statuses {dict(sorted(seen.items()))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile clients: slow, idle and many connections, look-alike and invalid names
+
+LOOKALIKE_ORG = "kiss-ff-lab"
+DEADLINE = 4.0
+
+
+@pytest.fixture(scope="module")
+def guarded_server(hub, tmp_path_factory):
+    """A server with a short request deadline and a small cap on connections per client address."""
+    folder = tmp_path_factory.mktemp("guarded_auth_server")
+    process = AuthServerProcess("--organization", LOOKALIKE_ORG, "--allow", "kevin-k", "--db",
+                                str(folder / "auth.sqlite3"), "--request-deadline", str(DEADLINE),
+                                "--connections-per-client", "8", hub_endpoint=hub.endpoint)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def half_sent_connection(port: int, source: str) -> socket.socket:
+    """A connection from ``source`` (an address of the loopback's 127.0.0.0/8) that sends half a join and stalls."""
+    connection = socket.socket()
+    connection.bind((source, 0))
+    connection.settimeout(10)
+    connection.connect(("127.0.0.1", port))
+    with contextlib.suppress(OSError):  # closed at once by the cap: nothing to send on
+        connection.sendall(b"PUT " + JOIN_PATH.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: 600\r\n\r\n{\"peer_pub")
+    return connection
+
+
+def closed_by_server(connection: socket.socket) -> bool:
+    """Whether the server has closed (or answered and closed) this connection, without waiting."""
+    connection.setblocking(False)
+    try:
+        return connection.recv(1 << 16, socket.MSG_PEEK) == b"" or True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+    finally:
+        connection.setblocking(True)
+
+
+def test_many_half_sent_connections_from_one_address_do_not_keep_others_out(hub, guarded_server, peer_key):
+    token = hub.add_user_token("patient-pia", orgs=[LOOKALIKE_ORG])
+    attackers = []
+    try:
+        opened = time.monotonic()
+        attackers = [half_sent_connection(guarded_server.port, "127.0.0.2") for _ in range(300)]
+        # another client, from another address, joins while they are held: answered, and promptly
+        with session() as http:
+            answer = http.put(guarded_server.url + JOIN_PATH, headers={"Authorization": f"Bearer {token}"},
+                              json={"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()},
+                              timeout=2)
+        assert answer.status_code == 200, answer.text
+        held = [connection for connection in attackers if not closed_by_server(connection)]
+        assert time.monotonic() - opened < DEADLINE  # the join came while the attacker held its connections ...
+        assert len(held) == 8  # ... as many as the cap lets one address hold; the rest were closed as they opened
+        # the ones held are answered 408 and closed at the deadline
+        for connection in held:
+            connection.settimeout(DEADLINE + 10)
+            answer_bytes = b"".join(iter(lambda: connection.recv(65536), b""))
+            assert answer_bytes.startswith(b"HTTP/1.1 408 "), answer_bytes[:200]
+            assert b"did not arrive whole within 4 s" in answer_bytes
+    finally:
+        for connection in attackers:
+            connection.close()
+    assert guarded_server.alive()
+    assert "Traceback" not in "".join(guarded_server.output)
+
+
+def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_deadline(hub, guarded_server, peer_key):
+    token = hub.add_user_token("trickling-tom", orgs=[LOOKALIKE_ORG])
+    body = json.dumps({"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()}).encode()
+    head = (f"PUT {JOIN_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    stop = threading.Event()
+    with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=DEADLINE + 10) as connection:
+        started = time.monotonic()
+        connection.sendall(head)
+
+        def trickle():  # one byte every 0.2 s: the whole body would take minutes
+            for byte in body:
+                if stop.wait(0.2):
+                    return
+                try:
+                    connection.sendall(bytes([byte]))
+                except OSError:
+                    return
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        try:
+            answer_bytes = b"".join(iter(lambda: connection.recv(65536), b""))
+        finally:
+            stop.set()
+            sender.join(5)
+        elapsed = time.monotonic() - started
+    assert answer_bytes.startswith(b"HTTP/1.1 408 "), answer_bytes[:200]
+    assert DEADLINE - 0.5 <= elapsed, elapsed  # cut at the deadline, not before
+    assert "Traceback" not in "".join(guarded_server.output)
+
+
+def test_an_idle_connection_is_closed_and_a_kept_alive_one_gets_a_deadline_for_its_next_request(
+        hub, guarded_server, peer_key):
+    with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=DEADLINE + 10) as idle:
+        assert b"".join(iter(lambda: idle.recv(65536), b"")).startswith(b"HTTP/1.1 408 ")  # it never sent a byte
+    token = hub.add_user_token("keepalive-kai", orgs=[LOOKALIKE_ORG])
+    body = json.dumps({"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()}).encode()
+    request = (f"PUT {JOIN_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=DEADLINE + 10) as connection:
+        connection.sendall(request)
+        first = b""
+        while b"}" not in first.partition(b"\r\n\r\n")[2] or not first.rstrip().endswith(b"}"):
+            first += connection.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 "), first[:200]
+        connection.sendall(request[:40])  # half of a second request on the kept-alive connection, then nothing
+        rest = b"".join(iter(lambda: connection.recv(65536), b""))
+    assert rest.startswith(b"HTTP/1.1 408 "), rest[:200]
+
+
+def test_look_alike_and_invalid_names_are_refused_with_4xx(hub, guarded_server, peer_key):
+    assert join(guarded_server.url, hub.add_user_token("member-mo", orgs=[LOOKALIKE_ORG]), peer_key).status_code == 200
+    assert join(guarded_server.url, hub.add_user_token("kevin-k"), peer_key).status_code == 200  # allowlisted
+    # organizations whose names casefold to the configured one: not members
+    for organization in ("kiß-ff-lab", "kiſſ-ff-lab", "kiss-\ufb00-lab", "KISS-FF-LAB", "kiss-ff-lab\n"):
+        answer = join(guarded_server.url, hub.add_user_token("lookalike-lou", orgs=[organization]), peer_key)
+        assert answer.status_code == 403 and "not a member" in answer.json()["detail"], (organization, answer.text)
+    # user names that are not Hub names (a Kelvin sign for K, a lone surrogate, a newline, too long): refused
+    for name in ("\u212aevin-k", "kevin-k\n", "mallory\udcff", "x" * 97, "-dash-first", "space y"):
+        answer = join(guarded_server.url, hub.add_user_token(name), peer_key)
+        assert answer.status_code == 403, (name, answer.status_code, answer.text)
+        assert "not a Hugging Face user name" in answer.json()["detail"]
+    assert guarded_server.alive()
+    output = "".join(guarded_server.output)
+    assert "Traceback" not in output and "Exception in ASGI" not in output

@@ -95,9 +95,15 @@ WIRING_CHECK = textwrap.dedent("""
     from collab_kit.swarm import start_dht
     config = get_preset("tiny")
     dht = start_dht(config.swarm)
-    opt = make_optimizer(TextToImageTransformer(config.model), dht, "wiring", config.optimizer)
+    model = TextToImageTransformer(config.model)
+    opt = make_optimizer(model, dht, "wiring", config.optimizer)
     try:
         inner = opt.state_averager.optimizer
+        with opt.grad_averager.get_tensors() as averaged:
+            averaged_shapes = [list(tensor.shape) for tensor in averaged]
+        # the order the README gives a hand-written peer: tensors of 2+ dimensions, then 1-D ones, in model order
+        documented = ([list(p.shape) for _, p in model.named_parameters() if p.ndim >= 2] +
+                      [list(p.shape) for _, p in model.named_parameters() if p.ndim < 2])
         print(json.dumps(dict(
             inner=type(inner).__name__, is_lamb=isinstance(inner, LAMB8bit),
             lr=inner.param_groups[0]["lr"], betas=list(inner.param_groups[0]["betas"]),
@@ -107,6 +113,9 @@ WIRING_CHECK = textwrap.dedent("""
             compression=type(opt.grad_averager.allreduce_kwargs["compression"]).__name__,
             threshold=opt.grad_averager.allreduce_kwargs["compression"].threshold,
             state_on_cpu=all(p.device.type == "cpu" for g in inner.param_groups for p in g["params"]),
+            averaged_shapes=averaged_shapes, documented_shapes=documented,
+            state_shapes=[list(p.shape) for p in opt.state_averager.main_parameters],
+            model_order_shapes=[list(p.shape) for p in model.parameters()],
         )))
     finally:
         opt.shutdown(); dht.shutdown()
@@ -126,6 +135,10 @@ def test_make_optimizer_wires_the_papers_choices_into_hivemind():
     assert wiring["target"] == config.target_batch_size
     assert wiring["matchmaking"] == config.matchmaking_time and wiring["timeout"] == config.averaging_timeout
     assert wiring["compression"] == "SizeAdaptiveCompression" and wiring["threshold"] == 2 ** 16
+    # gradients and parameters are averaged in the order the README documents for a hand-written peer (hivemind
+    # pairs tensors by position): not the model's own order
+    assert wiring["averaged_shapes"] == wiring["documented_shapes"] == wiring["state_shapes"]
+    assert wiring["documented_shapes"] != wiring["model_order_shapes"]
 
 
 def test_a_held_step_leaves_parameters_and_statistics_as_they_are():
