@@ -11,9 +11,11 @@ Presets:
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 PRESETS = ("tiny", "small", "toy", "paper")
 
@@ -354,3 +356,44 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
         if section in overrides:
             setattr(config, section, _with(config_cls, getattr(config, section), overrides[section]))
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# a configuration as command-line options (collab-kit reads --set values with ast.literal_eval)
+
+
+def command_line_literal(section: str, name: str, value) -> str:
+    """``value`` as ``--set section.name=VALUE`` takes it. :raises ValueError: a value the command line cannot carry"""
+    if isinstance(value, list):
+        value = tuple(value)
+    text = repr(value)
+    try:
+        same = ast.literal_eval(text) == value
+    except (ValueError, SyntaxError):
+        same = False
+    if not same:
+        raise ValueError(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a string, "
+                         f"a boolean, None or a tuple of these")
+    return text
+
+
+def shared_setting_options(config: RunConfig) -> List[str]:
+    """The ``collab-kit join`` options every peer of ``config``'s run must share: ``--preset``, ``--run-id``, a
+    ``--set`` (shell-quoted) for each model and optimizer field that differs from the preset's, and the run's auth
+    server. Data and the rest of the swarm settings are each peer's own.
+
+    A config not made from a preset (``get_preset``) gives ``--run-id`` and ``--set`` for every field of the paper
+    preset's that differs.
+    """
+    preset = config.preset if config.preset in PRESETS else "paper"
+    options = ["--preset", preset, "--run-id", config.swarm.run_id]
+    base = get_preset(preset)
+    for section in ("model", "optimizer"):
+        for item in dataclasses.fields(getattr(config, section)):
+            value = getattr(getattr(config, section), item.name)
+            if value != getattr(getattr(base, section), item.name):
+                options += ["--set", shlex.quote(f"{section}.{item.name}="
+                                                 f"{command_line_literal(section, item.name, value)}")]
+    if config.swarm.auth_server:
+        options += ["--set", shlex.quote(f"swarm.auth_server={config.swarm.auth_server}")]
+    return options

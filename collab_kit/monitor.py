@@ -634,7 +634,7 @@ class Monitor:
         """
         stop = stop or threading.Event()
         try:
-            print(join_instructions(self.dht, self.run_id, self.config.swarm.initial_peers), flush=True)
+            print(join_instructions(self.dht, self.config), flush=True)
             if self.settings.address_file:
                 write_address_file(self.settings.address_file, self.dht)
             self._emit("ready", peer_id=str(self.dht.peer_id), addresses=join_addresses(self.dht))

@@ -274,12 +274,15 @@ def check_reachability(facts: MachineFacts, config: RunConfig, verdict: Optional
         return Finding("reachability", NOTE, f"no public address ({private}): joining in client mode, which "
                                              f"connects out only and trains like any other peer"), \
             Reachability((), True)
-    return Finding("reachability", PROBLEM,
-                   f"no public address ({private}): this peer starts a new swarm that peers elsewhere on the "
-                   f"Internet cannot reach",
-                   "To host a run for the Internet, start it on a machine with a public address (a cloud VM), or "
-                   "forward a port on your router and give SwarmConfig.announce_maddrs; to join a run, paste its "
-                   "addresses into INITIAL_PEERS."), Reachability((), False)
+    # most machines have no public address (Colab, Kaggle, home): a swarm of their own still works, for peers on
+    # this computer and its network; only a run for the whole Internet needs a machine others can dial
+    return Finding("reachability", NOTE,
+                   f"no public address ({private}): this peer starts a new swarm that peers on this computer and "
+                   f"its network can join, but not peers elsewhere on the Internet",
+                   "To host a run for the Internet, start it on a machine with a public address (a cloud VM "
+                   "running `collab-kit monitor`), or forward a port on your router and announce it "
+                   "(swarm.announce_maddrs); to join someone's run instead, paste its addresses into INITIAL_PEERS "
+                   "(collab-kit join --initial-peers)."), Reachability((), False)
 
 
 # -- the whole preflight ------------------------------------------------------------------------------

@@ -23,19 +23,18 @@ what it left with ``kill -- -PGID``, the process group each service logs and rep
 """
 from __future__ import annotations
 
-import ast
 import atexit
 import dataclasses
 import datetime
 import logging
 import os
-import shlex
 import tempfile
 import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
-from collab_kit.config import PRESETS, RunConfig, get_preset
+from collab_kit.config import PRESETS, RunConfig, command_line_literal, get_preset
 from collab_kit.local_swarm import PeerFailed, PeerProcess, group_is_empty
+from collab_kit.swarm import join_command as swarm_join_command
 
 logger = logging.getLogger(__name__)
 
@@ -209,20 +208,6 @@ def _stop_at_exit() -> None:
 # the command lines
 
 
-def _literal(section: str, name: str, value) -> str:
-    if isinstance(value, list):
-        value = tuple(value)
-    text = repr(value)
-    try:
-        same = ast.literal_eval(text) == value
-    except (ValueError, SyntaxError):
-        same = False
-    if not same:  # the command line reads values with ast.literal_eval
-        raise ValueError(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a string, "
-                         f"a boolean, None or a tuple of these")
-    return text
-
-
 def config_arguments(config: RunConfig) -> List[str]:
     """``collab-kit`` options that rebuild ``config``: its preset, run id, host, port, and ``--set`` for every field
     that differs from the preset's (so a subprocess trains exactly the model and optimizer of this config).
@@ -243,30 +228,21 @@ def config_arguments(config: RunConfig) -> List[str]:
                 continue
             value = getattr(ours, field.name)
             if value != getattr(theirs, field.name):
-                arguments += ["--set", f"{section}.{field.name}={_literal(section, field.name, value)}"]
+                arguments += ["--set", f"{section}.{field.name}={command_line_literal(section, field.name, value)}"]
     if swarm.initial_peers:
         arguments += ["--initial-peers", *swarm.initial_peers]
     return arguments
 
 
 def join_command(config: RunConfig, addresses: Sequence[str], auth_server: Optional[str] = None) -> str:
-    """The command a volunteer runs to join this run through ``addresses`` (what to share with volunteers).
+    """The command a volunteer runs to join this run through ``addresses`` (what to share with volunteers): the same
+    line every peer prints (``collab_kit.swarm.join_command``).
 
     :param auth_server: the auth server's URL as volunteers reach it (default: ``config.swarm.auth_server``)
     """
-    options = ["collab-kit", "join", "--preset", config.preset, "--run-id", config.swarm.run_id]
-    base = get_preset(config.preset)
-    for section in ("model", "optimizer"):  # what every peer must share; data and swarm settings are each peer's own
-        for field in dataclasses.fields(getattr(config, section)):
-            value = getattr(getattr(config, section), field.name)
-            if value != getattr(getattr(base, section), field.name):
-                options += ["--set", shlex.quote(f"{section}.{field.name}={_literal(section, field.name, value)}")]
-    auth_server = auth_server or config.swarm.auth_server
     if auth_server:
-        options += ["--set", f"swarm.auth_server={auth_server}"]
-    options += ["--initial-peers", *addresses]
-    command = " ".join(options)
-    return f"HF_TOKEN=hf_... {command}" if auth_server else command
+        config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, auth_server=auth_server))
+    return swarm_join_command(config, addresses)
 
 
 def monitor_arguments(settings) -> List[str]:

@@ -26,7 +26,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from collab_kit.config import SwarmConfig
+from collab_kit.config import RunConfig, SwarmConfig, shared_setting_options
 from collab_kit.reachability import ReachabilityVerdict, probe_reachability, serve_reachability_checks
 
 logger = logging.getLogger(__name__)
@@ -413,16 +413,22 @@ def join_addresses(dht: hivemind.DHT) -> List[str]:
     return others or addresses
 
 
-def join_instructions(dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: Sequence[str] = ()) -> str:
-    """One line that tells others how to join: through this peer, or, when nobody can dial it, through
-    ``initial_peers`` (the addresses it joined through)."""
-    run = f" --run-id {run_id}" if run_id else ""
+def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
+    """The command that joins ``config``'s run through ``addresses``: run id, preset, every model and optimizer
+    setting that differs from the preset, the auth server (with a placeholder for the volunteer's token)."""
+    command = " ".join(["collab-kit", "join", *shared_setting_options(config), "--initial-peers", *addresses])
+    return f"HF_TOKEN=hf_... {command}" if config.swarm.auth_server else command
+
+
+def join_instructions(dht: hivemind.DHT, config: RunConfig) -> str:
+    """One line that tells others how to join ``config``'s run: through this peer, or, when nobody can dial it,
+    through its initial peers (the addresses it joined through)."""
     addresses = join_addresses(dht)
     if addresses:
-        return f"To join this swarm: collab-kit join{run} --initial-peers {' '.join(addresses)}"
-    through = " ".join(initial_peers) or "the addresses of a peer that accepts connections"
+        return f"To join this swarm: {join_command(config, addresses)}"
+    through = list(config.swarm.initial_peers) or ["ADDRESS-OF-A-PEER-THAT-ACCEPTS-CONNECTIONS"]
     return (f"This peer accepts no connections (others could not dial it back: behind NAT or a firewall), so nobody "
-            f"can join through it. To join this swarm: collab-kit join{run} --initial-peers {through}")
+            f"can join through it. To join this swarm: {join_command(config, through)}")
 
 
 def _presence_key(run_id: str) -> str:

@@ -255,7 +255,7 @@ class Volunteer:
 
                 self._binding_keeper = BindingKeeper(self.dht, self.authorizer, config.swarm.run_id)
                 peer_gate = PeerGate(self.dht, config.swarm.run_id, self.authorizer.server_public_key.to_bytes())
-            self.join_line = join_instructions(self.dht, config.swarm.run_id, config.swarm.initial_peers)
+            self.join_line = join_instructions(self.dht, config)
             torch.manual_seed(model_seed(config.swarm.run_id))
             self.model = TextToImageTransformer(config.model)
             if data_seed is None:

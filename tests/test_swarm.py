@@ -1,7 +1,7 @@
 """Real DHTs on 127.0.0.1: addresses, joining, presence, and clear errors for bad addresses."""
 import pytest
 
-from collab_kit.config import SwarmConfig
+from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.swarm import (SwarmConnectionError, count_present_peers, join_addresses, join_instructions,
                               parse_initial_peers, start_dht, wait_for_peers)
 
@@ -30,7 +30,11 @@ def test_a_second_peer_joins_the_first_and_they_see_each_other():
     try:
         addresses = join_addresses(first)
         assert addresses and all(a.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in a for a in addresses)
-        assert addresses[0] in join_instructions(first, "run1")
+        line = join_instructions(first, get_preset("tiny", swarm=dict(run_id="run1"),
+                                                   optimizer=dict(target_batch_size=512)))
+        # the line carries what the joining peer must share: preset, run id, every setting changed from the preset
+        assert line == (f"To join this swarm: collab-kit join --preset tiny --run-id run1 "
+                        f"--set optimizer.target_batch_size=512 --initial-peers {' '.join(addresses)}")
         second = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=addresses))
         try:
             second.store("greeting", "hello", expiration_time=10 ** 10)
@@ -73,9 +77,9 @@ def test_a_peer_nobody_can_dial_gives_the_addresses_it_joined_through():
         client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=addresses))
         try:
             assert join_addresses(client) == []
-            line = join_instructions(client, "run1", addresses)
+            line = join_instructions(client, get_preset("small", swarm=dict(run_id="run1", initial_peers=addresses)))
             assert "accepts no connections" in line and "nobody can join through it" in line
-            assert line.endswith(f"collab-kit join --run-id run1 --initial-peers {' '.join(addresses)}")
+            assert line.endswith(f"collab-kit join --preset small --run-id run1 --initial-peers {' '.join(addresses)}")
         finally:
             client.shutdown()
     finally:
