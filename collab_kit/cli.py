@@ -190,8 +190,8 @@ def command_reachability(args: argparse.Namespace) -> int:
 def command_dashboard(args: argparse.Namespace) -> int:
     from collab_kit.dashboard import load, write_page
 
-    out = args.out or os.path.join(os.path.dirname(args.db), "dashboard.html")
     data = load(args.db)  # a missing file: an error that says how to get one (collab-kit monitor --db)
+    out = args.out or os.path.join(os.path.dirname(data.db_path), "dashboard.html")
     write_page(data, out, title=args.title, loss_x=args.loss_x, max_contributors=args.max_contributors)
     print(f"dashboard: {data.summary()}", flush=True)
     print(f"dashboard written to {out}", flush=True)
@@ -416,8 +416,9 @@ def make_parser() -> argparse.ArgumentParser:
                     "contributors' leaderboard, checkpoints) into one HTML file with its plots embedded: no "
                     "JavaScript, no other file. Safe to run while the monitor writes the database; run it again "
                     "(by hand or from cron) to refresh the page.")
-    board.add_argument("--db", default=os.path.join("monitor", "run.sqlite"), metavar="PATH",
-                       help="the monitor's database (default: monitor/run.sqlite)")
+    board.add_argument("--db", metavar="PATH",
+                       help="the monitor's database (default: monitor/run.sqlite, else make demo's "
+                            "demo_out/monitor.sqlite)")
     board.add_argument("--out", metavar="FILE.html", help="the page to write (default: dashboard.html beside --db)")
     board.add_argument("--title", default="collab_kit run", help="the page's heading (default: collab_kit run)")
     board.add_argument("--loss-x", choices=("time", "epoch"), default="time",

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # loaded on first use: run_history loads hivemind (seconds), 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DB_PATH = os.path.join("monitor", "run.sqlite")  # where `collab-kit monitor` writes its history
+DEMO_DB_PATH = os.path.join("demo_out", "monitor.sqlite")  # where `make demo` (collab-kit demo) leaves its run's
 DEFAULT_TITLE = "collab_kit run"
 # one colour per plot, used nowhere else on the page (the screenshot test finds each plot by its colour)
 COLORS = {"loss": "#1f77b4", "alive_peers": "#2ca02c", "throughput": "#ff7f0e"}
@@ -83,13 +84,29 @@ NO_POLLS = ("No polls yet: the monitor has not recorded the swarm even once. Is 
             "running, with PATH this database?")
 
 
-def load(db_path: str = DEFAULT_DB_PATH) -> DashboardData:
+def find_database() -> str:
+    """The monitor's database where the kit's commands leave one: `collab-kit monitor`'s (monitor/run.sqlite), else
+    `make demo`'s (demo_out/monitor.sqlite), in the current folder.
+
+    :raises FileNotFoundError: neither is there (the message says what to give instead)
+    """
+    for path in (DEFAULT_DB_PATH, DEMO_DB_PATH):
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"no monitor database here: neither {DEFAULT_DB_PATH} (what `collab-kit monitor` writes) "
+                            f"nor {DEMO_DB_PATH} (what `make demo` leaves) is in {os.getcwd()}; give the file "
+                            f"`collab-kit monitor --db` wrote (DB_PATH in the dashboard notebook, --db on the command "
+                            f"line), or run `make demo` first")
+
+
+def load(db_path: Optional[str] = None) -> DashboardData:
     """Read the monitor's database (read-only: safe while the monitor writes it).
 
-    :param db_path: the file `collab-kit monitor --db` writes
+    :param db_path: the file `collab-kit monitor --db` writes; None or empty: ``find_database()``
     :raises FileNotFoundError: there is no such file (the message says how to make one)
     :raises ValueError: the file is not a monitor database
     """
+    db_path = db_path or find_database()
     if not os.path.isfile(db_path):
         raise FileNotFoundError(f"no monitor database at {db_path!r}: the monitor writes it while it watches a run; "
                                 f"start `collab-kit monitor --db {db_path}`, or pass the file it writes")

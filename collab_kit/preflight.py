@@ -390,6 +390,6 @@ def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, di
             resolved, verdict = resolve_reachability(config.swarm, timeout=peer_timeout)
     reachability_finding, reachability = check_reachability(facts, config, verdict, resolved)
     findings.append(reachability_finding)
-    for finding in findings:
-        (logger.warning if finding.status == PROBLEM else logger.info)(f"{finding.check}: {finding.message}")
+    for finding in findings:  # the report is what a reader sees (a notebook displays it): the log holds a copy
+        logger.debug(f"{finding.check}: {finding.status}: {finding.message}")
     return PreflightReport(findings=findings, facts=facts, recommendation=recommendation, reachability=reachability)

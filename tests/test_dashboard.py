@@ -327,3 +327,15 @@ def test_the_screenshot_check_catches_a_broken_image(chromium, cli_page, tmp_pat
     assert not find_plot(shot, decode_png(src), COLORS["loss"])
     for kind in ("alive_peers", "throughput"):
         assert find_plot(shot, decode_png(page.images[f"plot-{kind}"]), COLORS[kind]), kind
+
+
+def test_without_a_path_the_dashboard_reads_the_monitors_database_else_the_demos(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"DB_PATH in the dashboard notebook.*make demo"):
+        dashboard.load()
+    (tmp_path / "demo_out").mkdir()
+    RunHistory(str(tmp_path / "demo_out" / "monitor.sqlite")).close()
+    assert dashboard.load().db_path == os.path.join("demo_out", "monitor.sqlite")  # what `make demo` leaves
+    (tmp_path / "monitor").mkdir()
+    RunHistory(str(tmp_path / "monitor" / "run.sqlite")).close()
+    assert dashboard.load("").db_path == os.path.join("monitor", "run.sqlite")  # a monitor's own comes first

@@ -121,3 +121,26 @@ def test_a_failed_averaging_round_is_one_log_line(caplog):
     [record] = records
     assert record.levelno == logging.WARNING and record.exc_info is None
     assert record.getMessage() == "averaging round failed: Averaging step failed: could not find a group"
+
+
+def test_the_dht_hard_stop_is_not_shown_unless_debug_logs_are_asked_for():
+    import logging
+
+    from collab_kit.swarm import install_log_filters
+
+    install_log_filters()
+    logger = logging.getLogger("hivemind.dht.dht")
+    records, level = [], logger.level
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        logger.setLevel(logging.INFO)
+        logger.warning("DHT did not shut down within the grace period; terminating it the hard way")
+        assert records == []  # harmless: not a warning in a notebook's red box
+        logger.setLevel(logging.DEBUG)
+        logger.warning("DHT did not shut down within the grace period; terminating it the hard way")
+        assert [record.levelno for record in records] == [logging.DEBUG]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

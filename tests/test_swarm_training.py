@@ -71,9 +71,13 @@ def test_late_peer_loads_the_swarm_state_and_continues_at_its_epoch(first_peer, 
     assert late.wait_exit(timeout=180) == 0, late.log_tail()
     done = late.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
     assert done["start_epoch"] >= swarm_epoch_at_join >= 2  # it did not start from scratch at epoch 0
-    assert done["final_epoch"] == done["start_epoch"] + 2 and done["local_steps"] > 0
+    # --epochs 2: it stops once the swarm is 2 epochs past where it started. Not always after 2 epochs of its own:
+    # tiny epochs last a second, and when the swarm moved on by two while this peer took a state, it goes on at the
+    # swarm's epoch (a jump of two), as any peer behind does
+    assert done["final_epoch"] >= done["start_epoch"] + 2 and done["local_steps"] > 0
     late_epochs = [e["epoch"] for e in late.events if e["type"] == "epoch"]
-    assert late_epochs == [done["start_epoch"], done["start_epoch"] + 1]
+    assert late_epochs and late_epochs[0] == done["start_epoch"] and late_epochs == sorted(set(late_epochs))
+    assert late_epochs[-1] < done["start_epoch"] + 2 <= done["final_epoch"]  # none past the limit
     for peer in early:
         peer.kill()
 
