@@ -3,7 +3,8 @@
 The names most people need are here; each lives in the module named after its concept
 (see README.md, "How it fits together"). Heavy modules (torch, hivemind) load on first use.
 """
-from collab_kit.config import ModelConfig, OptimizerConfig, RunConfig, SwarmConfig, DataConfig, get_preset
+from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingProblem, SwarmConfig,
+                               get_preset)
 
 __version__ = "0.1.0"
 
@@ -38,4 +39,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'collab_kit' has no attribute {name!r}")
 
 
-__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", *_LAZY]
+__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem",
+           *_LAZY]

@@ -20,6 +20,17 @@ from typing import Any, List, Optional, Sequence, Tuple
 PRESETS = ("tiny", "small", "toy", "paper")
 
 
+class SettingProblem(ValueError):
+    """A problem the reader fixes by changing a setting: the message says what is wrong and which setting to change.
+
+    A notebook shows it as that one sentence, not as a traceback (IPython prints what ``_render_traceback_`` gives
+    instead of the stack), and the notebook stops there as at any error.
+    """
+
+    def _render_traceback_(self) -> List[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
     if not condition:
         raise ValueError(f"{field_name}={value!r} is not allowed: {allowed}")

@@ -198,3 +198,21 @@ def test_services_stop_when_the_interpreter_exits(tmp_path):
     assert finished.returncode == 0, finished.stderr
     pgid = int(finished.stdout.split()[-1])
     assert group_is_empty(pgid), f"the auth server (process group {pgid}) outlived the interpreter that started it"
+
+
+@pytest.mark.timeout(180)
+def test_an_authorized_run_nobody_may_join_stops_with_one_sentence_naming_the_notebooks_settings(tmp_path,
+                                                                                                python3_kernel):
+    import papermill
+
+    output_path = tmp_path / "out.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError):
+        papermill.execute_notebook(str(NOTEBOOK), str(output_path), parameters=dict(WITH_AUTH=True),
+                                   kernel_name=python3_kernel, cwd=str(tmp_path), progress_bar=False,
+                                   start_timeout=120, execution_timeout=120)
+    errors = [output for cell in nbformat.read(str(output_path), as_version=4).cells
+              for output in cell.get("outputs", []) if output.output_type == "error"]
+    [error] = errors
+    assert error.ename == "SettingProblem" and len(error.traceback) == 1  # the sentence, no stack
+    assert "ORGANIZATION" in error.evalue and "ALLOWLIST" in error.evalue and "WITH_AUTH = False" in error.evalue
+    assert "--organization" not in error.evalue
