@@ -29,6 +29,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
+from collab_kit.config import SettingProblem
+
 logger = logging.getLogger(__name__)
 
 GPT2_CONTEXT = 1024  # GPT-2's n_positions: the longest block the pretrained models take
@@ -99,7 +101,8 @@ def local_text_files(data_files: Union[str, Sequence[str]]) -> List[str]:
 
 
 def stream_texts(source: str = "allenai/c4", config: Optional[str] = "en", split: str = "train",
-                 data_files: Union[str, Sequence[str], None] = None, shuffle_buffer: int = 10_000, seed: int = 0):
+                 data_files: Union[str, Sequence[str], None] = None, shuffle_buffer: int = 10_000, seed: int = 0,
+                 offline_folder: Optional[str] = None):
     """A shuffled stream of documents (a ``datasets.IterableDataset`` of rows with a ``"text"`` field).
 
     Nothing is downloaded ahead: rows are read from the shards as they are iterated. ``shuffle``
@@ -114,6 +117,10 @@ def stream_texts(source: str = "allenai/c4", config: Optional[str] = "en", split
         lines with a ``"text"`` field, optionally gzipped like C4's own ``.json.gz``, or plain ``.txt``)
     :param shuffle_buffer: rows held for shuffling; 0 or 1 keep the files' order
     :param seed: the shuffle's seed (shard order and buffer draws)
+    :param offline_folder: when the Hub cannot be reached (no Internet, ``HF_DATASETS_OFFLINE``), make C4-like
+        shards here (``make_text_shards``, once) and stream them instead, saying so in the log; None: stop
+    :raises SettingProblem: the Hub cannot be reached and no ``offline_folder`` was given (the message says which
+        notebook setting gives local shards)
     """
     import datasets
 
@@ -126,11 +133,30 @@ def stream_texts(source: str = "allenai/c4", config: Optional[str] = "en", split
         dataset = datasets.load_dataset(builder, data_files=files, split=split, streaming=True)
         logger.info(f"streaming {len(files)} local shard(s) with the {builder!r} builder")
     else:
-        dataset = datasets.load_dataset(source, config, split=split, streaming=True)
-        logger.info(f"streaming {source} ({config}, {split}) from the Hub")
+        try:
+            dataset = datasets.load_dataset(source, config, split=split, streaming=True)
+            logger.info(f"streaming {source} ({config}, {split}) from the Hub")
+        except ConnectionError as e:  # no Internet, or HF_DATASETS_OFFLINE: one sentence, or local stand-in shards
+            reason = str(e).splitlines()[0][:200]
+            if offline_folder is None:
+                raise SettingProblem(f"cannot stream {source} from the Hugging Face Hub ({reason}): connect to the "
+                                     f"Internet, or set DATA_FILES to local shards (text_stream.make_text_shards "
+                                     f"makes C4-like ones)") from None
+            files = local_text_files(offline_folder) if _has_text_files(offline_folder) else \
+                make_text_shards(offline_folder, split=split)
+            logger.info(f"cannot stream {source} from the Hub ({reason}): streaming {len(files)} C4-like local "
+                           f"shard(s) from {offline_folder} instead")
+            dataset = datasets.load_dataset("json", data_files=files, split=split, streaming=True)
     if shuffle_buffer > 1:
         dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
     return dataset
+
+
+def _has_text_files(folder: str) -> bool:
+    try:
+        return bool(local_text_files(folder))
+    except (FileNotFoundError, ValueError):
+        return False
 
 
 def iterate_texts(dataset: Iterable, passes: Optional[int] = None, field: str = "text") -> Iterator[str]:

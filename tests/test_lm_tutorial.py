@@ -21,7 +21,7 @@ from collab_kit.text_stream import (block_batches, gpt2_tokenizer, iterate_texts
 from test_notebooks import NOTEBOOKS, cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
 TUTORIAL = NOTEBOOKS / "tutorial_gpt2_8bit.ipynb"
-TUTORIAL_PARAMETERS = ("MODEL", "TINY_CONFIG", "DATA", "DATA_FILES", "SHUFFLE_BUFFER", "BLOCK_SIZE", "MICRO_BATCH",
+TUTORIAL_PARAMETERS = ("MODEL", "TINY_CONFIG", "DATA", "DATA_FILES", "OFFLINE_DATA", "SHUFFLE_BUFFER", "BLOCK_SIZE", "MICRO_BATCH",
                        "ACCUMULATION", "STEPS", "LR", "OPTIMIZER_BITS", "GRADIENT_CHECKPOINTING", "COMPARE_MEMORY",
                        "SUMMARY_PATH")
 TINY = dict(n_layer=2, n_embd=64, n_head=2, n_positions=64)  # GPT-2's vocabulary: the embedding has 3.2M values
@@ -115,6 +115,21 @@ def test_streaming_plain_text_files_and_clear_errors(tmp_path):
     assert texts == ["first line", "second line"]
     with pytest.raises(FileNotFoundError, match="make_text_shards"):
         stream_texts(data_files=str(tmp_path / "nothing here"))
+
+
+def test_without_the_hub_c4_like_shards_stand_in_or_one_sentence_says_what_to_set(tmp_path):
+    from collab_kit.config import SettingProblem
+
+    # the tests run offline (HF_DATASETS_OFFLINE), as a machine without Internet does
+    with pytest.raises(SettingProblem, match="set DATA_FILES to local shards"):
+        stream_texts("allenai/c4", "en")
+    folder = tmp_path / "c4_like"
+    texts = list(iterate_texts(stream_texts("allenai/c4", "en", shuffle_buffer=0, offline_folder=str(folder)), passes=1))
+    assert len(texts) == 4 * 256 and len(list(folder.glob("c4-train.*.json.gz"))) == 4  # made once ...
+    made = {path: path.stat().st_mtime_ns for path in folder.iterdir()}
+    again = list(iterate_texts(stream_texts("allenai/c4", "en", shuffle_buffer=0, offline_folder=str(folder)),
+                               passes=1))
+    assert again == texts and {path: path.stat().st_mtime_ns for path in folder.iterdir()} == made  # ... and kept
 
 
 def test_c4_and_gpt2_by_name_from_the_hub(tmp_path, hub_server):
@@ -236,7 +251,9 @@ def test_tutorial_notebook_fine_tunes_a_tiny_gpt2(shards, tmp_path, python3_kern
 
     folder, _ = shards
     summary_path, output_path = tmp_path / "summary.json", tmp_path / "tutorial.out.ipynb"
-    parameters = dict(MODEL="gpt2-large", TINY_CONFIG=SMALL, DATA="allenai/c4", DATA_FILES=folder, SHUFFLE_BUFFER=100,
+    # DATA as by default, offline (the tests' environment): the C4-like shards in OFFLINE_DATA stand in for C4
+    parameters = dict(MODEL="gpt2-large", TINY_CONFIG=SMALL, DATA="allenai/c4", DATA_FILES=None, OFFLINE_DATA=folder,
+                      SHUFFLE_BUFFER=100,
                       BLOCK_SIZE=32, MICRO_BATCH=4, ACCUMULATION=1, STEPS=24, LR=1e-2, OPTIMIZER_BITS=8,
                       GRADIENT_CHECKPOINTING=True, COMPARE_MEMORY=True, SUMMARY_PATH=str(summary_path))
     assert set(parameters) == set(TUTORIAL_PARAMETERS)
