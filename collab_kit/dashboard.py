@@ -205,6 +205,8 @@ def plot_loss(ax, series: Sequence[SwarmSnapshot], x: str = "time"):
     :param series: RunHistory.series()
     :param x: "time" or "epoch"
     """
+    from matplotlib.ticker import MaxNLocator
+
     if x not in LOSS_X:
         raise ValueError(f"x={x!r}: expected one of {LOSS_X}")
     ax.set_title("loss")
@@ -213,12 +215,13 @@ def plot_loss(ax, series: Sequence[SwarmSnapshot], x: str = "time"):
         return _nothing_yet(ax, "no loss reported yet" if series else "no polls yet")
     xs = _times(points) if x == "time" else [point.epoch for point in points]
     ax.plot(xs, [point.loss for point in points], color=COLORS["loss"], linewidth=2, marker="o", markersize=3)
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (nats per token)")
     ax.grid(alpha=0.3)
     if x == "time":
         _time_axis(ax)
     else:
         ax.set_xlabel("global epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # epochs are whole
     return ax
 
 
@@ -233,7 +236,7 @@ def plot_alive_peers(ax, series: Sequence[SwarmSnapshot]):
     ax.plot(_times(series), [point.alive_peers for point in series], color=COLORS["alive_peers"], linewidth=2,
             marker="o", markersize=3, drawstyle="steps-post")
     ax.set_ylim(bottom=0, top=max(point.alive_peers for point in series) + 1)
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_ylabel("peers")
     ax.grid(alpha=0.3)
     _time_axis(ax)

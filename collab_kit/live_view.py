@@ -71,6 +71,7 @@ class LiveView:
     def figure(self):
         """The three panels as a matplotlib Figure (not shown)."""
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         figure = Figure(figsize=(11, 3.2), layout="constrained")
         loss_ax, peers_ax, share_ax = figure.subplots(1, 3)
@@ -81,15 +82,17 @@ class LiveView:
             if chosen:
                 loss_ax.scatter([r.epoch for r in chosen], [r.loss for r in chosen], color=color, zorder=2,
                                 label=label, s=16)
-        loss_ax.set(title="loss of your steps", xlabel="global epoch")
+        loss_ax.set(title="loss of your steps", xlabel="global epoch", ylabel="loss (nats per token)")
         if self.records:
             loss_ax.legend(fontsize="small")
         peers_ax.step(epochs, [r.num_peers for r in self.records], where="mid", color="tab:purple",
                       label="in the swarm")
-        peers_ax.step(epochs, [r.group_size for r in self.records], where="mid", color="tab:orange",
-                      label="averaged with you")
-        peers_ax.set(title="peers", xlabel="global epoch")
-        peers_ax.yaxis.get_major_locator().set_params(integer=True)
+        # the others whose gradients were averaged with yours: 0 when you were alone (group_size counts you)
+        peers_ax.step(epochs, [r.group_size - 1 if r.averaged else 0 for r in self.records], where="mid",
+                      color="tab:orange", label="averaged with you")
+        peers_ax.set(title="peers", xlabel="global epoch", ylabel="peers")
+        peers_ax.set_ylim(bottom=0, top=max([r.num_peers for r in self.records] + [1]) + 0.5)
+        peers_ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         if self.records:
             peers_ax.legend(fontsize="small")
         share_ax.bar(epochs, [r.samples for r in self.records], color="tab:green", label="your samples")
@@ -99,6 +102,8 @@ class LiveView:
         share_ax.set(title="your contribution", xlabel="global epoch", ylabel="samples")
         if self.records:
             share_ax.legend(fontsize="small")
+        for ax in (loss_ax, peers_ax, share_ax):  # epochs are whole: no 0.5 ticks
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         figure.suptitle(f"{self.title}: {self.caption()}", fontsize="medium",
                         color="tab:red" if self.lone_epochs() >= LONE_AFTER_EPOCHS else "black")
         return figure

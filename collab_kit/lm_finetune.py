@@ -396,7 +396,8 @@ def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
     if any(row.peak_gpu_bytes is not None for row in rows):
         series.append(("GPU peak (one step)", [row.peak_gpu_bytes for row in rows]))
     largest = max([value for _, values in series for value in values if value] or [1])
-    unit, size = ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6)  # a tiny model's state is a few MB
+    # binary units, as format_bytes writes the labels on the bars (a tiny model's state is a few MiB)
+    unit, size = ("GiB", 2 ** 30) if largest >= 2 ** 30 else ("MiB", 2 ** 20)
     width = 0.8 / len(series)
     for index, (name, values) in enumerate(series):
         positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(rows))]
@@ -405,7 +406,7 @@ def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
             ax.annotate(row.error or "n/a" if value is None else format_bytes(value),
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), labels)
-    ax.set_ylabel(unit)
+    ax.set_ylabel(f"memory ({unit})")
     ax.set_title("Adam's memory: 32-bit vs 8-bit state")
     ax.legend()
     return ax

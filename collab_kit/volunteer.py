@@ -187,6 +187,7 @@ class TrainingHistory:
         :returns: the Axes
         """
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         if ax is None:
             _, ax = plt.subplots(figsize=(6, 3.5))
@@ -197,7 +198,8 @@ class TrainingHistory:
             if chosen:
                 ax.scatter([r.epoch for r in chosen], [r.loss for r in chosen], color=color, zorder=2, label=label)
         ax.set_xlabel("global epoch")
-        ax.set_ylabel("mean loss of this peer's steps")
+        ax.set_ylabel("mean loss of this peer's steps (nats per token)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # epochs are whole
         ax.set_title("training together")
         ax.legend()
         return ax

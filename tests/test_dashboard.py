@@ -211,6 +211,7 @@ def test_durations_and_leaderboard_rows():
 
 
 def test_plots_draw_what_the_monitor_recorded(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     # polls where no peer was alive have no loss: the loss curve skips them, the peer count shows 0
@@ -233,6 +234,14 @@ def test_plots_draw_what_the_monitor_recorded(tmp_path):
     assert list(throughput_ax.lines[0].get_ydata()) == [10.0, 11.0, 0.0, 0.0, 14.0, 15.0]
     with pytest.raises(ValueError, match="expected one of"):
         dashboard.plot_loss(loss_ax, series, x="step")
+    # every axis says what it counts, in which unit; epochs and peers are whole numbers
+    figure = loss_ax.figure
+    FigureCanvasAgg(figure).draw()
+    assert loss_ax.get_ylabel() == epoch_ax.get_ylabel() == "loss (nats per token)"
+    assert peers_ax.get_ylabel() == "peers" and throughput_ax.get_ylabel() == "samples/s"
+    for axis in (epoch_ax.xaxis, peers_ax.yaxis):
+        labels = [label.get_text().replace("\u2212", "-") for label in axis.get_ticklabels() if label.get_text()]
+        assert labels and all(label.lstrip("-").isdigit() for label in labels), labels
 
 
 def test_cli_writes_a_page_with_plots_leaderboard_and_latest_figures(cli_page, example_db):

@@ -22,7 +22,62 @@ def test_the_view_draws_loss_peers_and_contribution():
     # grey for the lone epoch, green for the averaged ones
     assert sorted(len(c.get_offsets()) for c in loss_ax.collections) == [1, 4]
     assert [line.get_label() for line in peers_ax.lines] == ["in the swarm", "averaged with you"]
-    assert list(peers_ax.lines[1].get_ydata()) == [3, 1, 3, 3, 3]
+    # the others averaged with this peer: none in the lone epoch (its group was itself alone)
+    assert list(peers_ax.lines[1].get_ydata()) == [2, 0, 2, 2, 2]
     assert [bar.get_height() for bar in share_ax.patches] == [32, 48, 64, 80, 96]
     assert share_ax.lines[0].get_ydata()[0] == 256  # the swarm's batch, as a dashed line
     assert view.png().startswith(b"\x89PNG")
+
+
+def tick_labels(axis, figure):
+    figure.canvas.draw()  # tick labels are made when the figure is drawn
+    return [label.get_text() for label in axis.get_ticklabels() if label.get_text()]
+
+
+def is_whole(text: str) -> bool:
+    return text.replace("\u2212", "-").lstrip("-").isdigit()
+
+
+def test_epochs_and_peers_have_whole_ticks_and_every_axis_its_label():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for count in (1, 2, 5):  # one epoch is where 0.5 ticks and 1.90-2.10 peer ticks came from
+        view = LiveView(target_batch_size=256)
+        for record in records()[:count]:
+            view.update(record)
+        figure = view.figure()
+        FigureCanvasAgg(figure)
+        loss_ax, peers_ax, share_ax = figure.axes
+        for ax in (loss_ax, peers_ax, share_ax):
+            labels = tick_labels(ax.xaxis, figure)
+            assert labels and all(is_whole(label) for label in labels), (count, labels)
+            assert ax.get_xlabel() == "global epoch" and ax.get_ylabel(), ax.get_title()
+        peers = tick_labels(peers_ax.yaxis, figure)
+        assert peers and all(is_whole(label) for label in peers), (count, peers)
+        assert "nats per token" in loss_ax.get_ylabel()
+
+
+def test_a_lone_peer_is_drawn_alone():
+    from collab_kit.volunteer import EpochRecord
+
+    view = LiveView(target_batch_size=256)
+    for epoch in range(5):
+        view.update(EpochRecord(epoch=epoch, loss=4.0, local_steps=4, samples=32, averaged=False, group_size=1,
+                                num_peers=3, seconds=1.0, training_peers=3))
+    peers_ax = view.figure().axes[1]
+    assert list(peers_ax.lines[1].get_ydata()) == [0] * 5  # nobody averaged with it, as its caption says
+    assert "TRAINING ALONE" in view.caption()
+
+
+def test_the_training_plot_has_whole_epoch_ticks_and_units():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from collab_kit.volunteer import TrainingHistory
+
+    history = TrainingHistory()
+    history.epochs = records()[:2]
+    ax = history.plot()
+    labels = tick_labels(ax.xaxis, ax.figure)
+    assert labels and all(is_whole(label) for label in labels), labels
+    assert "nats per token" in ax.get_ylabel() and ax.get_xlabel() == "global epoch"

@@ -277,3 +277,17 @@ def test_tutorial_notebook_fine_tunes_a_tiny_gpt2(shards, tmp_path, python3_kern
     assert "'Hello world' -> [15496, 995]" in text
     assert "8-bit state / 32-bit state = 0.2" in text
     assert f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" in text
+
+
+def test_the_memory_chart_uses_the_units_of_its_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from collab_kit.lm_finetune import OptimizerMemory, plot_memory_comparison
+
+    rows = [OptimizerMemory(bits=32, parameters=2 ** 20, state_bytes=8 * 2 ** 20),
+            OptimizerMemory(bits=8, parameters=2 ** 20, state_bytes=2 * 2 ** 20)]
+    ax = plot_memory_comparison(rows)
+    assert ax.get_ylabel() == "memory (MiB)"
+    assert [bar.get_height() for bar in ax.patches] == [8.0, 2.0]  # MiB under labels that say MiB
+    assert [text.get_text() for text in ax.texts] == ["8.00 MiB", "2.00 MiB"]
