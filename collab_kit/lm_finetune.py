@@ -30,8 +30,9 @@ from typing import Iterable, Iterator, List, Optional, Union
 import torch
 
 from collab_kit import memory
+from collab_kit.config import SettingProblem
 from collab_kit.model import count_parameters  # distinct parameters: a tied embedding counts once
-from collab_kit.text_stream import block_batches
+from collab_kit.text_stream import GPT2_CONTEXT, block_batches
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,29 @@ logger = logging.getLogger(__name__)
 
 def _device(device: Union[str, torch.device, None]) -> torch.device:
     return torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+# the model a CPU can fine-tune in minutes: GPT-2's vocabulary and tokenizer, 2 blocks of width 64
+CPU_SIZED_GPT2 = dict(n_layer=2, n_embd=64, n_head=2)
+
+
+def choose_model(model: str = "gpt2-large", tiny_config="auto", block_size: int = GPT2_CONTEXT):
+    """What the tutorial trains: ``model`` (a Hub id or folder), or a GPT-2 built from ``tiny_config``.
+
+    :param tiny_config: a dict of GPT2Config fields (build that model from scratch), None (load ``model``), or
+        ``"auto"``: ``model`` where a GPU is, else a tiny GPT-2 (``CPU_SIZED_GPT2``) whose context is ``block_size``
+    :returns: (what ``load_gpt2`` takes, a sentence saying what was chosen and why)
+    """
+    if tiny_config == "auto":
+        if torch.cuda.is_available():
+            return model, f"{model} (a GPU is here)"
+        tiny_config = dict(CPU_SIZED_GPT2, n_positions=block_size)
+        return tiny_config, (f"a tiny GPT-2 from scratch ({tiny_config['n_layer']} blocks of width "
+                             f"{tiny_config['n_embd']}): no GPU here, and {model} needs one (TINY_CONFIG = None "
+                             f"loads it anyway)")
+    if tiny_config:
+        return dict(tiny_config), "a tiny GPT-2 from scratch (TINY_CONFIG)"
+    return model, model
 
 
 def load_gpt2(name_or_config="gpt2-large", gradient_checkpointing: bool = True, device=None, seed: int = 0):
@@ -62,7 +86,13 @@ def load_gpt2(name_or_config="gpt2-large", gradient_checkpointing: bool = True, 
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config)
     elif isinstance(name_or_config, str):
-        model = GPT2LMHeadModel.from_pretrained(name_or_config, dtype=torch.float32)
+        try:
+            model = GPT2LMHeadModel.from_pretrained(name_or_config, dtype=torch.float32)
+        except OSError as e:  # no Internet (or HF_HUB_OFFLINE), a wrong id, a folder without weights
+            reason = str(e).splitlines()[0][:200]
+            raise SettingProblem(f"cannot load {name_or_config!r} ({reason}): connect to the Internet (the weights "
+                                 f"download once), give MODEL a local folder, or set TINY_CONFIG to build a tiny "
+                                 f"GPT-2 from scratch") from None
     else:
         raise TypeError(f"name_or_config must be a Hub id, a GPT2Config or a dict of its fields, "
                         f"not {type(name_or_config).__name__}")

@@ -291,3 +291,17 @@ def test_the_memory_chart_uses_the_units_of_its_labels():
     assert ax.get_ylabel() == "memory (MiB)"
     assert [bar.get_height() for bar in ax.patches] == [8.0, 2.0]  # MiB under labels that say MiB
     assert [text.get_text() for text in ax.texts] == ["8.00 MiB", "2.00 MiB"]
+
+
+def test_on_a_cpu_the_tutorial_trains_a_tiny_gpt2_and_an_unreachable_model_is_one_sentence():
+    from collab_kit.config import SettingProblem
+    from collab_kit.lm_finetune import CPU_SIZED_GPT2, choose_model
+
+    assert not torch.cuda.is_available()  # this machine: what a CPU-only volunteer has
+    source, said = choose_model("gpt2-large", "auto", block_size=256)
+    assert source == dict(CPU_SIZED_GPT2, n_positions=256) and "no GPU here" in said and "TINY_CONFIG" in said
+    assert choose_model("gpt2-large", None)[0] == "gpt2-large"
+    assert choose_model("gpt2-large", TINY)[0] == TINY
+    # offline (the tests' environment): the pretrained model cannot come, and the message says what to set
+    with pytest.raises(SettingProblem, match="set TINY_CONFIG"):
+        load_gpt2("gpt2-large")
