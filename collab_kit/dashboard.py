@@ -86,11 +86,13 @@ NO_POLLS = ("No polls yet: the monitor has not recorded the swarm even once. Is 
 
 def find_database() -> str:
     """The monitor's database where the kit's commands leave one: `collab-kit monitor`'s (monitor/run.sqlite), else
-    `make demo`'s (demo_out/monitor.sqlite), in the current folder.
+    `make demo`'s (demo_out/monitor.sqlite), in the current folder or, for `make demo`'s, the one above (a notebook
+    runs in notebooks/).
 
     :raises FileNotFoundError: neither is there (the message says what to give instead)
     """
-    for path in (DEFAULT_DB_PATH, DEMO_DB_PATH):
+    # the notebooks run in notebooks/: make demo's files are one folder up there
+    for path in (DEFAULT_DB_PATH, DEMO_DB_PATH, os.path.join(os.pardir, DEMO_DB_PATH)):
         if os.path.isfile(path):
             return path
     raise FileNotFoundError(f"no monitor database here: neither {DEFAULT_DB_PATH} (what `collab-kit monitor` writes) "

@@ -339,11 +339,15 @@ def test_the_screenshot_check_catches_a_broken_image(chromium, cli_page, tmp_pat
 
 
 def test_without_a_path_the_dashboard_reads_the_monitors_database_else_the_demos(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
     with pytest.raises(FileNotFoundError, match=r"DB_PATH in the dashboard notebook.*make demo"):
         dashboard.load()
     (tmp_path / "demo_out").mkdir()
     RunHistory(str(tmp_path / "demo_out" / "monitor.sqlite")).close()
+    # a notebook runs in notebooks/: make demo's run is one folder up
+    assert dashboard.load().db_path == os.path.join("..", "demo_out", "monitor.sqlite")
+    monkeypatch.chdir(tmp_path)
     assert dashboard.load().db_path == os.path.join("demo_out", "monitor.sqlite")  # what `make demo` leaves
     (tmp_path / "monitor").mkdir()
     RunHistory(str(tmp_path / "monitor" / "run.sqlite")).close()

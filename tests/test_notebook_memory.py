@@ -48,3 +48,5 @@ def test_the_notebook_estimates_compares_and_recommends(tmp_path, python3_kernel
     text = cell_texts(executed)
     assert chosen.table() in text and "PCIe per step" in text and advice.reason in text
     assert "summary written to" in text
+    # the widget's panel is blank in a saved copy: a line of text after it says where it starts
+    assert f"The panel starts at your settings: {memory.format_bytes(chosen.gpu_bytes)} on the GPU" in text
