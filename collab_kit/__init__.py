@@ -3,10 +3,24 @@
 The names most people need are here; each lives in the module named after its concept
 (see README.md, "How it fits together"). Heavy modules (torch, hivemind) load on first use.
 """
+import logging
+
 from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingProblem, SwarmConfig,
                                get_preset)
 
 __version__ = "0.1.0"
+
+
+class _Unused4bitKernelsFilter(logging.Filter):
+    """bitsandbytes warns at import that its optional CPU kernels for 4-bit layers are missing: the kit uses its
+    8-bit optimizers only, so on a run where nothing is wrong this would be a notebook's one red box."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit" not in record.getMessage()
+
+
+# before any module of the kit imports bitsandbytes (the warning comes at its import)
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Unused4bitKernelsFilter())
 
 _LAZY = {
     "Volunteer": "collab_kit.volunteer",

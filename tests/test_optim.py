@@ -240,3 +240,11 @@ def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
         assert issubclass(averager_class, ForkedTorchThreadsMixin)
         assert issubclass(with_centered_clip(averager_class), ForkedTorchThreadsMixin)
     assert issubclass(recording_state_averager_class(), ForkedTorchThreadsMixin)
+
+
+def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
+    # plain bitsandbytes warns at import that its CPU 4-bit kernels are missing: a red box in every notebook
+    result = subprocess.run([sys.executable, "-c", "import collab_kit.optim, collab_kit.lm_finetune"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "gemm_4bit" not in result.stderr and "kernels" not in result.stderr, result.stderr
