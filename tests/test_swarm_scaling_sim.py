@@ -47,10 +47,13 @@ def test_epoch_does_not_wait_for_a_slow_peer(tmp_path):
                                    warmup_epochs=1, measured_epochs=2, width=64)
     speeds = [1.0, 1.0 / 8]
     epochs_by_peer, left_behind = swarm_scaling.run_swarm(speeds, sim, "test_scaling_uneven", str(tmp_path))
-    assert left_behind == []
+    # each peer's log, for a failure to be read from the report alone (a round that stalls shows there)
+    logs = "\n".join(f"--- {path.name}:\n" + "".join(path.read_text().splitlines(keepends=True)[-40:])
+                     for path in sorted(tmp_path.glob("*.log")))
+    assert left_behind == [], logs
     seconds = swarm_scaling.seconds_per_epoch(epochs_by_peer, sim.warmup_epochs, sim.measured_epochs)
     waiting_for_slow_peer = sim.target_batch_size / 2 / (sim.peer_rate / 8)
-    assert 0.9 * sim.compute_time(speeds) < seconds < waiting_for_slow_peer / 2, seconds
+    assert 0.9 * sim.compute_time(speeds) < seconds < waiting_for_slow_peer / 2, (seconds, logs)
     measured = [[e for e in events if e["epoch"] > sim.warmup_epochs] for events in epochs_by_peer]
     assert all(e["group_size"] == 2 for events in measured for e in events)  # gradients averaged by both
     fast, slow = (sum(e["samples"] for e in events) for events in measured)
