@@ -10,11 +10,8 @@ import base64
 import io
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from html.parser import HTMLParser
 
 import numpy as np
@@ -26,6 +23,7 @@ from collab_kit.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
 from collab_kit.metrics import PeerMetrics, summarize
 from collab_kit.run_history import RunHistory
 from example_history import NAMES, START, write_example_history
+from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a fixture)
 
 TITLE = "Test run <b>bold</b>"
 # the leaderboard's row backgrounds (dashboard.TABLE_STYLE) and its header's
@@ -126,40 +124,6 @@ def stripes(screenshot: np.ndarray, min_pixels: int = 300) -> list:
 
 
 # -- Chromium ---------------------------------------------------------------------------------
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--force-device-scale-factor=1"]
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
-    if path is None:
-        pytest.fail("Chromium is missing: `make test` installs Debian's chromium where missing "
-                    "(or run `apt-get install chromium` as root)", pytrace=False)
-    return path
-
-
-def run_chromium(binary: str, workdir, *args: str, timeout: float = 90) -> str:
-    """Run headless Chromium once and return its stdout; it and its helper processes always end."""
-    profile = tempfile.mkdtemp(prefix="chromium_profile_", dir=workdir)
-    process = subprocess.Popen([binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"chromium did not finish within {timeout} s: {' '.join(args)}", pytrace=False)
-    finally:
-        # its zygote and renderers are in the session it leads: end whatever is left of it
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-    assert process.returncode == 0, f"chromium exited with {process.returncode}: {stderr[-2000:]}"
-    return stdout
-
 
 def screenshot(binary: str, workdir, html_path) -> np.ndarray:
     png = os.path.join(workdir, f"screenshot_{os.path.basename(html_path)}.png")
