@@ -5,8 +5,8 @@ The names most people need are here; each lives in the module named after its co
 """
 import logging
 
-from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingProblem, SwarmConfig,
-                               get_preset)
+from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingFileMissing, SettingProblem,
+                               SwarmConfig, get_preset)
 
 __version__ = "0.1.0"
 
@@ -53,5 +53,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'collab_kit' has no attribute {name!r}")
 
 
-__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem",
+__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem", "SettingFileMissing",
            *_LAZY]

@@ -31,6 +31,10 @@ class SettingProblem(ValueError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class SettingFileMissing(SettingProblem, FileNotFoundError):
+    """A file or folder a setting names is not there: shown as one sentence, caught as FileNotFoundError too."""
+
+
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
     if not condition:
         raise ValueError(f"{field_name}={value!r} is not allowed: {allowed}")
@@ -388,10 +392,19 @@ def command_line_literal(section: str, name: str, value) -> str:
     return text
 
 
+# model and optimizer fields each peer chooses for its own machine (the preflight sets the first two): how it keeps
+# activations, how many samples it processes per local step, where its optimizer state lives, whether its step runs
+# in the background, how long it lets its state download take. The swarm's weights and steps are the same whatever
+# each peer chooses, so a join line must not force one peer's choices on another machine.
+PER_PEER_SETTINGS = frozenset({("model", "reversible"), ("optimizer", "batch_size_per_step"),
+                               ("optimizer", "offload_optimizer"), ("optimizer", "delay_optimizer_step"),
+                               ("optimizer", "load_state_timeout")})
+
+
 def shared_setting_options(config: RunConfig) -> List[str]:
     """The ``collab-kit join`` options every peer of ``config``'s run must share: ``--preset``, ``--run-id``, a
     ``--set`` (shell-quoted) for each model and optimizer field that differs from the preset's, and the run's auth
-    server. Data and the rest of the swarm settings are each peer's own.
+    server. Data, the rest of the swarm settings and :data:`PER_PEER_SETTINGS` are each peer's own.
 
     A config not made from a preset (``get_preset``) gives ``--run-id`` and ``--set`` for every field of the paper
     preset's that differs.
@@ -402,7 +415,7 @@ def shared_setting_options(config: RunConfig) -> List[str]:
     for section in ("model", "optimizer"):
         for item in dataclasses.fields(getattr(config, section)):
             value = getattr(getattr(config, section), item.name)
-            if value != getattr(getattr(base, section), item.name):
+            if (section, item.name) not in PER_PEER_SETTINGS and value != getattr(getattr(base, section), item.name):
                 options += ["--set", shlex.quote(f"{section}.{item.name}="
                                                  f"{command_line_literal(section, item.name, value)}")]
     if config.swarm.auth_server:

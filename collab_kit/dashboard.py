@@ -27,6 +27,8 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
+from collab_kit.config import SettingFileMissing, SettingProblem
+
 if TYPE_CHECKING:  # loaded on first use: run_history loads hivemind (seconds), which a missing file need not wait for
     from collab_kit.metrics import SwarmSnapshot
     from collab_kit.run_history import CheckpointRow, Contributor, PeerAveraging
@@ -89,41 +91,41 @@ def find_database() -> str:
     `make demo`'s (demo_out/monitor.sqlite), in the current folder or, for `make demo`'s, the one above (a notebook
     runs in notebooks/).
 
-    :raises FileNotFoundError: neither is there (the message says what to give instead)
+    :raises SettingFileMissing: neither is there (a FileNotFoundError; the message says what to give instead)
     """
     # the notebooks run in notebooks/: make demo's files are one folder up there
     for path in (DEFAULT_DB_PATH, DEMO_DB_PATH, os.path.join(os.pardir, DEMO_DB_PATH)):
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(f"no monitor database here: neither {DEFAULT_DB_PATH} (what `collab-kit monitor` writes) "
-                            f"nor {DEMO_DB_PATH} (what `make demo` leaves) is in {os.getcwd()}; give the file "
-                            f"`collab-kit monitor --db` wrote (DB_PATH in the dashboard notebook, --db on the command "
-                            f"line), or run `make demo` first")
+    raise SettingFileMissing(f"no monitor database here: neither {DEFAULT_DB_PATH} (what `collab-kit monitor` writes) "
+                             f"nor {DEMO_DB_PATH} (what `make demo` leaves) is in {os.getcwd()}; give the file "
+                             f"`collab-kit monitor --db` wrote (DB_PATH in the dashboard notebook, --db on the command "
+                             f"line), or run `make demo` first")
 
 
 def load(db_path: Optional[str] = None) -> DashboardData:
     """Read the monitor's database (read-only: safe while the monitor writes it).
 
     :param db_path: the file `collab-kit monitor --db` writes; None or empty: ``find_database()``
-    :raises FileNotFoundError: there is no such file (the message says how to make one)
-    :raises ValueError: the file is not a monitor database
+    :raises SettingFileMissing: there is no such file (a FileNotFoundError; the message says how to make one)
+    :raises SettingProblem: the file is not a monitor database (a ValueError)
     """
     db_path = db_path or find_database()
     if not os.path.isfile(db_path):
-        raise FileNotFoundError(f"no monitor database at {db_path!r}: the monitor writes it while it watches a run; "
-                                f"start `collab-kit monitor --db {db_path}`, or pass the file it writes")
+        raise SettingFileMissing(f"no monitor database at {db_path!r}: the monitor writes it while it watches a run; "
+                                 f"start `collab-kit monitor --db {db_path}`, or pass the file it writes")
     from collab_kit.run_history import RunHistory
 
     try:
         history = RunHistory(db_path, read_only=True)
     except sqlite3.Error as e:
-        raise ValueError(f"cannot open {db_path!r} ({e}): pass the file `collab-kit monitor --db` writes") from None
+        raise SettingProblem(f"cannot open {db_path!r} ({e}): pass the file `collab-kit monitor --db` writes") from None
     try:
         return DashboardData(db_path=db_path, series=history.series(), contributors=history.leaderboard(),
                              checkpoints=history.checkpoints(), averaging=history.peer_averaging())
     except sqlite3.DatabaseError as e:  # no such table, or not an SQLite file at all
-        raise ValueError(f"{db_path!r} is not a monitor database ({e}): pass the file `collab-kit monitor --db` "
-                         f"writes") from None
+        raise SettingProblem(f"{db_path!r} is not a monitor database ({e}): pass the file `collab-kit monitor --db` "
+                             f"writes") from None
     finally:
         history.close()
 

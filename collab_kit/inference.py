@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from PIL import Image
 
-from collab_kit.config import RunConfig
+from collab_kit.config import RunConfig, SettingFileMissing, SettingProblem
 from collab_kit.generate import check_vqgan_fits
 from collab_kit.sampling import PAPER_TOP_K, TOY_TOP_K
 
@@ -86,9 +86,9 @@ class InferencePieces:
                 f"{clip}; on {self.device}")
 
 
-def _checkpoint_error(location: str, error: Exception) -> FileNotFoundError:
+def _checkpoint_error(location: str, error: Exception) -> SettingFileMissing:
     where = "" if os.path.isabs(location) else f" (relative paths start from {os.getcwd()})"
-    return FileNotFoundError(
+    return SettingFileMissing(
         f"could not load the checkpoint {location!r}: {error}\nPass CHECKPOINT = a checkpoint folder holding "
         f"model.safetensors and config.json{where}, such as demo_out/model that `make demo` writes; a monitor's "
         f"folder of epoch-NNNNNN checkpoints; or a Hub model repository id such as 'user/dalle-run' (with REVISION "
@@ -112,7 +112,7 @@ def load_for_inference(location: str, revision: Optional[str] = None, *, vqgan=N
     from collab_kit.checkpoint import load_checkpoint
 
     if not isinstance(location, (str, os.PathLike)) or not os.fspath(location).strip():
-        raise ValueError(f"no checkpoint given (CHECKPOINT={location!r}): pass a checkpoint folder such as "
+        raise SettingProblem(f"no checkpoint given (CHECKPOINT={location!r}): pass a checkpoint folder such as "
                          f"demo_out/model (`make demo` writes it) or a Hub model repository id such as 'user/dalle-run'")
     location = os.fspath(location).strip()
     device = resolve_device(device)
@@ -252,20 +252,20 @@ def draw_prompts(pieces: InferencePieces, prompts: Sequence[str], n: int = 32, k
         prompts = [prompts]
     prompts = list(prompts)
     if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
-        raise ValueError(f"PROMPTS={prompts!r}: expected a list of non-empty strings, such as "
+        raise SettingProblem(f"PROMPTS={prompts!r}: expected a list of non-empty strings, such as "
                          f"['a large red circle in the center']")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"CANDIDATES={n!r}: expected the number of pictures to draw per prompt, at least 1")
+        raise SettingProblem(f"CANDIDATES={n!r}: expected the number of pictures to draw per prompt, at least 1")
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= n:
-        raise ValueError(f"KEEP={keep!r}: expected the number of pictures to keep, from 1 to CANDIDATES={n}")
+        raise SettingProblem(f"KEEP={keep!r}: expected the number of pictures to keep, from 1 to CANDIDATES={n}")
     if top_k == "auto":
         top_k = pieces.suggested_top_k
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"TOP_K={top_k!r}: expected 'auto', None (no limit) or a positive number of codes")
+        raise SettingProblem(f"TOP_K={top_k!r}: expected 'auto', None (no limit) or a positive number of codes")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"TOP_P={top_p!r}: expected None (no limit) or a probability in (0, 1], e.g. 0.75")
+        raise SettingProblem(f"TOP_P={top_p!r}: expected None (no limit) or a probability in (0, 1], e.g. 0.75")
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"SEED={seed!r}: expected an integer")
+        raise SettingProblem(f"SEED={seed!r}: expected an integer")
     tile = pieces.vqgan.image_size
     scale = scale if scale is not None else max(1, SHEET_TILE_PIXELS // tile)
     grids = []

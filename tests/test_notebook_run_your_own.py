@@ -128,7 +128,9 @@ def test_config_arguments_rebuild_the_same_config():
 
 
 def test_join_command_carries_what_every_peer_must_share():
-    config = get_preset("small", optimizer=dict(target_batch_size=1024), swarm=dict(run_id="shared"))
+    # the micro-batch and checkpointing are what the preflight chose for this machine: a friend's machine chooses its own
+    config = get_preset("small", optimizer=dict(target_batch_size=1024, batch_size_per_step=1),
+                        model=dict(reversible=False), swarm=dict(run_id="shared"))
     line = services.join_command(config, ["/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWabc"], "https://auth.example.org")
     assert line == ("HF_TOKEN=hf_... collab-kit join --preset small --run-id shared "
                     "--set optimizer.target_batch_size=1024 --set swarm.auth_server=https://auth.example.org "

@@ -5,10 +5,14 @@ summary written to SUMMARY_PATH, and its cell outputs) is checked, not just that
 """
 import ast
 import html
+import io
 import json
 import math
 import os
+import shlex
 import sys
+import threading
+import time
 from pathlib import Path
 
 import nbformat
@@ -143,6 +147,93 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     assert len(set(pictures)) >= 2, "the live view and the loss plot should both be drawn"
 
 
+class PrintedText(io.TextIOBase):
+    """What a running notebook prints, as papermill streams it out of the kernel (its ``stdout_file``)."""
+
+    def __init__(self):
+        super().__init__()
+        self._text, self._changed = "", threading.Condition()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._changed:
+            self._text += text
+            self._changed.notify_all()
+        return len(text)
+
+    def wait_for_line(self, prefix: str, timeout: float, running: threading.Thread) -> str:
+        """The first printed line holding ``prefix``, from ``prefix`` on; fails after ``timeout`` s or if the
+        notebook ended without it."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self._text.splitlines():
+                    if prefix in line:
+                        return line[line.index(prefix):]
+                left = deadline - time.monotonic()
+                if left <= 0 or not running.is_alive():
+                    pytest.fail(f"the notebook printed no {prefix!r} line; it printed:\n{self._text[-3000:]}",
+                                pytrace=False)
+                self._changed.wait(timeout=min(left, 1.0))  # wakes at each write; once a second to see the end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_friend_pastes_the_join_line_the_notebook_printed_and_averages_with_it(start_peer, tiny_shards, tmp_path,
+                                                                                 python3_kernel):
+    """join.ipynb starts a swarm of its own and prints its join line; what a friend pastes into a terminal (only
+    their data and the test's event output added) joins the same run with the same preset and settings, and the
+    two peers average."""
+    import papermill
+
+    # a target batch the tiny preset does not have, so that the line must carry it (a larger one than the other test's)
+    run_id, max_epochs, target_batch_size = "test_pasted_join_line", 3, 3072
+    summary_path, output_path = tmp_path / "summary.json", tmp_path / "join.out.ipynb"
+    parameters = dict(INITIAL_PEERS=[], RUN_ID=run_id, AUTH_SERVER="", PRESET="tiny", MAX_EPOCHS=max_epochs,
+                      MAX_STEPS=None, DATA_SHARDS="", SYNTHETIC_SAMPLES=512, LOCAL_SWARM=True, NUM_THREADS=1,
+                      WAIT_FOR_PEERS=2, OPTIMIZER_SETTINGS=dict(target_batch_size=target_batch_size),
+                      SUMMARY_PATH=str(summary_path))
+    printed, failure = PrintedText(), []
+
+    def run_notebook():
+        try:
+            papermill.execute_notebook(str(JOIN), str(output_path), parameters=parameters,
+                                       kernel_name=python3_kernel, cwd=str(tmp_path), progress_bar=False,
+                                       start_timeout=120, execution_timeout=240, stdout_file=printed)
+        except Exception as e:  # reported by the test's thread below
+            failure.append(e)
+
+    notebook = threading.Thread(target=run_notebook, name="join.ipynb", daemon=True)
+    notebook.start()
+    line = printed.wait_for_line("To join this swarm: ", timeout=240, running=notebook)
+    pasted = shlex.split(line.removeprefix("To join this swarm: "))
+    assert pasted[:2] == ["collab-kit", "join"], line
+    assert "--preset tiny" in line and f"--set optimizer.target_batch_size={target_batch_size}" in line, line
+    assert "/ip4/127.0.0.1/tcp/" in line, line
+    # the friend's own choices: their data, how long to stay, and to start when the notebook's peer does
+    friend = start_peer("friend", *pasted[1:], "--data", tiny_shards, "--max-epochs", str(max_epochs),
+                        "--threads", "1", "--wait-for-peers", "2", "--events", "--no-progress")
+    friend.wait_for(lambda e: e["type"] == "ready", timeout=90, what="that the pasted line joined the swarm")
+    notebook.join(timeout=300)
+    assert not notebook.is_alive(), "the notebook did not finish within 300 s"
+    if failure:
+        pytest.fail(f"the notebook failed ({type(failure[0]).__name__}): {failure[0]}\n"
+                    f"the friend's last lines:\n{friend.log_tail()}", pytrace=False)
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["averaged_rounds"] >= 1 and any(e["group_size"] >= 2 for e in summary["epochs"]), summary
+    assert friend.wait_exit(timeout=90) == 0, friend.log_tail()
+    done = friend.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
+    assert done["final_epoch"] >= max_epochs and done["averaged_rounds"] >= 1, done
+    # the same run, preset and settings: the friend's peer prints the same line up to the addresses
+    friend_lines = [text for text in Path(friend.log_path).read_text().splitlines() if "To join this swarm: " in text]
+    assert friend_lines, friend.log_tail()
+    shared = line.split(" --initial-peers ")[0]
+    assert friend_lines[0][friend_lines[0].index("To join this swarm: "):].split(" --initial-peers ")[0] == shared
+
+
 @pytest.mark.timeout(300)
 def test_dashboard_notebook_draws_the_monitors_database(tmp_path, python3_kernel):
     import papermill
@@ -165,3 +256,24 @@ def test_dashboard_notebook_draws_the_monitors_database(tmp_path, python3_kernel
     page = page_path.read_text()
     assert "<title>notebook test</title>" in page and page.count("data:image/png;base64,") == 3
     assert all(html.escape(name) in page for name in NAMES)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("notebook, parameters, ename, setting", [
+    (DASHBOARD, dict(DB_PATH="no-such-run.sqlite"), "SettingFileMissing", "no monitor database at 'no-such-run.sqlite'"),
+    (DASHBOARD, dict(DB_PATH=""), "SettingFileMissing", "DB_PATH in the dashboard notebook"),
+    (NOTEBOOKS / "inference.ipynb", dict(CHECKPOINT="no-such-model"), "SettingFileMissing", "Pass CHECKPOINT ="),
+], ids=["dashboard-missing-file", "dashboard-nothing-found", "inference-missing-checkpoint"])
+def test_a_setting_that_names_nothing_stops_the_notebook_with_one_sentence(notebook, parameters, ename, setting,
+                                                                             tmp_path, python3_kernel):
+    """Where a setting points at nothing, the notebook stops with the sentence that names the setting, no stack."""
+    import papermill
+
+    output_path = tmp_path / "out.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError):
+        papermill.execute_notebook(str(notebook), str(output_path), parameters=parameters, kernel_name=python3_kernel,
+                                   cwd=str(tmp_path), progress_bar=False, start_timeout=120, execution_timeout=120)
+    [error] = [output for cell in nbformat.read(str(output_path), as_version=4).cells
+               for output in cell.get("outputs", []) if output.output_type == "error"]
+    assert error.ename == ename and len(error.traceback) == 1, error  # the sentence alone
+    assert setting in error.evalue, error.evalue
