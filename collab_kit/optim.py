@@ -326,6 +326,25 @@ class SwarmProgressTracker(ProgressTracker):
         self.client_mode_trainers = clients
         return progress
 
+    def run(self):
+        # hivemind's ProgressTracker.run (1.1.12), ended the way asyncio.run ends a loop. hivemind's fetcher leaves tasks
+        # behind when it stops: its shutdown checker (a wait on an executor thread) and, when the shutdown came first,
+        # its last DHT read. Left pending in a loop nobody runs again, they were destroyed at garbage collection with
+        # asyncio's "Task was destroyed but it is pending!" logged as an ERROR: on every peer's exit, and in a notebook
+        # (the user's own process) as a red box after a run where nothing was wrong
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(asyncio.gather(self._progress_reporter(), self._progress_fetcher()))
+        finally:
+            leftovers = asyncio.all_tasks(loop)
+            for task in leftovers:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            asyncio.set_event_loop(None)
+            loop.close()
+            self.shutdown_complete.set()
+
 
 class CollaborativeOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that counts the global steps averaged with other training peers, and idles when alone.

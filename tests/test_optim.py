@@ -1,5 +1,7 @@
 """The paper's optimizer: schedule, parameter groups, 8-bit LAMB, compression, and the hivemind wiring."""
+import gc
 import json
+import logging
 import multiprocessing as mp
 import subprocess
 import sys
@@ -11,10 +13,11 @@ import torch
 from hivemind.compression.base import CompressionInfo
 from hivemind.proto import runtime_pb2
 
-from collab_kit.config import get_preset
+from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model import TextToImageTransformer
-from collab_kit.optim import (ForkedTorchThreadsMixin, gradient_compression, linear_warmup_then_decay, make_lamb8bit,
-                              parameter_groups)
+from collab_kit.optim import (ForkedTorchThreadsMixin, SwarmProgressTracker, gradient_compression,
+                              linear_warmup_then_decay, make_lamb8bit, parameter_groups)
+from collab_kit.swarm import start_dht
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero():
@@ -248,3 +251,34 @@ def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gemm_4bit" not in result.stderr and "kernels" not in result.stderr, result.stderr
+
+
+def test_the_progress_tracker_leaves_no_task_of_its_loop_pending_when_it_stops():
+    """hivemind's tracker left its shutdown checker (a wait on an executor) and a DHT read as tasks of its thread's
+    loop: destroyed pending later, they printed asyncio's "Task was destroyed but it is pending!" as an ERROR, on the
+    user's process (a notebook's red box) after every run where nothing was wrong."""
+    destroyed = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            if "Task was destroyed" in record.getMessage():
+                destroyed.append(record.getMessage())
+
+    recorder = Recorder()
+    logging.getLogger("asyncio").addHandler(recorder)
+    dht = start_dht(SwarmConfig(host="127.0.0.1"))
+    try:
+        # a race: with hivemind's own ending, 1 of 20 stops left a task pending here (0 of 40 with the kit's)
+        for attempt in range(6):
+            tracker = SwarmProgressTracker(dht=dht, prefix=f"tracker_{attempt}", target_batch_size=64,
+                                           min_refresh_period=0.05, start=True)
+            assert tracker.fetched_global_progress_this_epoch.wait(30), "the tracker never read the swarm's progress"
+            tracker.shutdown(timeout=30)
+            tracker.join(timeout=30)
+            assert not tracker.is_alive()
+            del tracker
+            gc.collect()
+    finally:
+        dht.shutdown()
+        logging.getLogger("asyncio").removeHandler(recorder)
+    assert destroyed == [], destroyed[0]
