@@ -2,11 +2,9 @@
 import gc
 import json
 import logging
-import multiprocessing as mp
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 import torch
@@ -181,57 +179,61 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
 # -- averagers in forked processes --------------------------------------------------------------------------------
 
 
-class _ThreadsAtOnce(mp.get_context("fork").Process):
-    """A forked process whose threads run their first tensor operation at the same moment, as hivemind's averagers
-    compress the parts of their first round; it reports how many of them failed."""
+# In an interpreter of its own: whether the parent's torch thread pool exists when it forks (what the race needs)
+# depends on what ran in it before, so the pytest process, after other tests, is no place to measure it
+FORKED_THREADS_RACE = textwrap.dedent("""
+    import json, multiprocessing as mp, threading, torch
+    from collab_kit.optim import ForkedTorchThreadsMixin
 
-    def __init__(self, results, threads: int = 4):
-        super().__init__(daemon=True)
-        self.results, self.threads = results, threads
+    class ThreadsAtOnce(mp.get_context("fork").Process):
+        # a forked process whose threads run their first tensor operation at the same moment, as hivemind's
+        # averagers compress the parts of their first round; it reports how many of them failed
+        def __init__(self, results, threads=4):
+            super().__init__(daemon=True)
+            self.results, self.threads = results, threads
 
-    def run(self):
-        barrier, failures = threading.Barrier(self.threads), []
+        def run(self):
+            barrier, failures = threading.Barrier(self.threads), []
 
-        def first_operation():
-            barrier.wait()
-            try:
-                torch.ones(300_000).mean()
-            except RuntimeError as e:  # "pool INTERNAL ASSERT FAILED ... Invalid thread pool!"
-                failures.append(str(e))
+            def first_operation():
+                barrier.wait()
+                try:
+                    torch.ones(300_000).mean()
+                except RuntimeError as e:  # "pool INTERNAL ASSERT FAILED ... Invalid thread pool!"
+                    failures.append(str(e))
 
-        workers = [threading.Thread(target=first_operation) for _ in range(self.threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        self.results.put(len(failures))
+            workers = [threading.Thread(target=first_operation) for _ in range(self.threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            self.results.put(len(failures))
 
+    class ThreadsAtOnceRebuilt(ForkedTorchThreadsMixin, ThreadsAtOnce):
+        pass
 
-class _ThreadsAtOnceRebuilt(ForkedTorchThreadsMixin, _ThreadsAtOnce):
-    pass
+    def failed_processes(process_class, count=12):
+        results, failed = mp.get_context("fork").Queue(), 0
+        for _ in range(count):
+            process = process_class(results)
+            process.start()
+            failed += results.get(timeout=60) > 0
+            process.join(timeout=10)
+        return failed
 
-
-def _failed_processes(process_class, count: int = 12) -> int:
-    results = mp.get_context("fork").Queue()
-    failed = 0
-    for _ in range(count):
-        process = process_class(results)
-        process.start()
-        failed += results.get(timeout=60) > 0
-        process.join(timeout=10)
-    return failed
+    torch.set_num_threads(2)  # a trainer with more than one torch thread (volunteers use every core)
+    torch.randn(500, 500).sum()  # the trainer used torch before hivemind forked its averagers
+    print(json.dumps(dict(plain=failed_processes(ThreadsAtOnce), rebuilt=failed_processes(ThreadsAtOnceRebuilt))))
+""")
 
 
 def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(2)  # a trainer with more than one torch thread (volunteers use every core)
-    try:
-        torch.randn(500, 500).sum()  # the trainer used torch before hivemind forked its averagers
-        # without the mixin the race is real on this torch: the test would show nothing if it were not
-        assert _failed_processes(_ThreadsAtOnce) > 0, "torch no longer fails here: ForkedTorchThreadsMixin may go"
-        assert _failed_processes(_ThreadsAtOnceRebuilt) == 0
-    finally:
-        torch.set_num_threads(threads_before)
+    finished = subprocess.run([sys.executable, "-c", FORKED_THREADS_RACE], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    failed = json.loads(finished.stdout.strip().splitlines()[-1])
+    # without the mixin the race is real on this torch: the test would show nothing if it were not
+    assert failed["plain"] > 0, "torch no longer fails here: ForkedTorchThreadsMixin may go"
+    assert failed["rebuilt"] == 0, failed
     # every averager the kit builds carries it: gradient averagers (plain, CenteredClip, authorized) and state averagers
     from hivemind.optim.grad_averager import GradientAverager
 
