@@ -53,5 +53,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'collab_kit' has no attribute {name!r}")
 
 
-__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem", "SettingFileMissing",
-           *_LAZY]
+__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem",
+           "SettingFileMissing", *_LAZY]

@@ -260,7 +260,8 @@ def test_dashboard_notebook_draws_the_monitors_database(tmp_path, python3_kernel
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("notebook, parameters, ename, setting", [
-    (DASHBOARD, dict(DB_PATH="no-such-run.sqlite"), "SettingFileMissing", "no monitor database at 'no-such-run.sqlite'"),
+    (DASHBOARD, dict(DB_PATH="no-such-run.sqlite"), "SettingFileMissing",
+     "no monitor database at 'no-such-run.sqlite'"),
     (DASHBOARD, dict(DB_PATH=""), "SettingFileMissing", "DB_PATH in the dashboard notebook"),
     (NOTEBOOKS / "inference.ipynb", dict(CHECKPOINT="no-such-model"), "SettingFileMissing", "Pass CHECKPOINT ="),
 ], ids=["dashboard-missing-file", "dashboard-nothing-found", "inference-missing-checkpoint"])

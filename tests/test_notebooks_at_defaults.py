@@ -139,6 +139,15 @@ def assert_reads_well_saved(folder: Path, name: str, chromium_binary: str, workd
     assert not problems, f"{name}.ipynb saved as HTML:\n" + "\n".join(problems)
 
 
+def run_and_read_saved(folder: Path, name: str, kernel: str, timeout: float, chromium_binary: str, workdir: Path,
+                       **size) -> nbformat.NotebookNode:
+    """``run_at_defaults``, then what a reader sees: nothing red live, and a saved copy that reads well."""
+    notebook = run_at_defaults(folder, name, kernel, timeout, **size)
+    assert_quiet(notebook, name)
+    assert_reads_well_saved(folder, name, chromium_binary, workdir)
+    return notebook
+
+
 def test_the_saved_copy_check_sees_a_lone_widget_and_red_text():
     """The checker itself: a widget at the end of its cell and a stderr stream are what it must report."""
     notebook = nbformat.v4.new_notebook()
@@ -150,7 +159,8 @@ def test_the_saved_copy_check_sees_a_lone_widget_and_red_text():
         "state": {"0": {"model_module": "@jupyter-widgets/controls", "model_module_version": "2.0.0",
                         "model_name": "HTMLModel", "state": {}}}, "version_major": 2, "version_minor": 0}}
     notebook.cells = [
-        nbformat.v4.new_code_cell("a", outputs=[widget, nbformat.v4.new_output("stream", name="stdout", text="done\n")]),
+        nbformat.v4.new_code_cell("a", outputs=[widget,
+                                                nbformat.v4.new_output("stream", name="stdout", text="done\n")]),
         nbformat.v4.new_code_cell("b", outputs=[nbformat.v4.new_output("stream", name="stdout", text="hi\n"), widget]),
         nbformat.v4.new_code_cell("c", outputs=[nbformat.v4.new_output("stream", name="stderr", text="oops\n")]),
     ]
@@ -162,9 +172,7 @@ def test_the_saved_copy_check_sees_a_lone_widget_and_red_text():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_memory_calculator_at_its_defaults(after_make_demo, python3_kernel, chromium, tmp_path):
-    notebook = run_at_defaults(after_make_demo, "memory_calculator", python3_kernel, 240)
-    assert_quiet(notebook, "memory_calculator")
-    assert_reads_well_saved(after_make_demo, "memory_calculator", chromium, tmp_path)
+    notebook = run_and_read_saved(after_make_demo, "memory_calculator", python3_kernel, 240, chromium, tmp_path)
     text = cell_texts(notebook)
     assert "On a GPU of 16 GiB this" in text and "The panel starts at your settings" in text
     assert any("image/png" in output.get("data", {}) for output in outputs_of(notebook))
@@ -173,9 +181,7 @@ def test_memory_calculator_at_its_defaults(after_make_demo, python3_kernel, chro
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dashboard_at_its_defaults_reads_make_demos_run(after_make_demo, python3_kernel, chromium, tmp_path):
-    notebook = run_at_defaults(after_make_demo, "dashboard", python3_kernel, 240)
-    assert_quiet(notebook, "dashboard")
-    assert_reads_well_saved(after_make_demo, "dashboard", chromium, tmp_path)
+    notebook = run_and_read_saved(after_make_demo, "dashboard", python3_kernel, 240, chromium, tmp_path)
     text = cell_texts(notebook)
     assert "dashboard written to dashboard.html" in text and "epoch 23, 5 alive peers" in text
     html = "".join(output.get("data", {}).get("text/html", "") for output in outputs_of(notebook))
@@ -186,9 +192,7 @@ def test_dashboard_at_its_defaults_reads_make_demos_run(after_make_demo, python3
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_inference_at_its_defaults_draws_from_make_demos_model(after_make_demo, python3_kernel, chromium, tmp_path):
-    notebook = run_at_defaults(after_make_demo, "inference", python3_kernel, 360)
-    assert_quiet(notebook, "inference")
-    assert_reads_well_saved(after_make_demo, "inference", chromium, tmp_path)
+    notebook = run_and_read_saved(after_make_demo, "inference", python3_kernel, 360, chromium, tmp_path)
     text = cell_texts(notebook)
     assert "drew 32 pictures for each of 4 prompts" in text
     assert any("image/png" in output.get("data", {}) for output in outputs_of(notebook))
@@ -197,9 +201,8 @@ def test_inference_at_its_defaults_draws_from_make_demos_model(after_make_demo, 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tutorial_at_its_defaults_offline_on_a_cpu(after_make_demo, python3_kernel, offline_home, chromium, tmp_path):
-    notebook = run_at_defaults(after_make_demo, "tutorial_gpt2_8bit", python3_kernel, 540, STEPS=2)
-    assert_quiet(notebook, "tutorial_gpt2_8bit")
-    assert_reads_well_saved(after_make_demo, "tutorial_gpt2_8bit", chromium, tmp_path)
+    notebook = run_and_read_saved(after_make_demo, "tutorial_gpt2_8bit", python3_kernel, 540,
+                                  chromium, tmp_path, STEPS=2)
     text = cell_texts(notebook)
     assert "the model: a tiny GPT-2 from scratch" in text and "no GPU here" in text
     assert "C4-like local shards in" in text and "the Hub could not be reached" in text
@@ -210,9 +213,7 @@ def test_tutorial_at_its_defaults_offline_on_a_cpu(after_make_demo, python3_kern
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_join_at_its_defaults_starts_a_swarm_of_its_own(after_make_demo, python3_kernel, chromium, tmp_path):
-    notebook = run_at_defaults(after_make_demo, "join", python3_kernel, 540, MAX_EPOCHS=1)
-    assert_quiet(notebook, "join")
-    assert_reads_well_saved(after_make_demo, "join", chromium, tmp_path)
+    notebook = run_and_read_saved(after_make_demo, "join", python3_kernel, 540, chromium, tmp_path, MAX_EPOCHS=1)
     text = cell_texts(notebook)
     assert "starting a new swarm" in text and "To join this swarm: collab-kit join --preset small --run-id" in text
     assert "No global epoch finished" not in text and "epoch 0: loss" in text
@@ -221,9 +222,8 @@ def test_join_at_its_defaults_starts_a_swarm_of_its_own(after_make_demo, python3
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_your_own_at_its_defaults_is_an_open_run(after_make_demo, python3_kernel, chromium, tmp_path):
-    notebook = run_at_defaults(after_make_demo, "run_your_own", python3_kernel, 540, MAX_EPOCHS=1)
-    assert_quiet(notebook, "run_your_own")
-    assert_reads_well_saved(after_make_demo, "run_your_own", chromium, tmp_path)
+    notebook = run_and_read_saved(after_make_demo, "run_your_own", python3_kernel, 540,
+                                  chromium, tmp_path, MAX_EPOCHS=1)
     text = cell_texts(notebook)
     assert "an open run: no login needed" in text
     assert "To join this run: collab-kit join --preset small --run-id my_run" in text
