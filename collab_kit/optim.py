@@ -173,11 +173,39 @@ class DownloadRecorderMixin(DecentralizedAverager):
         return loaded
 
 
+# seconds a peer in client mode waits for a leader's answer to its join request. The answer crosses the peer's home
+# link twice, and a thin link is often full (the state download, a round's parts, the DHT): a home router's queue of
+# 64 KiB holds 2 s at 0.25 Mbit/s. With the tiny preset's 0.9 x matchmaking_time (1.8 s), a late joiner on such a
+# link asked the anchor in every round and was never answered in time; a busy anchor, or a volunteer's process
+# waiting for a core on a machine shared with five others, cost a round now and then too
+CLIENT_JOIN_ANSWER_TIMEOUT = 5.0
+
+
+class _LeaderlessRequestTimeoutFilter(logging.Filter):
+    """Drops hivemind's advice to keep request_timeout below min_matchmaking_time (two leaders that request each
+    other could wait on each other until it passes): a peer in client mode leads no group."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "request_timeout smaller than min_matchmaking_time" not in record.getMessage()
+
+
+class ClientModeMatchmakingMixin:
+    """Put before a hivemind averager class: in client mode, its process (where hivemind builds its matchmaking)
+    leaves out the request_timeout advice that does not apply to it (see CLIENT_JOIN_ANSWER_TIMEOUT). The filter is
+    installed in the averager's own process only, never in the user's."""
+
+    def run(self):
+        if self.client_mode:
+            logging.getLogger("hivemind.averaging.matchmaking").addFilter(_LeaderlessRequestTimeoutFilter())
+        super().run()
+
+
 def recording_state_averager_class() -> type:
-    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin in front), under
-    TrainingStateAverager's name (hivemind names its RPCs after the class: peers with and without the mixins still talk
-    to each other)."""
-    return type(TrainingStateAverager.__name__, (ForkedTorchThreadsMixin, TrainingStateAverager, DownloadRecorderMixin),
+    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin and
+    ClientModeMatchmakingMixin in front), under TrainingStateAverager's name (hivemind names its RPCs after the class:
+    peers with and without the mixins still talk to each other)."""
+    return type(TrainingStateAverager.__name__,
+                (ForkedTorchThreadsMixin, ClientModeMatchmakingMixin, TrainingStateAverager, DownloadRecorderMixin),
                 {"__module__": __name__, "__qualname__": "RecordingTrainingStateAverager"})
 
 
@@ -290,10 +318,10 @@ class RoundReportMixin:
 
 
 def round_report_averager_class(base: type, role: str) -> type:
-    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin) in front,
-    sending ``role``, under ``base``'s name (hivemind names the RPCs after the class: every peer's averager must keep
-    the same name)."""
-    return type(base.__name__, (ForkedTorchThreadsMixin, RoundReportMixin, base),
+    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin and
+    ClientModeMatchmakingMixin) in front, sending ``role``, under ``base``'s name (hivemind names the RPCs after the
+    class: every peer's averager must keep the same name)."""
+    return type(base.__name__, (ForkedTorchThreadsMixin, ClientModeMatchmakingMixin, RoundReportMixin, base),
                 {"__module__": __name__, "__qualname__": f"RoundReport{base.__name__}", "round_role": role})
 
 
@@ -585,10 +613,11 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         one ``config.aggregation`` chooses)
     """
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself. A peer
-    # in client mode leads no group, so no two of its requests can wait on each other, and its only leaders are the
-    # few peers that accept connections (an anchor): a leader that answers late over a slow or busy link is better
-    # than none, and a request given up waits for the leader's next declaration (seconds), which can cost the round
-    request_timeout = min(5.0, 0.9 * config.matchmaking_time) if client_mode else min(3.0, config.matchmaking_time / 2)
+    # in client mode leads no group, so no two of its requests can wait on each other (ClientModeMatchmakingMixin), and
+    # its only leaders are the few peers that accept connections (an anchor): a leader that answers late over a slow or
+    # busy link is better than none, and a request given up waits for the leader's next declaration (seconds), which
+    # costs the round. So its wait is set by the link, not by the preset's matchmaking time
+    request_timeout = CLIENT_JOIN_ANSWER_TIMEOUT if client_mode else min(3.0, config.matchmaking_time / 2)
     # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
     averager_class = round_report_averager_class(GradientAverager, optimizer_class.round_role)
     if peer_gate is not None:

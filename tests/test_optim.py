@@ -247,6 +247,49 @@ def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
     assert issubclass(recording_state_averager_class(), ForkedTorchThreadsMixin)
 
 
+# a peer in client mode on loopback, with the tiny preset (matchmaking_time 2 s): what its averagers' processes were
+# given and printed; beside it, hivemind's own averager in client mode with the same wait (the control)
+CLIENT_MODE_AVERAGERS = textwrap.dedent("""
+    import json, sys, hivemind, torch
+    from collab_kit.config import SwarmConfig, get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.optim import CLIENT_JOIN_ANSWER_TIMEOUT, make_optimizer
+    from collab_kit.swarm import join_addresses, start_dht
+
+    first = start_dht(SwarmConfig(host="127.0.0.1"))
+    client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(first)))
+    config = get_preset("tiny").optimizer
+    optimizer = make_optimizer(TextToImageTransformer(get_preset("tiny").model), client, "run", config, client_mode=True)
+    waits = [averager.matchmaking_kwargs["request_timeout"]
+             for averager in (optimizer.grad_averager, optimizer.state_averager)]
+    optimizer.shutdown()
+    print("--- hivemind's own averager", file=sys.stderr, flush=True)
+    plain = hivemind.DecentralizedAverager([torch.zeros(3)], client, prefix="plain", client_mode=True,
+                                           min_matchmaking_time=config.matchmaking_time,
+                                           request_timeout=CLIENT_JOIN_ANSWER_TIMEOUT, start=True)
+    plain.shutdown()
+    client.shutdown()
+    first.shutdown()
+    print(json.dumps(dict(waits=waits, matchmaking_time=config.matchmaking_time)), flush=True)
+""")
+
+
+def test_a_peer_in_client_mode_waits_for_its_leaders_answer_as_its_link_needs_and_prints_no_advice_for_leaders():
+    """A join request crosses a volunteer's home link twice; on a thin link that is full, that takes seconds whatever
+    the preset's matchmaking time. hivemind's advice to wait less than matchmaking_time is for peers that lead."""
+    from collab_kit.optim import CLIENT_JOIN_ANSWER_TIMEOUT
+
+    finished = subprocess.run([sys.executable, "-c", CLIENT_MODE_AVERAGERS], capture_output=True, text=True,
+                              timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert result["waits"] == [CLIENT_JOIN_ANSWER_TIMEOUT] * 2 and CLIENT_JOIN_ANSWER_TIMEOUT > result["matchmaking_time"]
+    kit, plain = finished.stderr.split("--- hivemind's own averager")
+    advice = "request_timeout smaller than min_matchmaking_time"
+    assert advice not in kit, kit
+    assert advice in plain, plain  # the control: the same wait in hivemind's own averager prints it
+
+
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
     # plain bitsandbytes warns at import that its CPU 4-bit kernels are missing: a red box in every notebook
     result = subprocess.run([sys.executable, "-c", "import collab_kit.optim, collab_kit.lm_finetune"],
