@@ -11,6 +11,7 @@ world on one Linux machine, so that tests and benchmarks run the real ``collab-k
         alice.limit(20)                               # 20 Mbit/s each way (tc tbf; this kernel has no netem)
         alice.cut(); ...; alice.restore()             # every packet of the link dropped, then let through again
         alice.link_bytes()                            # bytes sent and received on the link (interface counters)
+        print(lab.network_report())                   # per host: TCP retransmissions and timeouts, packets dropped
 
 The pieces: one namespace holds a bridge, the Internet (10.77.0.0/16). A public host is a namespace with
 one veth on that bridge. A home is two namespaces: its router (one leg on the bridge at 10.77.1.N, one on
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 INTERNET_PREFIX = "10.77"  # the Internet: public hosts at 10.77.0.N, home routers at 10.77.1.N
 NAMESPACE_PREFIX = "ckl"  # every namespace a lab makes is named ckl<pid>x<lab>-<name>
 _lab_numbers = itertools.count()
+# the kernel's TCP counters a report shows: segments sent again, retransmission timeouts (each one a stall of at
+# least 200 ms, doubling), and segments that arrived out of order or as duplicates
+TCP_COUNTERS = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes", "TcpExtTCPOFOQueue",
+                "TcpExtTCPDSACKRecv", "TcpExtTCPSpuriousRTOs")
 
 
 class LabError(RuntimeError):
@@ -325,6 +330,31 @@ class NetworkLab:
                     downlink=(router, "lan0"), cut_rules=cut_rules)
         self.hosts[name] = host
         return host
+
+    # -- what happened on the wires -------------------------------------------------------------------
+
+    def network_report(self) -> str:
+        """What the lab's kernels counted so far, host by host, for a failure to be read after the lab is gone:
+        each host's TCP retransmissions and retransmission timeouts (a stall of seconds on a link that loses
+        packets), the packets each router's firewall dropped (a home router drops what conntrack does not take
+        for an answer, also a late or out-of-window packet of a live connection) and each rate cap's drops."""
+        lines = []
+        for host in self.hosts.values():
+            counters = _run("ip", "netns", "exec", host.namespace, "nstat", "-az", *TCP_COUNTERS, check=False)
+            found = dict(line.split()[:2] for line in counters.stdout.splitlines()[1:] if len(line.split()) >= 2)
+            lines.append(f"{host.name}: " + " ".join(f"{name}={found.get(name, '?')}" for name in TCP_COUNTERS))
+            router = host.uplink[0]
+            if router != host.namespace:  # a home: its router's firewall and NAT
+                dropped = _run("ip", "netns", "exec", router, "iptables", "-L", "FORWARD", "-v", "-n", "-x",
+                               check=False).stdout
+                drops = [line.split()[0] for line in dropped.splitlines() if " DROP " in f" {line} "]
+                lines.append(f"  {host.name}'s router dropped {'+'.join(drops) or '0'} packet(s) from outside")
+            for namespace, device in (host.uplink, host.downlink):
+                shown = _run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", device,
+                             check=False).stdout
+                if "tbf" in shown:
+                    lines.append(f"  rate cap on {device}: " + " ".join(shown.split()))
+        return "\n".join(lines)
 
     # -- the end --------------------------------------------------------------------------------------
 

@@ -31,11 +31,14 @@ DEBUG_LOGS = ["--debug-logger", "hivemind.averaging.matchmaking", "--debug-logge
 
 
 @pytest.fixture
-def lab():
+def lab(tmp_path):
     created = NetworkLab()
     try:
         yield created
     finally:
+        report = created.network_report()  # retransmissions and drops: shown with a failure, kept beside the logs
+        print(report)
+        (tmp_path / "network.txt").write_text(report + "\n")
         created.close()
         left = [name for name in list_namespaces() if name.startswith(created.tag)]
         assert not left, f"the lab left namespaces behind: {left}"
@@ -207,11 +210,22 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
         assert all(math.isfinite(loss) for loss in losses)
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses  # the loss falls
     late_epochs = epochs_of(late)
-    assert late_epochs and late_epochs[0]["epoch"] >= swarm_epoch
+    # it trained only from the swarm's state. On its thin link the first download can be given up (a 64 KiB chunk
+    # behind a full router queue and TCP's retransmission back-off outlasts the tiny preset's 6 s per chunk): the
+    # volunteer then starts from its own state, as it says, and its first step finds it behind and loads again. That
+    # step, reported at the volunteer's own epoch, is the only one allowed before the swarm's
+    early = [event for event in late_epochs if event["epoch"] < swarm_epoch]
+    assert all(event["problem"] == "this peer was behind the swarm" and not event["averaged"] for event in early), early
+    assert not early or "no peer gave its state: starting from this peer's own" in log_of(late)
+    assert any(event["epoch"] >= swarm_epoch for event in late_epochs), late_epochs
     assert any(event["averaged"] for event in late_epochs), late_epochs
-    # its download outlasted an epoch: it went on from the swarm's epoch instead of downloading again; and its thin
-    # link, full for seconds, was never taken for a cut one
-    assert "without downloading again" in log_of(late)
+    # a download (11-14 s on its link) often outlasts an epoch: it goes on from the swarm's epoch of then rather than
+    # downloading again and again. Whether the swarm moves during a given download depends on where it falls in an
+    # epoch (an anchor holds its group open for a peer it expects, so epochs stretch while one loads), so what is
+    # checked is that it did not spend its epochs downloading; and its thin link, full for seconds, was never taken
+    # for a cut one
+    downloads = [event for event in late.events if event["type"] == "restore" and event["loaded"]]
+    assert len(downloads) <= len(late_epochs) / 2 + 1, (downloads, late_epochs)
     assert late.wait_for(lambda e: e["type"] == "done", timeout=5, what="its summary")["link_outages"] == 0
     # the monitor's anchor reduced the rounds, and its checkpoints hold the swarm's state
     checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=60, what="a checkpoint")
