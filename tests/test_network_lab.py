@@ -122,6 +122,12 @@ def test_the_lab_puts_homes_behind_nat_caps_and_cuts_links_and_leaves_nothing_be
             shown = subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", device],
                                    capture_output=True, text=True).stdout
             assert "tbf" in shown and "20Mbit" in shown, shown
+        # the report a failed lab test leaves: each host's TCP counters, the home router's drops, the rate caps
+        report = lab.network_report().splitlines()
+        assert [line.split(":")[0] for line in report if not line.startswith(" ")] == ["server", "alice"], report
+        assert all("TcpRetransSegs=" in line and "=?" not in line for line in report if not line.startswith(" "))
+        assert "  alice's router dropped 0 packet(s) from outside" in report, report
+        assert sum("rate cap on" in line and "20Mbit" in line for line in report) == 2, report
         # a cut link drops everything, silently; restored, it works again
         ready, outcome = threading.Event(), []
         thread = threading.Thread(target=_serve_once, args=(server, 5003, ready, outcome))
