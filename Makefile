@@ -20,7 +20,7 @@ help:
 	@echo "make demo   - a local collaborative run on the toy world (first peer + 2 volunteers on 127.0.0.1) -> demo_out/"
 	@echo "make test   - every test, notebooks included"
 	@echo "make bench  - measured figures written to benchmarks/RESULTS.md"
-	@echo "make soak   - the multi-process tests REPEAT=5 times in a row (a test that fails now and then shows here)"
+	@echo "make soak   - the tests that start peers, kernels or services, REPEAT=5 times in a row (flaky tests show here)"
 	@echo "make clean  - remove the virtual environment and caches"
 
 venv: $(STAMP)
@@ -62,16 +62,20 @@ test: $(STAMP) chromium netlab
 test-fast: $(STAMP) chromium netlab
 	$(BIN)/python -m pytest -ra -m "not slow"
 
-# the tests whose peers, kernels and services run as several processes that wait on each other, REPEAT times in a
-# row, stopping at the first failure: a test that fails now and then shows here (`make soak REPEAT=5`)
+# every test of the files whose tests start peers, DHTs, kernels or services as processes or threads that wait on
+# each other (their fast tests too, not only the slow ones), REPEAT times in a row, stopping at the first failure: a
+# test that fails now and then shows here (`make soak REPEAT=5`; one repetition takes about as long as `make test`)
 REPEAT ?= 5
 PEER_TESTS := tests/test_swarm_training.py tests/test_faults.py tests/test_auth_swarm.py tests/test_network_lab.py \
 	tests/test_swarm_scaling_sim.py tests/test_monitor.py tests/test_demo.py tests/test_notebooks.py \
-	tests/test_notebook_run_your_own.py tests/test_notebooks_at_defaults.py
+	tests/test_notebook_run_your_own.py tests/test_notebooks_at_defaults.py tests/test_notebook_inference.py \
+	tests/test_notebook_memory.py tests/test_robust.py tests/test_swarm.py tests/test_optim.py tests/test_metrics.py \
+	tests/test_auth.py tests/test_auth_server.py tests/test_preflight.py tests/test_cli.py tests/test_dashboard.py \
+	tests/test_lm_tutorial.py tests/test_lone_training.py tests/test_hostile_data.py tests/test_preprocess.py
 
 soak: $(STAMP) chromium netlab
 	@for run in $$(seq $(REPEAT)); do echo "== run $$run of $(REPEAT)"; \
-		$(BIN)/python -m pytest -q -x -m slow --durations=5 $(PEER_TESTS) || exit 1; done
+		$(BIN)/python -m pytest -q -x --durations=5 $(PEER_TESTS) || exit 1; done
 
 # the benchmarks also need scikit-image, for the real photographs it ships (not needed by demo or test)
 $(BENCH_STAMP): $(STAMP)
