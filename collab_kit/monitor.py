@@ -271,8 +271,8 @@ class Checkpointer:
         import torch
 
         from collab_kit.model import TextToImageTransformer
-        from collab_kit.optim import make_lamb8bit, make_scheduler_factory, parameter_groups, \
-            recording_state_averager_class
+        from collab_kit.optim import STATE_DOWNLOAD_PART_TIMEOUT, make_lamb8bit, make_scheduler_factory, \
+            parameter_groups, recording_state_averager_class
 
         self.config, self.settings, self.emit, self.anchor = config, settings, emit, anchor
         self.model = TextToImageTransformer(config.model)
@@ -284,7 +284,7 @@ class Checkpointer:
             params=parameter_groups(self.model, config.optimizer.weight_decay),
             scheduler=make_scheduler_factory(config.optimizer), offload_optimizer=False,
             client_mode=True, allow_state_sharing=False,
-            next_chunk_timeout=min(30.0, settings.download_timeout), start=True)
+            next_chunk_timeout=min(STATE_DOWNLOAD_PART_TIMEOUT, settings.download_timeout), start=True)
         self._torch = torch
         self.history = None
         self.last_epoch: Optional[int] = None  # the newest checkpoint's global epoch

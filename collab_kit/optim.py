@@ -181,6 +181,14 @@ class DownloadRecorderMixin(DecentralizedAverager):
 CLIENT_JOIN_ANSWER_TIMEOUT = 5.0
 
 
+# seconds a download of the swarm's state waits for its next part (64 KiB) before giving up on the peer that serves it.
+# hivemind waits next_chunk_timeout, which is set for averaging rounds (6 s for the CPU presets): a part takes 2 s at
+# 0.25 Mbit/s on an idle link and 5 s at 0.1 Mbit/s, and a thin link that drops packets stalls for seconds more while
+# TCP backs off (a late joiner of the NAT lab, at 0.25 Mbit/s, gave up five downloads in a row after 6-8 s each and
+# never trained). A download given up starts again from its first part, so waiting costs less than giving up
+STATE_DOWNLOAD_PART_TIMEOUT = 30.0
+
+
 class _LeaderlessRequestTimeoutFilter(logging.Filter):
     """Drops hivemind's advice to keep request_timeout below min_matchmaking_time (two leaders that request each
     other could wait on each other until it passes): a peer in client mode leads no group."""
@@ -472,13 +480,19 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             from collab_kit.auth import authorized_averager_class
 
             averager_class = authorized_averager_class(averager_class, self.peer_gate)
-        # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped
+        # hivemind's averager reads next_chunk_timeout only when it downloads a state; its own averaging rounds take
+        # sender_timeout and reducer_timeout, given here as hivemind derives them from next_chunk_timeout
+        round_timeouts = dict(sender_timeout=self.next_chunk_timeout, reducer_timeout=2 * self.next_chunk_timeout)
+        round_timeouts.update(kwargs)
+        # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped and the wait for
+        # a download's next part set for thin links (STATE_DOWNLOAD_PART_TIMEOUT)
         return averager_class(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=max(self.next_chunk_timeout, STATE_DOWNLOAD_PART_TIMEOUT),
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **round_timeouts)
 
     # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
     def _begin_averaging_gradients(self, grad_scaler) -> bool:

@@ -34,6 +34,13 @@ from collab_kit.swarm import wait_for_peers as wait_for_peers_in_swarm
 
 logger = logging.getLogger(__name__)
 
+# seconds training waits after a step that found this peer behind the swarm could not get the swarm's state (no peer
+# answered: a DHT that lost its neighbours on a full link, or every download given up), before the next step tries
+# again; each failure in a row takes the next wait, the last one repeating. Without a wait, a peer behind would try at
+# every batch (a late joiner of the NAT lab tried 1197 times in 49 s, a hundred a second with the tiny model), spending
+# its data and a core that the machine's other processes needed, and filling its log, while it could not train
+STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
+
 
 @dataclass
 class EpochRecord:
@@ -285,6 +292,7 @@ class Volunteer:
         self._closed = False
         self._stop_requested = threading.Event()
         self._non_finite_streak = 0
+        self._failed_loads = 0  # steps in a row that found this peer behind and could not get the swarm's state
         self._lone_watch = LoneTrainingWatch()
 
     def request_stop(self):
@@ -433,7 +441,11 @@ class Volunteer:
             self.optimizer.step()  # accumulates; when the swarm has target_batch_size samples, a global step
             self.optimizer.zero_grad()
             history.local_steps += 1
-            self._record_step_loads(history, on_restore)
+            loads = self._record_step_loads(history, on_restore)
+            if loads and not loads[-1]["loaded"]:
+                self._wait_before_loading_again()
+            elif loads:
+                self._failed_loads = 0
             epoch_losses.append(loss.item())
 
             if self.local_epoch != epoch_before:
@@ -550,13 +562,29 @@ class Volunteer:
                        "(its parameters are finite)")
 
     def _record_step_loads(self, history: TrainingHistory,
-                           on_restore: Optional[Callable[[RestoreRecord], None]]) -> None:
+                           on_restore: Optional[Callable[[RestoreRecord], None]]) -> List[dict]:
         """Report the swarm's states that the step just taken loaded (this peer found itself behind or apart from the
-        swarm: it joined while the swarm's progress was still unknown to it, missed a round, or its link was cut)."""
+        swarm: it joined while the swarm's progress was still unknown to it, missed a round, or its link was cut), and
+        return them (each says whether a peer gave its state: ``loaded``)."""
         loads, self.optimizer.step_loads = self.optimizer.step_loads, []
         for load in loads:
             self._record_restore(history, RestoreRecord(reason="behind_swarm", local_step=history.local_steps, **load),
                                  on_restore)
+        return loads
+
+    def _wait_before_loading_again(self) -> None:
+        """A step could not get the swarm's state: wait (STATE_RETRY_WAITS) before the next step tries again, or until a
+        stop is asked for or the link is found down (the loop then waits for it)."""
+        wait = STATE_RETRY_WAITS[min(self._failed_loads, len(STATE_RETRY_WAITS) - 1)]
+        self._failed_loads += 1
+        logger.info(f"no peer gave the swarm's state ({self._failed_loads} time(s) in a row): trying again in "
+                    f"{wait:.0f} s")
+        deadline = time.monotonic() + wait
+        while not self._stop_requested.is_set() and not self._watchdog.link_down.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._stop_requested.wait(min(left, 0.2))
 
     @staticmethod
     def _record_restore(history: TrainingHistory, record: RestoreRecord,

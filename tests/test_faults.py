@@ -3,9 +3,13 @@
 Every peer is a real `collab-kit join --events` process on 127.0.0.1 (the nan peer is tests/nan_peer.py,
 the same command with a fault injected in its own process); the tests wait on their events with deadlines.
 """
+import json
 import math
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 from collab_kit.local_swarm import PeerFailed, group_is_empty
-from collab_kit.volunteer import Volunteer
+from collab_kit.volunteer import STATE_RETRY_WAITS, Volunteer
 
 
 # short global epochs (about 21 local steps per peer), and a learning rate at which a few of them already
@@ -259,6 +263,48 @@ def test_a_nan_loss_alone_skips_the_step_and_nan_parameters_alone_stop_with_a_cl
     assert f"for {Volunteer.max_non_finite_steps + 1} local steps in a row" in log, log[-2000:]
     assert sum(e["type"] == "restore" and e["reason"] == "non_finite" for e in peer.events) == \
         Volunteer.max_non_finite_steps
+
+
+# a lone volunteer on 127.0.0.1 whose every step asks for the swarm's state (as a peer behind the swarm does, each step
+# finding it behind): no peer can give it, as when a late joiner's DHT lost its neighbours on a full link; the moment and
+# outcome of each try, as the volunteer reports them
+STATE_NEVER_COMES = textwrap.dedent("""
+    import json, logging, sys, time
+    from collab_kit.config import get_preset
+    from collab_kit.volunteer import Volunteer
+
+    logging.basicConfig(level=logging.INFO)
+    config = get_preset("tiny", swarm=dict(run_id="state_never_comes", host="127.0.0.1"))
+    tries = []
+    with Volunteer(config, data_shards=sys.argv[1], num_threads=1) as volunteer:
+        def ask_again(record):
+            tries.append(dict(at=time.monotonic(), loaded=record.loaded, reason=record.reason))
+            volunteer.optimizer.request_resync("the test asks for the swarm's state at every step")
+
+        volunteer.optimizer.request_resync("the test asks for the swarm's state at every step")
+        started = time.monotonic()
+        history = volunteer.train(max_steps=4, progress=False, on_restore=ask_again)
+    print(json.dumps(dict(tries=tries, steps=history.local_steps, seconds=time.monotonic() - started)), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_peer_that_cannot_get_the_swarms_state_waits_longer_between_tries_instead_of_spinning(tiny_shards):
+    """A peer behind the swarm tries to load its state at each step; when no peer gives it, the next step waits
+    (STATE_RETRY_WAITS: 1, 2, 4 s...). A late joiner on a thin link tried 1197 times in 49 s without it."""
+    finished = subprocess.run([sys.executable, "-c", STATE_NEVER_COMES, tiny_shards], capture_output=True, text=True,
+                              timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    tries = result["tries"]
+    assert result["steps"] == 4 and len(tries) == 4, result
+    assert all(t["reason"] == "behind_swarm" and t["loaded"] is False for t in tries), tries
+    gaps = [later["at"] - earlier["at"] for earlier, later in zip(tries, tries[1:])]
+    for gap, wait in zip(gaps, STATE_RETRY_WAITS):
+        assert gap >= wait, (gaps, STATE_RETRY_WAITS)  # each try waited its turn, doubling
+    for attempt, wait in enumerate(STATE_RETRY_WAITS[:4], start=1):
+        assert f"no peer gave the swarm's state ({attempt} time(s) in a row): trying again in {wait:.0f} s" in \
+            finished.stderr, finished.stderr[-3000:]
 
 
 def test_the_non_finite_checks_name_what_is_wrong():

@@ -13,8 +13,9 @@ from hivemind.proto import runtime_pb2
 
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model import TextToImageTransformer
-from collab_kit.optim import (ForkedTorchThreadsMixin, SwarmProgressTracker, gradient_compression,
-                              linear_warmup_then_decay, make_lamb8bit, parameter_groups)
+from collab_kit.optim import (CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT, ForkedTorchThreadsMixin,
+                              SwarmProgressTracker, gradient_compression, linear_warmup_then_decay, make_lamb8bit,
+                              parameter_groups)
 from collab_kit.swarm import start_dht
 
 
@@ -262,6 +263,10 @@ CLIENT_MODE_AVERAGERS = textwrap.dedent("""
     optimizer = make_optimizer(TextToImageTransformer(get_preset("tiny").model), client, "run", config, client_mode=True)
     waits = [averager.matchmaking_kwargs["request_timeout"]
              for averager in (optimizer.grad_averager, optimizer.state_averager)]
+    state = optimizer.state_averager
+    download = dict(part=state.next_chunk_timeout, rounds=[state.allreduce_kwargs["sender_timeout"],
+                                                           state.allreduce_kwargs["reducer_timeout"]],
+                    chunk_timeout=config.chunk_timeout)
     optimizer.shutdown()
     print("--- hivemind's own averager", file=sys.stderr, flush=True)
     plain = hivemind.DecentralizedAverager([torch.zeros(3)], client, prefix="plain", client_mode=True,
@@ -270,15 +275,13 @@ CLIENT_MODE_AVERAGERS = textwrap.dedent("""
     plain.shutdown()
     client.shutdown()
     first.shutdown()
-    print(json.dumps(dict(waits=waits, matchmaking_time=config.matchmaking_time)), flush=True)
+    print(json.dumps(dict(waits=waits, matchmaking_time=config.matchmaking_time, download=download)), flush=True)
 """)
 
 
-def test_a_peer_in_client_mode_waits_for_its_leaders_answer_as_its_link_needs_and_prints_no_advice_for_leaders():
+def test_a_peer_in_client_mode_waits_for_its_leader_and_for_state_parts_as_its_link_needs_and_prints_no_advice():
     """A join request crosses a volunteer's home link twice; on a thin link that is full, that takes seconds whatever
     the preset's matchmaking time. hivemind's advice to wait less than matchmaking_time is for peers that lead."""
-    from collab_kit.optim import CLIENT_JOIN_ANSWER_TIMEOUT
-
     finished = subprocess.run([sys.executable, "-c", CLIENT_MODE_AVERAGERS], capture_output=True, text=True,
                               timeout=180)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -288,6 +291,11 @@ def test_a_peer_in_client_mode_waits_for_its_leaders_answer_as_its_link_needs_an
     advice = "request_timeout smaller than min_matchmaking_time"
     assert advice not in kit, kit
     assert advice in plain, plain  # the control: the same wait in hivemind's own averager prints it
+    # a download of the swarm's state waits for each part as a thin link needs; the state's own averaging rounds keep
+    # the preset's timeouts, as hivemind derives them from next_chunk_timeout
+    download = result["download"]
+    assert download["part"] == STATE_DOWNLOAD_PART_TIMEOUT > download["chunk_timeout"], download
+    assert download["rounds"] == [download["chunk_timeout"], 2 * download["chunk_timeout"]], download
 
 
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
