@@ -429,6 +429,22 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         # take (a volunteer reports each one as it reports the state it loads at its start)
         self.step_loads: List[dict] = []
 
+    # hivemind reads average_state_every at each global step, after the gradient round is known: a step whose round
+    # failed or came back in part (or whose peer was asked to resync) takes no state averaging round. The peer loads the
+    # swarm's state at its next step anyway; a round would hand its diverged parameters to the others, and the download
+    # waits for it (up to averaging_timeout, the round running in the background). Two peers left after a third was
+    # killed mid-round fell out of step that way for good: each one's download waited 20 s for its failed state round
+    # while the other looked for a group at the next epoch, in every epoch after the kill
+    @property
+    def average_state_every(self) -> int:
+        if getattr(self, "_resync_requested", False):
+            return NO_STATE_AVERAGING
+        return self._average_state_every
+
+    @average_state_every.setter
+    def average_state_every(self, every: int) -> None:
+        self._average_state_every = every
+
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         # hivemind.Optimizer._make_progress_tracker (1.1.12), with the counting tracker
         return SwarmProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,

@@ -13,9 +13,9 @@ from hivemind.proto import runtime_pb2
 
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model import TextToImageTransformer
-from collab_kit.optim import (CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT, ForkedTorchThreadsMixin,
-                              SwarmProgressTracker, gradient_compression, linear_warmup_then_decay, make_lamb8bit,
-                              parameter_groups)
+from collab_kit.optim import (CLIENT_JOIN_ANSWER_TIMEOUT, NO_STATE_AVERAGING, STATE_DOWNLOAD_PART_TIMEOUT,
+                              ForkedTorchThreadsMixin, SwarmProgressTracker, gradient_compression,
+                              linear_warmup_then_decay, make_lamb8bit, parameter_groups)
 from collab_kit.swarm import start_dht
 
 
@@ -296,6 +296,40 @@ def test_a_peer_in_client_mode_waits_for_its_leader_and_for_state_parts_as_its_l
     download = result["download"]
     assert download["part"] == STATE_DOWNLOAD_PART_TIMEOUT > download["chunk_timeout"], download
     assert download["rounds"] == [download["chunk_timeout"], 2 * download["chunk_timeout"]], download
+
+
+# a peer that accepts connections, alone on loopback: the state-averaging period hivemind reads at a global step, before
+# and after the peer is found apart from the swarm, and after the step that loads the swarm's state takes that request
+STATE_ROUND_AFTER_RESYNC = textwrap.dedent("""
+    import json
+    from collab_kit.config import SwarmConfig, get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.optim import make_optimizer
+    from collab_kit.swarm import start_dht
+
+    dht = start_dht(SwarmConfig(host="127.0.0.1"))
+    config = get_preset("tiny").optimizer
+    optimizer = make_optimizer(TextToImageTransformer(get_preset("tiny").model), dht, "run", config)
+    periods = [optimizer.average_state_every]
+    optimizer.request_resync("its round came back in part")
+    periods.append(optimizer.average_state_every)
+    wants = optimizer._should_load_state_from_peers()  # what hivemind's next step asks; it loads when True
+    periods.append(optimizer.average_state_every)
+    optimizer.shutdown()
+    dht.shutdown()
+    print(json.dumps(dict(periods=periods, wants=wants, configured=config.average_state_every)), flush=True)
+""")
+
+
+def test_a_peer_apart_from_the_swarm_takes_no_state_round_before_it_loads_the_swarms_state():
+    """Its parameters would be handed to the others, and its download would wait for the round (averaging_timeout)."""
+    finished = subprocess.run([sys.executable, "-c", STATE_ROUND_AFTER_RESYNC], capture_output=True, text=True,
+                              timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    configured = result["configured"]
+    assert result["wants"] is True, result
+    assert result["periods"] == [configured, NO_STATE_AVERAGING, configured], result
 
 
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
