@@ -31,6 +31,16 @@ from collab_kit.reachability import ReachabilityVerdict, probe_reachability, ser
 
 logger = logging.getLogger(__name__)
 
+# Seconds a peer in client mode waits for an answer to each of its DHT requests (hivemind's wait_timeout, 3 s by
+# default). hivemind removes a neighbour whose answer is late, and a peer behind NAT knows one or two: its only
+# neighbour gone, it reads the swarm's progress and finds averaging groups no more until the watchdog dials again.
+# libp2p carries all of a peer's streams to another over one TCP connection, so on a home link that a state download
+# fills, a DHT answer waits behind what the sender has queued of the download: in the network lab, at 0.25 Mbit/s, 3 s
+# lost the late joiner's neighbour during every download (11 s) and its next gradient round and state load with it.
+# Peers that accept connections keep hivemind's 3 s: they know many neighbours, and a vanished one costs each of
+# their requests to it the whole wait.
+CLIENT_DHT_REQUEST_TIMEOUT = 20.0
+
 
 class _QuietShutdownFilter(logging.Filter):
     """Hide hivemind's noise when a peer leaves, which volunteers would read as a failure.
@@ -186,6 +196,8 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
     install_log_filters()  # before the DHT's process forks, so that it (and the averagers') inherit them
     config, _ = resolve_reachability(config)
     initial_peers = parse_initial_peers(config.initial_peers)
+    if config.client_mode:
+        dht_kwargs.setdefault("wait_timeout", CLIENT_DHT_REQUEST_TIMEOUT)
     host_maddrs = [f"/ip{'6' if ':' in config.host else '4'}/{config.host}/tcp/{config.port}"]
     try:
         dht = hivemind.DHT(

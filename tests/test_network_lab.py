@@ -234,10 +234,13 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
     # downloading again and again. Whether the swarm moves during a given download depends on where it falls in an
     # epoch (an anchor holds its group open for a peer it expects, so epochs stretch while one loads), so what is
     # checked is that it did not spend its epochs downloading; and its thin link, full for seconds, was never taken
-    # for a cut one
+    # for a cut one, nor its only DHT neighbour for a lost one (a DHT answer waits behind a download on the same
+    # connection: with hivemind's 3 s per request it lost the monitor in every download, and with it the next round's
+    # group and state loads, so that in one run none of its rounds averaged)
     downloads = [event for event in late.events if event["type"] == "restore" and event["loaded"]]
     assert len(downloads) <= len(late_epochs) / 2 + 1, (downloads, late_epochs)
     assert late.wait_for(lambda e: e["type"] == "done", timeout=5, what="its summary")["link_outages"] == 0
+    assert "lost every neighbour" not in log_of(late)
     # the monitor's anchor reduced the rounds, and its checkpoints hold the swarm's state
     checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=60, what="a checkpoint")
     assert checkpoint["epoch"] >= 4

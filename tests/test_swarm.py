@@ -2,8 +2,8 @@
 import pytest
 
 from collab_kit.config import SwarmConfig, get_preset
-from collab_kit.swarm import (SwarmConnectionError, count_present_peers, join_addresses, join_instructions,
-                              parse_initial_peers, start_dht, wait_for_peers)
+from collab_kit.swarm import (CLIENT_DHT_REQUEST_TIMEOUT, SwarmConnectionError, count_present_peers, join_addresses,
+                              join_instructions, parse_initial_peers, start_dht, wait_for_peers)
 
 GOOD = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
@@ -56,6 +56,11 @@ def test_an_unreachable_initial_peer_is_a_clear_error():
         start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[GOOD.replace("31337", "9")]))
 
 
+async def _request_timeout(_dht, node) -> float:
+    """In a DHT's process: seconds it waits for a neighbour's answer before dropping it."""
+    return node.protocol.wait_timeout
+
+
 def test_client_mode_peer_trains_without_listening():
     first = start_dht(SwarmConfig(host="127.0.0.1"))
     try:
@@ -64,6 +69,11 @@ def test_client_mode_peer_trains_without_listening():
             assert client.client_mode
             client.store("from-client", 1, expiration_time=10 ** 10)
             assert first.get("from-client", latest=True).value == 1
+            # a peer behind NAT knows one or two neighbours and is often on a home link that its downloads fill: it
+            # waits longer for their answers before hivemind drops them (test_network_lab's late joiner kept its
+            # neighbour through every download); a peer that accepts connections keeps hivemind's 3 s
+            assert client.run_coroutine(_request_timeout) == CLIENT_DHT_REQUEST_TIMEOUT > 3.0
+            assert first.run_coroutine(_request_timeout) == 3.0
         finally:
             client.shutdown()
     finally:
