@@ -582,6 +582,14 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     def _should_load_state_from_peers(self) -> bool:
         self._load_reason = None  # set by _wants_swarm_state for the load that hivemind's step makes when this is True
+        if (self._loaded is not None and self._loaded[0] == self.local_epoch > self.tracker.global_epoch
+                and not self._resync_requested):
+            # The state just downloaded is newer than the swarm's progress this peer last read: hivemind's tracker reads
+            # nothing during a download, which on a slow link lasts epochs. hivemind's rule (this peer's epoch equal to
+            # the swarm's, checked once an epoch) would download again at once, for nothing newer: in the network lab
+            # the late joiner on a 0.25 Mbit/s link spent 11 s that way right after an 11 s download. Whether the swarm
+            # moved on meanwhile is decided at the first step after the tracker has read the swarm again (below).
+            return False
         wanted = self._wants_swarm_state()
         loaded, self._loaded = self._loaded, None
         if wanted and loaded is not None and loaded[0] == self.local_epoch < self.tracker.global_epoch:

@@ -332,6 +332,45 @@ def test_a_peer_apart_from_the_swarm_takes_no_state_round_before_it_loads_the_sw
     assert result["periods"] == [configured, NO_STATE_AVERAGING, configured], result
 
 
+STALE_PROGRESS_AFTER_A_SLOW_DOWNLOAD = textwrap.dedent("""
+    import json
+    from collab_kit.config import SwarmConfig, get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.optim import make_optimizer
+    from collab_kit.swarm import start_dht
+
+    dht = start_dht(SwarmConfig(host="127.0.0.1"))
+    preset = get_preset("tiny")
+    optimizer = make_optimizer(TextToImageTransformer(preset.model), dht, "run", preset.optimizer)
+    tracker = optimizer.tracker
+    assert tracker.fetched_global_progress_this_epoch.wait(30), "the tracker never read the swarm's progress"
+    tracker.shutdown(timeout=30)  # from here on, the swarm's progress is what this script writes
+    # a download that lasted epochs brought the state of epoch 7 (what load_state_from_peers leaves for the next
+    # step's check); the tracker, paused meanwhile, last read epoch 6
+    optimizer.state_averager.local_epoch = 7
+    optimizer._loaded = (7, 11.0)
+    answers = []
+    for read_epoch in (6, 9, 9):  # then it reads the swarm again: it moved on to 9 during the download
+        tracker.global_progress.epoch = read_epoch
+        answers.append([optimizer._should_load_state_from_peers(), optimizer.local_epoch])
+    optimizer.shutdown()
+    dht.shutdown()
+    print(json.dumps(answers), flush=True)
+""")
+
+
+def test_a_peer_just_loaded_does_not_download_again_before_it_has_read_the_swarms_progress():
+    """hivemind's exact-epoch rule, against progress read before the download, asked for a second download at once."""
+    finished = subprocess.run([sys.executable, "-c", STALE_PROGRESS_AFTER_A_SLOW_DOWNLOAD], capture_output=True,
+                              text=True, timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    answers = json.loads(finished.stdout.strip().splitlines()[-1])
+    # [load?, its epoch after the check]: no download against the stale reading; against the fresh one it goes on at
+    # the swarm's epoch without downloading again (its parameters miss two updates, as the log says); then in step
+    assert answers == [[False, 7], [False, 9], [False, 9]], answers
+    assert "the swarm moved from epoch 7 to 9 while this peer downloaded its state" in finished.stderr
+
+
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
     # plain bitsandbytes warns at import that its CPU 4-bit kernels are missing: a red box in every notebook
     result = subprocess.run([sys.executable, "-c", "import collab_kit.optim, collab_kit.lm_finetune"],
