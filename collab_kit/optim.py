@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 import warnings
+from collections import Counter
 from functools import partial
 from typing import AsyncIterator, Callable, Iterable, List, Optional
 
@@ -229,9 +230,15 @@ def is_anchor_record(record: LocalTrainingProgress) -> bool:
     return record.samples_per_second == 0.0
 
 
+def round_member(role: str, epoch: Optional[int]) -> dict:
+    """What a peer tells its group about itself in a gradient round (hivemind's all-gather): its role, and the local
+    epoch whose gradients it brings."""
+    return dict(role=role, epoch=epoch)
+
+
 class RoundResult(dict):
-    """What a gradient round gives back to a peer: each member's role (peer id -> role, from the round's all-gather),
-    and how much of the average came back.
+    """What a gradient round gives back to a peer: what each member told the group (peer id -> ``round_member``, from
+    the round's all-gather), and how much of the average came back.
 
     :ivar received: the share of the averaged vector this peer got back; the rest stayed its own (a reducer failed,
       or banned this peer for being late): below 1, this peer's step was not the swarm's
@@ -240,6 +247,22 @@ class RoundResult(dict):
 
     received: float = 1.0
     failed_senders: int = 0
+
+    def roles(self) -> List[str]:
+        """Each member's role (a member of a kit that sent its role alone counts too)."""
+        return [entry.get("role") if isinstance(entry, dict) else entry for entry in self.values()]
+
+    def epoch(self) -> Optional[int]:
+        """The round's epoch: the one most of its members were at (ties: the later one); None if none said.
+
+        hivemind's groups are not keyed by epoch: a peer whose reading of the swarm lagged (it adopted the swarm's
+        epoch a moment before the others ended it) joins the round of the next epoch, and its gradients are averaged
+        into that epoch's update."""
+        epochs = [entry.get("epoch") for entry in self.values() if isinstance(entry, dict)]
+        counts = Counter(epoch for epoch in epochs if isinstance(epoch, int))
+        if not counts:
+            return None
+        return max(counts, key=lambda epoch: (counts[epoch], epoch))
 
 
 class RoundReportMixin:
@@ -258,13 +281,14 @@ class RoundReportMixin:
     """
 
     round_role = TRAINER_ROLE
+    round_epoch: Callable[[], Optional[int]] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
     join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
     _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
     _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
     _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
 
     def schedule_step(self, scheduled_time=None, **kwargs):
-        kwargs.setdefault("gather", self.round_role)
+        kwargs.setdefault("gather", round_member(self.round_role, self.round_epoch()))
         if self.client_mode and kwargs.get("timeout") is not None:
             # A peer in client mode never leads: its schedule only says until when it may join a group, and a leader
             # turns away a peer that asks to start before the leader's own time (hivemind's BAD_EXPIRATION_TIME): a
@@ -413,6 +437,8 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             # background round first), which then misses the group too. Such peers stay equal to the swarm by applying
             # the same averaged gradients, and load the swarm's state after a gradient round of theirs failed.
             self.average_state_every = NO_STATE_AVERAGING
+        # each gradient round tells its group which epoch this peer is at (RoundResult.epoch)
+        self.grad_averager.round_epoch = lambda: self.local_epoch
         self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other training peer
         # training peers in the last gradient round, this one included when it trains (anchors are not counted)
         self.last_group_size = int(self.round_role != ANCHOR_ROLE)
@@ -540,14 +566,15 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         if maybe_step_control is None:
             return  # alone in the swarm: nothing to average
+        result = RoundResult()  # what the round's members said, when it finished
         if not maybe_step_control.done() or maybe_step_control.cancelled():
             self.last_round_problem = "the averaging round did not finish"
         elif maybe_step_control.exception() is not None:
             error = maybe_step_control.exception()
             self.last_round_problem = str(error) or type(error).__name__
         else:
-            result = maybe_step_control.result() or {}
-            roles = list(result.values())  # this peer's own role is among them
+            result = maybe_step_control.result() or result
+            roles = result.roles() if isinstance(result, RoundResult) else list(result.values())  # its own too
             self.last_anchors_in_group = sum(role == ANCHOR_ROLE for role in roles) - (self.round_role == ANCHOR_ROLE)
             self.last_group_size = sum(role != ANCHOR_ROLE for role in roles)  # a peer of another kit counts as one
             self.last_received = float(getattr(result, "received", 1.0))
@@ -564,6 +591,22 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             others == 0 and self.last_anchors_in_group == 0 and self.tracker.training_peers > 1)
         if diverged and self.round_role != ANCHOR_ROLE:
             self._resync_requested = True
+        elif self.round_role != ANCHOR_ROLE and self.last_round_problem is None:
+            self._follow_round_epoch(result)
+
+    def _follow_round_epoch(self, result: RoundResult) -> None:
+        """After a round that averaged: a peer whose group was at a later epoch took part in that epoch's round, and
+        ends that epoch with the others (hivemind's step adds one to the epoch set here).
+
+        Without this, it stayed an epoch behind with the swarm's parameters: in the NAT lab, a late joiner adopted
+        the anchor's epoch 10 after its download, 0.7 s before the anchor ended it; it joined the anchor's round of
+        epoch 11, moved to 11 while the others moved to 12, and was taken for a peer that missed a round: an 11 s
+        download on its 0.25 Mbit/s link, in which it missed the next rounds."""
+        round_epoch = result.epoch() if isinstance(result, RoundResult) else None
+        if round_epoch is not None and round_epoch > self.local_epoch:
+            logger.info(f"this peer's round was the swarm's round of epoch {round_epoch} (this peer was at "
+                        f"{self.local_epoch}): it ends that epoch with the others")
+            self.state_averager.local_epoch = round_epoch
 
     def request_resync(self, reason: str) -> None:
         """Load the swarm's state at the next step (safe to call from another thread): this peer's parameters may no

@@ -371,6 +371,99 @@ def test_a_peer_just_loaded_does_not_download_again_before_it_has_read_the_swarm
     assert "the swarm moved from epoch 7 to 9 while this peer downloaded its state" in finished.stderr
 
 
+# a peer whose reading of the swarm still says epoch 4 (the others' records lag: they ended epoch 4 a moment ago) joins
+# the others' round, which is the round of epoch 5: hivemind's groups are not keyed by epoch. The others are a real
+# gradient averager of the kit and its progress record, in a process of their own (hivemind signs every record of a
+# process with the same key: two peers in one process would be one record)
+OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
+    import json, sys, time
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from collab_kit.config import SwarmConfig, get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.optim import TRAINER_ROLE, parameter_groups, round_member, round_report_averager_class
+    from collab_kit.swarm import join_addresses, start_dht
+
+    preset = get_preset("tiny")
+    target = preset.optimizer.target_batch_size
+    dht = start_dht(SwarmConfig(host="127.0.0.1"))
+    record = ProgressTracker(dht, "run", target, start=True)
+    time.sleep(3)  # what hivemind measures of its throughput: a sample in 3 s, so that the epoch's estimated end is far
+    record.report_local_progress(4, 1)  # epoch 4 (hivemind publishes a record once it holds samples)
+    model = TextToImageTransformer(preset.model)
+    averager = round_report_averager_class(GradientAverager, TRAINER_ROLE)(
+        [p for group in parameter_groups(model, 0.0) for p in group["params"]],  # the optimizer's order
+        dht=dht, prefix="run_grad_averager", min_matchmaking_time=preset.optimizer.matchmaking_time,
+        request_timeout=1.0, warn=False, start=True)
+    print(json.dumps(join_addresses(dht)), flush=True)
+    # their round, though, is the round of epoch 5
+    said = averager.step(weight=1.0, gather=round_member(TRAINER_ROLE, 5), timeout=150)
+    print(json.dumps(sorted(said.values(), key=lambda member: member["epoch"])), flush=True)
+    sys.stdin.read()  # until the peer is done
+    averager.shutdown()
+    record.shutdown()
+    dht.shutdown()
+""")
+
+PEER_READING_EPOCH_4 = textwrap.dedent("""
+    import json, sys, time, torch
+    from collab_kit.config import SwarmConfig, get_preset
+    from collab_kit.model import TextToImageTransformer
+    from collab_kit.optim import make_optimizer
+    from collab_kit.swarm import start_dht
+
+    preset = get_preset("tiny")
+    dht = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=json.loads(sys.argv[1])))
+    model = TextToImageTransformer(preset.model)
+    optimizer = make_optimizer(model, dht, "run", preset.optimizer)
+    optimizer.adopt_epoch(4)
+    assert optimizer.tracker.fetched_global_progress_this_epoch.wait(30), "the tracker never read the swarm"
+
+    def batch():
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+
+    batch()  # this peer's record is published with its first samples; then it waits to read both records
+    deadline = time.monotonic() + 90
+    while optimizer.tracker.global_progress.num_peers < 2:
+        assert time.monotonic() < deadline, optimizer.tracker.global_progress
+        time.sleep(0.1)
+    assert optimizer.local_epoch == 4 == optimizer.tracker.global_progress.epoch, optimizer.tracker.global_progress
+    while optimizer.local_epoch == 4:  # until the swarm's epoch ends: a global step, with the others' round
+        assert time.monotonic() < deadline, "this peer never ended its epoch"
+        batch()
+    print(json.dumps(dict(epoch=optimizer.local_epoch, averaged=optimizer.averaged_rounds)), flush=True)
+    optimizer.shutdown()
+    dht.shutdown()
+""")
+
+
+def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_others(tmp_path):
+    """In the NAT lab, the late joiner adopted epoch 10 0.7 s before the anchor ended it and joined the round of 11: it
+    moved to 11 while the others moved to 12, was taken for a peer that missed a round, and downloaded the state again
+    (11 s on its thin link, in which it missed the next rounds)."""
+    others_log = open(tmp_path / "others.log", "w")
+    others = subprocess.Popen([sys.executable, "-c", OTHERS_AT_THE_NEXT_EPOCH], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=others_log, text=True)
+    try:
+        addresses = others.stdout.readline()
+        assert addresses, (tmp_path / "others.log").read_text()[-3000:]
+        finished = subprocess.run([sys.executable, "-c", PEER_READING_EPOCH_4, addresses], capture_output=True,
+                                  text=True, timeout=180)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        said = json.loads(others.stdout.readline())
+    finally:
+        others.kill()
+        others.wait()
+        others_log.close()
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    # each member told the group its role and epoch; the round was epoch 5's (of two members, the later epoch)
+    assert said == [dict(role="trainer", epoch=4), dict(role="trainer", epoch=5)], said
+    assert result["averaged"] == 1
+    assert result["epoch"] == 6, result  # it ended epoch 5 with the others (without the rule: 5, a round behind)
+
+
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
     # plain bitsandbytes warns at import that its CPU 4-bit kernels are missing: a red box in every notebook
     result = subprocess.run([sys.executable, "-c", "import collab_kit.optim, collab_kit.lm_finetune"],
