@@ -437,8 +437,11 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             # background round first), which then misses the group too. Such peers stay equal to the swarm by applying
             # the same averaged gradients, and load the swarm's state after a gradient round of theirs failed.
             self.average_state_every = NO_STATE_AVERAGING
-        # each gradient round tells its group which epoch this peer is at (RoundResult.epoch)
-        self.grad_averager.round_epoch = lambda: self.local_epoch
+        # each gradient round tells its group which epoch this peer is at (RoundResult.epoch). Read from the state
+        # averager, which holds the epoch: a function of the optimizer would tie it and its averager in a reference
+        # cycle, freed only at some later garbage collection (in a notebook, in the middle of another cell)
+        state_averager = self.state_averager
+        self.grad_averager.round_epoch = lambda: state_averager.local_epoch
         self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other training peer
         # training peers in the last gradient round, this one included when it trains (anchors are not counted)
         self.last_group_size = int(self.round_role != ANCHOR_ROLE)
