@@ -1,7 +1,10 @@
 """The paper's optimizer: schedule, parameter groups, 8-bit LAMB, compression, and the hivemind wiring."""
+import contextlib
 import gc
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -444,20 +447,26 @@ def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_other
     moved to 11 while the others moved to 12, was taken for a peer that missed a round, and downloaded the state again
     (11 s on its thin link, in which it missed the next rounds)."""
     others_log = open(tmp_path / "others.log", "w")
+    # each in a session of its own: hivemind's DHT and averagers are processes of their own, killed with it
     others = subprocess.Popen([sys.executable, "-c", OTHERS_AT_THE_NEXT_EPOCH], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=others_log, text=True)
+                              stdout=subprocess.PIPE, stderr=others_log, text=True, start_new_session=True)
+    peer = None
     try:
         addresses = others.stdout.readline()
         assert addresses, (tmp_path / "others.log").read_text()[-3000:]
-        finished = subprocess.run([sys.executable, "-c", PEER_READING_EPOCH_4, addresses], capture_output=True,
-                                  text=True, timeout=180)
-        assert finished.returncode == 0, finished.stderr[-3000:]
+        peer = subprocess.Popen([sys.executable, "-c", PEER_READING_EPOCH_4, addresses], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        out, err = peer.communicate(timeout=180)
+        assert peer.returncode == 0, err[-3000:]
         said = json.loads(others.stdout.readline())
     finally:
-        others.kill()
-        others.wait()
+        for process in (peer, others):
+            if process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
         others_log.close()
-    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
     # each member told the group its role and epoch; the round was epoch 5's (of two members, the later epoch)
     assert said == [dict(role="trainer", epoch=4), dict(role="trainer", epoch=5)], said
     assert result["averaged"] == 1
