@@ -253,16 +253,19 @@ class RoundResult(dict):
         return [entry.get("role") if isinstance(entry, dict) else entry for entry in self.values()]
 
     def epoch(self) -> Optional[int]:
-        """The round's epoch: the one most of its members were at (ties: the later one); None if none said.
+        """The round's epoch: an anchor's when the group holds one (the organizer's peer, whose epoch is the swarm's for
+        peers in client mode), else the one more than half of the members were at; None if no such epoch.
 
         hivemind's groups are not keyed by epoch: a peer whose reading of the swarm lagged (it adopted the swarm's
         epoch a moment before the others ended it) joins the round of the next epoch, and its gradients are averaged
-        into that epoch's update."""
-        epochs = [entry.get("epoch") for entry in self.values() if isinstance(entry, dict)]
-        counts = Counter(epoch for epoch in epochs if isinstance(epoch, int))
-        if not counts:
-            return None
-        return max(counts, key=lambda epoch: (counts[epoch], epoch))
+        into that epoch's update. A lone member's claim never decides (a hostile peer could name any epoch)."""
+        members = [entry for entry in self.values() if isinstance(entry, dict) and isinstance(entry.get("epoch"), int)]
+        anchors = [member["epoch"] for member in members if member.get("role") == ANCHOR_ROLE]
+        if anchors:
+            return max(anchors)
+        counts = Counter(member["epoch"] for member in members)
+        epoch, count = max(counts.items(), key=lambda item: item[1], default=(None, 0))
+        return epoch if 2 * count > len(self) else None
 
 
 class RoundReportMixin:
@@ -576,8 +579,9 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             error = maybe_step_control.exception()
             self.last_round_problem = str(error) or type(error).__name__
         else:
-            result = maybe_step_control.result() or result
-            roles = result.roles() if isinstance(result, RoundResult) else list(result.values())  # its own too
+            gathered = maybe_step_control.result() or {}
+            result = gathered if isinstance(gathered, RoundResult) else RoundResult(gathered)
+            roles = result.roles()  # this peer's own role is among them
             self.last_anchors_in_group = sum(role == ANCHOR_ROLE for role in roles) - (self.round_role == ANCHOR_ROLE)
             self.last_group_size = sum(role != ANCHOR_ROLE for role in roles)  # a peer of another kit counts as one
             self.last_received = float(getattr(result, "received", 1.0))
@@ -605,11 +609,11 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         the anchor's epoch 10 after its download, 0.7 s before the anchor ended it; it joined the anchor's round of
         epoch 11, moved to 11 while the others moved to 12, and was taken for a peer that missed a round: an 11 s
         download on its 0.25 Mbit/s link, in which it missed the next rounds."""
-        round_epoch = result.epoch() if isinstance(result, RoundResult) else None
-        if round_epoch is not None and round_epoch > self.local_epoch:
-            logger.info(f"this peer's round was the swarm's round of epoch {round_epoch} (this peer was at "
+        if result.epoch() == self.local_epoch + 1:  # one epoch ahead only: the reading lags by a moment, no more
+            logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
                         f"{self.local_epoch}): it ends that epoch with the others")
-            self.state_averager.local_epoch = round_epoch
+            # not adopt_epoch: hivemind's step, under way, reports the epoch it ends at (this one plus one)
+            self.state_averager.local_epoch += 1
 
     def request_resync(self, reason: str) -> None:
         """Load the swarm's state at the next step (safe to call from another thread): this peer's parameters may no

@@ -180,6 +180,22 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
     assert copy == result and (copy.received, copy.failed_senders) == (0.5, 1)
 
 
+def test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_claim():
+    from collab_kit.optim import ANCHOR_ROLE, TRAINER_ROLE, RoundResult, round_member
+
+    def epoch_of(*members):
+        return RoundResult({f"peer{i}": member for i, member in enumerate(members)}).epoch()
+
+    trainer, anchor = (lambda epoch: round_member(TRAINER_ROLE, epoch)), (lambda epoch: round_member(ANCHOR_ROLE, epoch))
+    assert epoch_of(trainer(10), anchor(11), trainer(11), trainer(11)) == 11  # the NAT lab's late joiner
+    assert epoch_of(trainer(10), anchor(11)) == 11  # the anchor's epoch is the swarm's for peers in client mode
+    assert epoch_of(trainer(4), trainer(4), trainer(9)) == 4  # the majority
+    # a hostile member's claim decides nothing, alone against one other, or as half of the group
+    assert epoch_of(trainer(4), trainer(10 ** 9)) is None
+    assert epoch_of(trainer(4), trainer(4), trainer(7), trainer(7)) is None
+    assert epoch_of(trainer(4), "trainer", "not a member") is None  # peers that sent no epoch count against it
+
+
 # -- averagers in forked processes --------------------------------------------------------------------------------
 
 
@@ -376,7 +392,7 @@ def test_a_peer_just_loaded_does_not_download_again_before_it_has_read_the_swarm
 
 # a peer whose reading of the swarm still says epoch 4 (the others' records lag: they ended epoch 4 a moment ago) joins
 # the others' round, which is the round of epoch 5: hivemind's groups are not keyed by epoch. The others are a real
-# gradient averager of the kit and its progress record, in a process of their own (hivemind signs every record of a
+# gradient averager of the kit in the anchor's role and a progress record, in a process of their own (hivemind signs every record of a
 # process with the same key: two peers in one process would be one record)
 OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
     import json, sys, time
@@ -384,7 +400,7 @@ OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
     from hivemind.optim.progress_tracker import ProgressTracker
     from collab_kit.config import SwarmConfig, get_preset
     from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import TRAINER_ROLE, parameter_groups, round_member, round_report_averager_class
+    from collab_kit.optim import ANCHOR_ROLE, parameter_groups, round_member, round_report_averager_class
     from collab_kit.swarm import join_addresses, start_dht
 
     preset = get_preset("tiny")
@@ -394,13 +410,13 @@ OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
     time.sleep(3)  # what hivemind measures of its throughput: a sample in 3 s, so that the epoch's estimated end is far
     record.report_local_progress(4, 1)  # epoch 4 (hivemind publishes a record once it holds samples)
     model = TextToImageTransformer(preset.model)
-    averager = round_report_averager_class(GradientAverager, TRAINER_ROLE)(
+    averager = round_report_averager_class(GradientAverager, ANCHOR_ROLE)(
         [p for group in parameter_groups(model, 0.0) for p in group["params"]],  # the optimizer's order
         dht=dht, prefix="run_grad_averager", min_matchmaking_time=preset.optimizer.matchmaking_time,
         request_timeout=1.0, warn=False, start=True)
     print(json.dumps(join_addresses(dht)), flush=True)
-    # their round, though, is the round of epoch 5
-    said = averager.step(weight=1.0, gather=round_member(TRAINER_ROLE, 5), timeout=150)
+    # their round (an anchor's, as behind NAT, whose epoch is the swarm's), though, is the round of epoch 5
+    said = averager.step(weight=1.0, gather=round_member(ANCHOR_ROLE, 5), timeout=150)
     print(json.dumps(sorted(said.values(), key=lambda member: member["epoch"])), flush=True)
     sys.stdin.read()  # until the peer is done
     averager.shutdown()
@@ -467,9 +483,8 @@ def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_other
                 process.wait()
         others_log.close()
     result = json.loads(out.strip().splitlines()[-1])
-    # each member told the group its role and epoch; the round was epoch 5's (of two members, the later epoch)
-    assert said == [dict(role="trainer", epoch=4), dict(role="trainer", epoch=5)], said
-    assert result["averaged"] == 1
+    # each member told the group its role and epoch; the round was the anchor's, of epoch 5
+    assert said == [dict(role="trainer", epoch=4), dict(role="anchor", epoch=5)], said
     assert result["epoch"] == 6, result  # it ended epoch 5 with the others (without the rule: 5, a round behind)
 
 
