@@ -451,7 +451,8 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self.last_anchors_in_group = 0  # anchors in the last gradient round
         self.last_round_problem: Optional[str] = None  # why the last gradient round failed (None: it did not)
         self.last_received = 1.0  # the share of the last round's average that came back to this peer
-        self.last_round_epoch: Optional[int] = None  # the local epoch whose gradients the last round averaged
+        # the epoch the last global step ended: this peer's own, or the next one when its round was the next one's
+        self.last_round_epoch: Optional[int] = None
         self._resync_requested = False
         self._resync_reason: Optional[str] = None
         self._loaded: Optional[tuple] = None  # (epoch, seconds) of a state just loaded, until the next step's check
@@ -614,6 +615,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
                         f"{self.local_epoch}): it ends that epoch with the others")
             # not adopt_epoch: hivemind's step, under way, reports the epoch it ends at (this one plus one)
             self.state_averager.local_epoch += 1
+            self.last_round_epoch = self.local_epoch  # the epoch this step ends: what its losses are reported under
 
     def request_resync(self, reason: str) -> None:
         """Load the swarm's state at the next step (safe to call from another thread): this peer's parameters may no

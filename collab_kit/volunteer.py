@@ -451,10 +451,12 @@ class Volunteer:
             if self.local_epoch != epoch_before:
                 optimizer = self.optimizer
                 averaged = optimizer.averaged_rounds > rounds_before
-                # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own
-                in_round = optimizer.averaged_rounds > rounds_before or optimizer.last_round_epoch == epoch_before
+                # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own;
+                # a round of the swarm's next epoch ended that one (this peer's losses went into its gradients)
+                in_round = averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1)
                 record = EpochRecord(
-                    epoch=epoch_before, loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
+                    epoch=optimizer.last_round_epoch if in_round else epoch_before,
+                    loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
                     samples=len(epoch_losses) * batch_size, averaged=averaged,
                     group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
                     seconds=time.perf_counter() - epoch_start,

@@ -452,7 +452,8 @@ PEER_READING_EPOCH_4 = textwrap.dedent("""
     while optimizer.local_epoch == 4:  # until the swarm's epoch ends: a global step, with the others' round
         assert time.monotonic() < deadline, "this peer never ended its epoch"
         batch()
-    print(json.dumps(dict(epoch=optimizer.local_epoch, averaged=optimizer.averaged_rounds)), flush=True)
+    print(json.dumps(dict(epoch=optimizer.local_epoch, averaged=optimizer.averaged_rounds,
+                          ended=optimizer.last_round_epoch)), flush=True)
     optimizer.shutdown()
     dht.shutdown()
 """)
@@ -486,6 +487,7 @@ def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_other
     # each member told the group its role and epoch; the round was the anchor's, of epoch 5
     assert said == [dict(role="trainer", epoch=4), dict(role="anchor", epoch=5)], said
     assert result["epoch"] == 6, result  # it ended epoch 5 with the others (without the rule: 5, a round behind)
+    assert result["ended"] == 5, result  # and its losses of that step are reported under epoch 5, not 4
 
 
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
