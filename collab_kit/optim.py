@@ -456,6 +456,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self._resync_requested = False
         self._resync_reason: Optional[str] = None
         self._loaded: Optional[tuple] = None  # (epoch, seconds) of a state just loaded, until the next step's check
+        self._parameters_from_swarm = False  # a state loaded (or an epoch adopted with it) since the last global step
         self._load_reason: Optional[str] = None  # why a step decided to load the swarm's state, until it did
         # the loads that steps decided on (this peer behind or apart from the swarm), each a dict with the reason
         # ("problem"), whether a peer gave its state ("loaded"), and the epochs before and after; for the caller to
@@ -507,13 +508,19 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         loaded = downloaded is not None and downloaded >= epoch_before
         if loaded:
             self._loaded = (self.local_epoch, time.monotonic() - started)
+            self._parameters_from_swarm = True
         if reason is not None:
             self.step_loads.append(dict(problem=reason, loaded=loaded, epoch_before=epoch_before,
                                         epoch_after=self.local_epoch))
         return loaded
 
-    def adopt_epoch(self, epoch: int) -> None:
-        """Go on at ``epoch`` with the parameters held now (hivemind's catching up, for any distance)."""
+    def adopt_epoch(self, epoch: int, parameters_from_swarm: bool = True) -> None:
+        """Go on at ``epoch`` with the parameters held now (hivemind's catching up, for any distance).
+
+        :param parameters_from_swarm: whether those parameters are a state this peer just loaded from the swarm (they
+          then count as the swarm's until its next global step, see _follow_round_epoch)
+        """
+        self._parameters_from_swarm = parameters_from_swarm
         with self.tracker.pause_updates():
             self.state_averager.local_epoch = epoch
             self.tracker.report_local_progress(epoch, samples_accumulated=0)
@@ -571,6 +578,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     # (the averagers themselves run as subprocesses)
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        parameters_from_swarm, self._parameters_from_swarm = self._parameters_from_swarm, False
         if maybe_step_control is None:
             return  # alone in the swarm: nothing to average
         result = RoundResult()  # what the round's members said, when it finished
@@ -600,22 +608,35 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         if diverged and self.round_role != ANCHOR_ROLE:
             self._resync_requested = True
         elif self.round_role != ANCHOR_ROLE and self.last_round_problem is None:
-            self._follow_round_epoch(result)
+            self._follow_round_epoch(result, parameters_from_swarm)
 
-    def _follow_round_epoch(self, result: RoundResult) -> None:
+    def _follow_round_epoch(self, result: RoundResult, parameters_from_swarm: bool) -> None:
         """After a round that averaged: a peer whose group was at a later epoch took part in that epoch's round, and
         ends that epoch with the others (hivemind's step adds one to the epoch set here).
 
         Without this, it stayed an epoch behind with the swarm's parameters: in the NAT lab, a late joiner adopted
         the anchor's epoch 10 after its download, 0.7 s before the anchor ended it; it joined the anchor's round of
         epoch 11, moved to 11 while the others moved to 12, and was taken for a peer that missed a round: an 11 s
-        download on its 0.25 Mbit/s link, in which it missed the next rounds."""
-        if result.epoch() == self.local_epoch + 1:  # one epoch ahead only: the reading lags by a moment, no more
+        download on its 0.25 Mbit/s link, in which it missed the next rounds.
+
+        Only a peer whose parameters are the swarm's, loaded since its last global step, follows: its epoch lagged by
+        the time its download took. A peer one epoch behind with parameters of its own missed a global step; were it to
+        follow, hivemind's once-an-epoch check (this peer's epoch equal to the swarm's) would pass, and it would never
+        load the swarm's state. With no state averaging to bring it back, such a peer drifted away for good: in the
+        CenteredClip test (average_state_every 1000) one honest peer, one epoch behind after another had trained an
+        epoch alone, never loaded the swarm's state in 10 epochs, and its loss rose from 3.98 to 4.11 while the others'
+        fell to 3.96."""
+        if result.epoch() != self.local_epoch + 1:  # one epoch ahead only: the reading lags by a moment, no more
+            return
+        if not parameters_from_swarm:
             logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
-                        f"{self.local_epoch}): it ends that epoch with the others")
-            # not adopt_epoch: hivemind's step, under way, reports the epoch it ends at (this one plus one)
-            self.state_averager.local_epoch += 1
-            self.last_round_epoch = self.local_epoch  # the epoch this step ends: what its losses are reported under
+                        f"{self.local_epoch}, with parameters of its own): it stays a round behind and loads the swarm's state")
+            return
+        logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
+                    f"{self.local_epoch}): it ends that epoch with the others")
+        # not adopt_epoch: hivemind's step, under way, reports the epoch it ends at (this one plus one)
+        self.state_averager.local_epoch += 1
+        self.last_round_epoch = self.local_epoch  # the epoch this step ends: what its losses are reported under
 
     def request_resync(self, reason: str) -> None:
         """Load the swarm's state at the next step (safe to call from another thread): this peer's parameters may no
