@@ -9,7 +9,7 @@ import torch
 
 from collab_kit import robust
 from collab_kit.config import OptimizerConfig, get_preset
-from collab_kit.robust import centered_clip, clipped_aggregate, weighted_median
+from collab_kit.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
 
 
 def honest_and_outlier(d: int = 1000, n_honest: int = 3, factor: float = 1000.0, seed: int = 0):
@@ -31,6 +31,22 @@ def test_without_outliers_centered_clip_is_close_to_the_weighted_mean():
     assert (result - mean).norm() < 1e-3 * spread
     # the relative radius of the reducer: a little clipping of honest vectors, still near the mean
     assert (clipped_aggregate(honest, weights, relative_tau=1.0, iterations=5) - mean).norm() < 0.3 * spread
+
+
+def test_no_sender_counts_for_more_than_the_median_sender():
+    assert cap_weights(torch.tensor([872.0, 144.0, 440.0, 256.0])).tolist() == [256.0, 144.0, 256.0, 256.0]
+    assert cap_weights(torch.tensor([10.0, 0.0, 3.0])).tolist() == [3.0, 0.0, 3.0]  # a zero weight stays out
+    assert cap_weights(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]
+    # the swarm test's failure: an attacker (x -1000) that computed more samples than the 3 honest peers together
+    honest, vectors = honest_and_outlier()
+    weights = torch.tensor([18.0, 55.0, 32.0, 109.0])
+    honest_mean = (weights[:3, None] * honest).sum(0) / weights[:3].sum()
+    spread = (honest - honest_mean).norm(dim=1).max().item()
+    # with the weights as reported, the attacker holds half and decides the median: the result is its vector
+    raw = centered_clip(vectors, weights, tau=1.0, iterations=30)
+    assert (raw - vectors[3]).norm() < (raw - honest_mean).norm()
+    # capped at the median sender's, it stays among the honest vectors
+    assert (clipped_aggregate(vectors, weights, 0.5, 30) - honest_mean).norm() < spread
 
 
 def test_one_outlier_times_1000_among_four_moves_centered_clip_by_order_tau_only():
