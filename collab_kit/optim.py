@@ -514,11 +514,12 @@ class CollaborativeOptimizer(hivemind.Optimizer):
                                         epoch_after=self.local_epoch))
         return loaded
 
-    def adopt_epoch(self, epoch: int, parameters_from_swarm: bool = True) -> None:
+    def adopt_epoch(self, epoch: int, parameters_from_swarm: bool = False) -> None:
         """Go on at ``epoch`` with the parameters held now (hivemind's catching up, for any distance).
 
         :param parameters_from_swarm: whether those parameters are a state this peer just loaded from the swarm (they
-          then count as the swarm's until its next global step, see _follow_round_epoch)
+          then count as the swarm's until its next global step, see _follow_round_epoch); False for parameters of
+          its own (an anchor resuming from a checkpoint, or going on without a download)
         """
         self._parameters_from_swarm = parameters_from_swarm
         with self.tracker.pause_updates():
@@ -630,7 +631,8 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             return
         if not parameters_from_swarm:
             logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
-                        f"{self.local_epoch}, with parameters of its own): it stays a round behind and loads the swarm's state")
+                        f"{self.local_epoch}, with parameters of its own): it stays a round behind and loads the "
+                        f"swarm's state")
             return
         logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
                     f"{self.local_epoch}): it ends that epoch with the others")
@@ -676,7 +678,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
                            f"downloaded its state ({seconds:.0f} s): it goes on at epoch {self.tracker.global_epoch} "
                            f"without downloading again (its parameters miss {self.tracker.global_epoch - epoch} "
                            f"update(s))")
-            self.adopt_epoch(self.tracker.global_epoch)
+            self.adopt_epoch(self.tracker.global_epoch, parameters_from_swarm=True)  # the download's, a few behind
             self._load_reason = None  # no load follows
             return False
         if wanted and self._load_reason is None:
