@@ -286,19 +286,26 @@ class RoundReportMixin:
     round_role = TRAINER_ROLE
     round_epoch: Callable[[], Optional[int]] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
     join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
+    client_join_timeout: Optional[float] = None  # in client mode, a round's timeout when its caller gave none
     _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
     _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
     _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
 
     def schedule_step(self, scheduled_time=None, **kwargs):
         kwargs.setdefault("gather", round_member(self.round_role, self.round_epoch()))
-        if self.client_mode and kwargs.get("timeout") is not None:
+        if self.client_mode:
             # A peer in client mode never leads: its schedule only says until when it may join a group, and a leader
             # turns away a peer that asks to start before the leader's own time (hivemind's BAD_EXPIRATION_TIME): a
             # peer whose estimate of the epoch's end is a few seconds early (it just loaded the state, its link is
             # slow) would find no group. So it asks for the latest start its timeout allows; the anchor starts the
-            # group as soon as its expected peers are in, so nobody waits longer for it.
-            scheduled_time = get_dht_time() + 0.9 * kwargs["timeout"]
+            # group as soon as its expected peers are in, so nobody waits longer for it. A round that was not
+            # scheduled ahead (hivemind's step at the epoch's end, after a download say) comes with no timeout and
+            # would ask to start within min_matchmaking_time, before the anchor's time (its time holds a chunk's
+            # timeout for late peers): it gets the optimizer's averaging timeout
+            if kwargs.get("timeout") is None:
+                kwargs["timeout"] = self.client_join_timeout
+            if kwargs["timeout"] is not None:
+                scheduled_time = get_dht_time() + 0.9 * kwargs["timeout"]
         return super().schedule_step(scheduled_time, **kwargs)
 
     def expect_peers(self, peer_ids: Iterable[bytes]) -> None:
@@ -445,6 +452,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         # cycle, freed only at some later garbage collection (in a notebook, in the middle of another cell)
         state_averager = self.state_averager
         self.grad_averager.round_epoch = lambda: state_averager.local_epoch
+        self.grad_averager.client_join_timeout = self.averaging_timeout
         self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other training peer
         # training peers in the last gradient round, this one included when it trains (anchors are not counted)
         self.last_group_size = int(self.round_role != ANCHOR_ROLE)
