@@ -419,14 +419,19 @@ class Volunteer:
         epoch_start = time.perf_counter()
         batch_size = self.config.optimizer.batch_size_per_step
         self.model.train()
+        def limit_reached() -> bool:
+            return ((max_epochs is not None and self.local_epoch >= max_epochs)
+                    or (max_steps is not None and history.local_steps >= max_steps))
+
         for batch in stream:
-            if self._watchdog.link_down.is_set():
+            # a peer whose last step reached its limit is done, link or no link: when the others stop at the same
+            # epoch, their leaving looks like a cut link, and waiting for it to come back would be waiting for ever
+            if self._watchdog.link_down.is_set() and not limit_reached():
                 self._wait_for_link(history, on_link)
                 epoch_losses, epoch_start = [], time.perf_counter()  # the swarm's state replaces what came before
             if self._stop_requested.is_set():
                 raise KeyboardInterrupt
-            if (max_epochs is not None and self.local_epoch >= max_epochs) or \
-                    (max_steps is not None and history.local_steps >= max_steps):
+            if limit_reached():
                 return
             epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
             loss = self.model(**batch).loss

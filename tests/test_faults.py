@@ -307,6 +307,36 @@ def test_a_peer_that_cannot_get_the_swarms_state_waits_longer_between_tries_inst
             finished.stderr, finished.stderr[-3000:]
 
 
+# a lone volunteer on 127.0.0.1 that has reached the epoch it trains to when its link goes down (the other peers,
+# done at the same epoch, left): whether training returns, and what it waited for; a stop after 30 s ends a wait
+LIMIT_REACHED_AS_THE_LINK_GOES_DOWN = textwrap.dedent("""
+    import json, sys, threading
+    from collab_kit.config import get_preset
+    from collab_kit.volunteer import Volunteer
+
+    config = get_preset("tiny", swarm=dict(run_id="limit_then_link_down", host="127.0.0.1"))
+    with Volunteer(config, data_shards=sys.argv[1], num_threads=1) as volunteer:
+        volunteer.train(max_steps=1, progress=False)
+        volunteer._watchdog.link_down.set()  # what the watchdog does when no initial peer and no neighbour answers
+        stop = threading.Timer(30, volunteer.request_stop)
+        stop.start()
+        history = volunteer.train(max_epochs=volunteer.local_epoch, progress=False)
+        stop.cancel()
+    print(json.dumps(dict(interrupted=history.interrupted, link_outages=history.link_outages)), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_peer_at_its_last_epoch_stops_even_if_its_link_went_down(tiny_shards):
+    """In the CenteredClip benchmark, one honest peer reached its last epoch as the others, done, left: it took their
+    leaving for a cut link and waited for the link to come back, for ever."""
+    finished = subprocess.run([sys.executable, "-c", LIMIT_REACHED_AS_THE_LINK_GOES_DOWN, tiny_shards],
+                              capture_output=True, text=True, timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert result == dict(interrupted=False, link_outages=0), result
+
+
 def test_the_non_finite_checks_name_what_is_wrong():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     volunteer = SimpleNamespace(model=model)  # the checks read only the model
