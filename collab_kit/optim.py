@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import warnings
 from collections import Counter
@@ -280,7 +281,8 @@ class RoundReportMixin:
     training peer it expects has joined (``expect_peers``, kept up to date while the round is pending), then starts
     ``join_grace`` seconds later, instead of closing at a fixed time and leaving out a peer whose estimate of the
     epoch's end came later. The expected peers are no cap: a peer it did not expect (one that joined the swarm or
-    loaded its state a moment ago) is let in too, while the group is open.
+    loaded its state a moment ago) is let in too, while the group is open, and so is a peer whose own time comes before
+    the anchor's: the group then starts by that peer's time.
     """
 
     round_role = TRAINER_ROLE
@@ -289,6 +291,7 @@ class RoundReportMixin:
     client_join_timeout: Optional[float] = None  # in client mode, a round's timeout when its caller gave none
     _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
     _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
+    _follower_deadlines: Optional[dict] = None  # in the averager's process: followers let in before their time
     _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
 
     def schedule_step(self, scheduled_time=None, **kwargs):
@@ -321,8 +324,20 @@ class RoundReportMixin:
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if self._expected_peers and (self._group_starter is None or self._group_starter.done()):
-            self._group_starter = asyncio.create_task(self._start_group_when_expected_joined())
+        if self._expected_peers:
+            if self._follower_deadlines is None:
+                self._follower_deadlines = {}
+            self._follower_deadlines.pop(context.remote_id, None)
+            declared = self._matchmaking.potential_leaders.declared_expiration_time
+            if math.isfinite(declared) and math.isfinite(request.expiration) and request.expiration < declared:
+                # hivemind turns away a peer whose time is earlier than its leader's (BAD_EXPIRATION_TIME): it would
+                # give up before the leader's time. An anchor's time is no start time (it starts once its expected
+                # peers are in, and holds its group open for late ones, which pushes its time on), so it lets the
+                # peer in and starts the group by the peer's time instead (_start_group_when_expected_joined)
+                self._follower_deadlines[context.remote_id] = request.expiration
+                request.expiration = declared
+            if self._group_starter is None or self._group_starter.done():
+                self._group_starter = asyncio.create_task(self._start_group_when_expected_joined())
         async for message in super().rpc_join_group(request, context):
             yield message
 
@@ -337,11 +352,23 @@ class RoundReportMixin:
                     and matchmaking.current_leader is None and bool(expected)
                     and expected.issubset(matchmaking.current_followers))
 
+        def due() -> bool:  # a follower let in before its time (rpc_join_group) gives up at its own time
+            deadlines = [self._follower_deadlines[peer] for peer in matchmaking.current_followers
+                         if peer in (self._follower_deadlines or {})]
+            return (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
+                    and matchmaking.current_leader is None and bool(deadlines)
+                    and get_dht_time() >= min(deadlines) - self.join_grace)
+
         while matchmaking.is_looking_for_group and not matchmaking.assembled_group.done():
             if ready():
                 await asyncio.sleep(self.join_grace)
                 async with matchmaking.lock_request_join_group:
                     if ready():
+                        await matchmaking.leader_assemble_group()
+                        return
+            if due():
+                async with matchmaking.lock_request_join_group:
+                    if due():
                         await matchmaking.leader_assemble_group()
                         return
             await asyncio.sleep(0.05)

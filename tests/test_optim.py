@@ -319,11 +319,13 @@ def test_a_peer_in_client_mode_waits_for_its_leader_and_for_state_parts_as_its_l
     assert download["rounds"] == [download["chunk_timeout"], 2 * download["chunk_timeout"]], download
 
 
-# an anchor's round, started once its expected peer is in, and a peer in client mode whose round was not scheduled ahead
-# (hivemind's optimizer steps with no timeout then: at the end of an epoch it could not foresee, after a download);
-# argv[1] "none" is the peer as hivemind leaves it (the control). The matchmaking logs say who was turned away.
-UNSCHEDULED_CLIENT_ROUND = textwrap.dedent("""
-    import json, logging, sys, time, torch
+# a leader and a peer in client mode, in one process. argv[1]: the leader, the kit's anchor (expecting this peer and one
+# that never comes, as a peer that fell behind) or hivemind's averager ("plain", which starts at its own time);
+# argv[2]: the peer's round, not scheduled ahead with the timeout CollaborativeOptimizer gives ("join") or with none,
+# as hivemind leaves it ("none"), or with a timeout shorter than the leader's wait ("short"). The matchmaking logs say
+# who was turned away.
+LEADER_AND_CLIENT = textwrap.dedent("""
+    import json, logging, sys, torch
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.utils import get_dht_time
     from collab_kit.config import SwarmConfig, get_preset
@@ -331,50 +333,66 @@ UNSCHEDULED_CLIENT_ROUND = textwrap.dedent("""
     from collab_kit.swarm import join_addresses, start_dht
 
     logging.getLogger("hivemind.averaging.matchmaking").setLevel(logging.DEBUG)
-    matchmaking_time = get_preset("tiny").optimizer.matchmaking_time
+    leader_kind, client_round = sys.argv[1:3]
+    config = get_preset("tiny").optimizer
     leader_dht = start_dht(SwarmConfig(host="127.0.0.1", client_mode=False))
     client_dht = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(leader_dht)))
+    options = dict(dht=None, prefix="run_grad_averager", min_matchmaking_time=config.matchmaking_time,
+                   request_timeout=1.0, warn=False, start=True)
 
-    def averager(role, dht, **kwargs):
-        return round_report_averager_class(GradientAverager, role)(
-            [torch.nn.Parameter(torch.ones(8))], dht=dht, prefix="run_grad_averager",
-            min_matchmaking_time=matchmaking_time, request_timeout=1.0, warn=False, start=True, **kwargs)
+    def averager(averager_class, dht, **kwargs):
+        return averager_class([torch.nn.Parameter(torch.ones(8))], **dict(options, dht=dht, **kwargs))
 
-    anchor = averager(ANCHOR_ROLE, leader_dht)
-    client = averager(TRAINER_ROLE, client_dht, client_mode=True)
-    # what CollaborativeOptimizer gives its averager, or nothing (hivemind's way)
-    client.client_join_timeout = get_preset("tiny").optimizer.averaging_timeout if sys.argv[1] == "kit" else None
-    anchor.expect_peers([client_dht.peer_id.to_bytes()])
-    # the anchor's time: the epoch's estimated end, then a chunk's timeout for peers that are late (AnchorOptimizer)
-    anchor_time = get_dht_time() + matchmaking_time + 6
-    anchor_round = anchor.schedule_step(scheduled_time=anchor_time, timeout=30)
-    anchor_round.weight = 0.0
-    anchor.step(control=anchor_round, wait=False)  # it starts once its expected peer is in
-    said = client.step(weight=1.0)  # no timeout, no schedule: a round at an epoch's end that was not foreseen
-    joined = dict(roles=sorted(member["role"] for member in said.values()), before_anchor_time=get_dht_time() < anchor_time,
-                  timeout=client.client_join_timeout)
-    for running in (client, anchor, client_dht, leader_dht):
+    if leader_kind == "anchor":
+        leader = averager(round_report_averager_class(GradientAverager, ANCHOR_ROLE), leader_dht)
+        leader.expect_peers([client_dht.peer_id.to_bytes(), b"a peer that fell behind"])
+    else:
+        leader = averager(GradientAverager, leader_dht)
+    client = averager(round_report_averager_class(GradientAverager, TRAINER_ROLE), client_dht, client_mode=True)
+    client.client_join_timeout = config.averaging_timeout if client_round == "join" else None
+    # the leader's time: the epoch's estimated end, then a chunk's timeout for peers that are late (AnchorOptimizer)
+    leader_time = get_dht_time() + config.matchmaking_time + 6
+    leader_round = leader.schedule_step(scheduled_time=leader_time, timeout=30)
+    leader_round.weight = 0.0
+    leader.step(control=leader_round, wait=False)
+    try:  # a round at an epoch's end that was not foreseen: no schedule
+        said = client.step(weight=1.0, timeout=4.0 if client_round == "short" else None)
+        joined = dict(members=len(said), before_leader_time=get_dht_time() < leader_time)
+    except Exception as error:
+        joined = dict(members=0, error=str(error))
+    for running in (client, leader, client_dht, leader_dht):
         running.shutdown()
     print(json.dumps(joined), flush=True)
 """)
 
 
-def test_a_peer_in_client_mode_whose_round_was_not_scheduled_ahead_is_not_turned_away_by_its_anchor():
-    """In the NAT lab, the late joiner's first round after a download started at the epoch's end with no timeout, asked
-    to start within matchmaking_time, and its anchor, whose time was later, turned it away: a round lost, and the
-    state downloaded again (11 s on its link). It now asks as a scheduled round does, for the optimizer's timeout."""
-    joined = {}
-    for variant in ("kit", "none"):
-        finished = subprocess.run([sys.executable, "-c", UNSCHEDULED_CLIENT_ROUND, variant], capture_output=True,
-                                  text=True, timeout=120)
-        assert finished.returncode == 0, finished.stderr[-3000:]
-        joined[variant] = json.loads(finished.stdout.strip().splitlines()[-1]), finished.stderr
-    kit, kit_log = joined["kit"]
-    assert kit["roles"] == ["anchor", "trainer"] and kit["before_anchor_time"], kit
-    assert "BAD_EXPIRATION_TIME" not in kit_log, kit_log[-3000:]
-    # the control: as hivemind leaves it, the anchor turns the peer away and the group waits for the anchor's time
-    plain, plain_log = joined["none"]
-    assert "BAD_EXPIRATION_TIME" in plain_log and not plain["before_anchor_time"], (plain, plain_log[-3000:])
+def run_leader_and_client(leader: str, client_round: str):
+    finished = subprocess.run([sys.executable, "-c", LEADER_AND_CLIENT, leader, client_round], capture_output=True,
+                              text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return json.loads(finished.stdout.strip().splitlines()[-1]), finished.stderr
+
+
+def test_a_peer_in_client_mode_whose_round_was_not_scheduled_ahead_asks_for_the_optimizers_timeout():
+    """In the NAT lab, the late joiner's first round after a download started at the epoch's end with no timeout (as
+    hivemind's optimizer does a round it did not schedule), asked to start within matchmaking_time, and its leader,
+    whose time was later, turned it away: a round lost, and the state downloaded again (11 s on its link)."""
+    joined, log = run_leader_and_client("plain", "join")
+    assert joined["members"] == 2 and "BAD_EXPIRATION_TIME" not in log, (joined, log[-3000:])
+    # the control: as hivemind leaves it, the leader turns the peer away
+    joined, log = run_leader_and_client("plain", "none")
+    assert "BAD_EXPIRATION_TIME" in log, (joined, log[-3000:])
+
+
+def test_an_anchor_lets_in_a_peer_whose_time_comes_before_its_own_and_starts_the_group_by_then():
+    """The anchor's time holds a chunk's timeout for late peers, and moves on while it waits for a peer it expects: in
+    the NAT lab, a volunteer back from a cut link asked to start before it and was turned away (then downloaded the
+    state again). hivemind's leader turns such a peer away, as it would give up before the leader's time."""
+    joined, log = run_leader_and_client("anchor", "short")
+    assert joined["members"] == 2 and joined["before_leader_time"], (joined, log[-3000:])
+    assert "BAD_EXPIRATION_TIME" not in log, log[-3000:]
+    joined, log = run_leader_and_client("plain", "short")  # the control: hivemind's leader
+    assert "BAD_EXPIRATION_TIME" in log and joined["members"] == 0, (joined, log[-3000:])
 
 
 # a peer that accepts connections, alone on loopback: the state-averaging period hivemind reads at a global step, before
