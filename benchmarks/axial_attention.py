@@ -20,7 +20,7 @@ HOW = """
 The paper's attention shape: 256 caption tokens + 32 x 32 image codes = 1280 positions, 16 heads of 64,
 batch 1, float32 on this machine's device (CPU here), random q, k, v (seed 0). For each kind of layer
 (row, column, conv with the paper's 11 x 11 window) one training step of attention alone, forward and
-backward, is timed with `collab_kit.attention.Layout(256, 32, 11).attend(q, k, v, kind)` and with
+backward, is timed with `collab_kit.model.attention.Layout(256, 32, 11).attend(q, k, v, kind)` and with
 `torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense_mask(kind))`. Each
 side is run in alternation, best of the repeats after a warm-up; throughput = steps / second. The
 figure is axial throughput / dense throughput for each kind; the details give the times and the
@@ -29,7 +29,7 @@ number of attention scores each side computes.
 
 
 def measure(kinds=("row", "column", "conv"), repeats: int = 5, batch: int = 1) -> dict:
-    from collab_kit.attention import Layout
+    from collab_kit.model.attention import Layout
 
     layout = Layout(256, 32, 11)
     device = "cuda" if torch.cuda.is_available() else "cpu"

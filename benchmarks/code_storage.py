@@ -26,11 +26,11 @@ Photographs: the color photographs that installed packages ship on disk, matplot
 `mpl-data/sample_data/grace_hopper.jpg` and, where scikit-image is installed, `skimage/data/`'s
 astronaut, chelsea, coffee, rocket and motorcycle_left (its logos, textures, grayscale, microscopy and
 medical images are left out); the benchmark fails if none is found. Each is prepared as the kit
-prepares images for the 256x256 tokenizer (`collab_kit.vqgan.pil_to_tensor(image, size=256)`: shorter
+prepares images for the 256x256 tokenizer (`collab_kit.model.vqgan.pil_to_tensor(image, size=256)`: shorter
 side to 256, bicubic, center crop) and saved by PIL as JPEG quality 95 with PIL's default 4:2:0 chroma
 subsampling (4:4:4, larger, is shown for comparison). Codes: 1024 per sample (a 32 x 32 grid) drawn
 uniformly from 8192 (seed 0), whose 13 bits each no codec can shrink (floor 1024 x 13 / 8 = 1664 bytes);
-a trained tokenizer's codes have lower entropy and compress better. `collab_kit.data.write_shard`
+a trained tokenizer's codes have lower entropy and compress better. `collab_kit.data.shards.write_shard`
 writes 1000 such samples (200 with `--quick`) with captions of 60 characters on average (seeded word
 sequences, about 22 bytes each once zstd-compressed), the photos' sizes and sequential 20-character
 source ids (about 2 bytes each compressed), codebook 8192. The figure compares image with image: the
@@ -94,7 +94,7 @@ def prepare_photos(paths: Sequence[str]) -> List[dict]:
     """Each photo cropped to 256x256 as the kit prepares images, and its JPEG (quality 95) at 4:2:0 and 4:4:4."""
     from PIL import Image
 
-    from collab_kit.vqgan import images_to_pil, pil_to_tensor
+    from collab_kit.model.vqgan import images_to_pil, pil_to_tensor
 
     photos = []
     for path in paths:
@@ -126,7 +126,7 @@ def write_codes_shard(folder: str, photos: Sequence[dict], num_samples: int, see
     """A shard of ``num_samples`` samples of uniform random codes; returns what it holds and its size."""
     import pyarrow.parquet as pq
 
-    from collab_kit.data import write_shard
+    from collab_kit.data.shards import write_shard
 
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, CODEBOOK_SIZE, size=(num_samples, IMAGE_SIDE * IMAGE_SIDE), dtype=np.int64)
@@ -149,7 +149,7 @@ def codec_sizes(codes: np.ndarray, count: int) -> Dict[str, float]:
     """Median bytes of the kit's codec and of int16 + Brotli (quality 11) over the first ``count`` samples."""
     import brotli
 
-    from collab_kit.data import decode_codes, encode_codes
+    from collab_kit.data.codec import decode_codes, encode_codes
 
     kit, int16_brotli = [], []
     for sample in codes[:count]:
@@ -163,7 +163,7 @@ def codec_sizes(codes: np.ndarray, count: int) -> Dict[str, float]:
 
 def make_stream(folder: str):
     """The training stream over ``folder``'s shards, batched as in training: the one place to switch it."""
-    from collab_kit.data import ShardStream, batches
+    from collab_kit.data.stream import ShardStream, batches
 
     stream = ShardStream(folder, text_length=TEXT_LENGTH, image_length=IMAGE_SIDE * IMAGE_SIDE,
                          shuffle_buffer=256, seed=0)
@@ -248,7 +248,7 @@ def measure(num_samples: int = 1000, stream_samples: int = 2000) -> dict:
 
 
 def bits_per_code() -> int:
-    from collab_kit.data import bits_per_code as bits
+    from collab_kit.data.codec import bits_per_code as bits
 
     return bits(CODEBOOK_SIZE)
 

@@ -213,7 +213,7 @@ def pick(values: Sequence[float], how: str = "best") -> float:
 def synthetic_batches(config, batch_size: int, count: int, folder: Optional[str] = None,
                       seed: int = 0, num_samples: int = 2048) -> List[dict]:
     """``count`` batches of the kit's synthetic samples for ``config`` (a RunConfig), read back through
-    ``collab_kit.data.ShardStream`` as in training. The same arguments give the same batches in any process.
+    ``collab_kit.data.stream.ShardStream`` as in training. The same arguments give the same batches in any process.
 
     :param folder: where the shards are, written there first if it holds none (default: a temporary folder)
     :param num_samples: samples in the shards (when they are written)
@@ -221,7 +221,8 @@ def synthetic_batches(config, batch_size: int, count: int, folder: Optional[str]
     import itertools
     import tempfile
 
-    from collab_kit.data import ShardStream, batches, make_synthetic_shards
+    from collab_kit.data.stream import ShardStream, batches
+    from collab_kit.data.synthetic import make_synthetic_shards
 
     def read(path: str) -> List[dict]:
         if not os.path.exists(os.path.join(path, "shard-00000.parquet")):

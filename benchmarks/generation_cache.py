@@ -17,7 +17,7 @@ TITLE = "Generation: KV cache / no cache"
 HOW = """
 The `tiny` preset's width (hidden 32, 2 heads, 2 layers: row, then conv) with the paper's image of
 32 x 32 = 1024 codes after the tiny 8-token caption, seed 0, batch 4, greedy decoding
-(`collab_kit.sampling.generate_image_codes(model, captions, temperature=0, use_cache=...)`). With
+(`collab_kit.model.sampling.generate_image_codes(model, captions, temperature=0, use_cache=...)`). With
 `use_cache=True` the model reads the caption once (`start_decoding`) and then appends one code per
 step (`continue_decoding`), attending over the cached keys and values; with `use_cache=False` each of
 the 1024 steps runs the full forward pass over the caption and the codes drawn so far (later codes
@@ -28,8 +28,8 @@ whole image (best of the repeats); both must draw the same codes.
 
 def measure(image_side: int = 32, batch: int = 4, repeats: int = 2) -> dict:
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.sampling import generate_image_codes
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.model.sampling import generate_image_codes
 
     config = get_preset("tiny", model=dict(image_side=image_side)).model
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import brotli
 import numpy as np
 
 from benchmarks import common
-from collab_kit.data import encode_codes
+from collab_kit.data.codec import encode_codes
 
 TITLE = "Decompression bombs: refusing one / expanding it with plain Brotli"
 HOW = """
@@ -37,7 +37,7 @@ MEASURE = """
 import json, sys, time
 import brotli
 import numpy as np
-from collab_kit.data import decode_codes, encode_codes
+from collab_kit.data.codec import decode_codes, encode_codes
 
 def rss(field):
     with open("/proc/self/status") as status:

@@ -58,7 +58,7 @@ The network lab (`collab_kit.netlab`, Linux network namespaces): `collab-kit mon
 host (its anchor leads and reduces every gradient round, its link uncapped), and {FULL.volunteers} volunteers each
 behind its own NAT router (iptables MASQUERADE), every volunteer's link capped with tc tbf at 100, 20 and 5 Mbit/s
 each way in turn. Each volunteer is `python -m benchmarks.internet_links --peer ...` inside its home: the `small`
-preset's model and the kit's optimizer (`collab_kit.optim.make_optimizer`), client mode
+preset's model and the kit's optimizer (`collab_kit.swarm.optimizer.make_optimizer`), client mode
 chosen by the reachability probe (the monitor cannot dial it back); only the compute is simulated, a micro-batch of
 {FULL.micro_batch} taking {FULL.compute_seconds:g} s (a real forward / backward of one of its samples on the CPU, then a sleep
 up to that time: the gradients are real, their bytes depend on the shapes only). Target batch {FULL.target_batch_size}: {FULL.compute_time:.1f} s of compute per epoch for the swarm.
@@ -83,10 +83,10 @@ def peer_main(args: argparse.Namespace) -> int:
     import torch
 
     from collab_kit.config import get_preset
-    from collab_kit.local_swarm import emit_event
-    from collab_kit.model import TextToImageTransformer, model_seed
-    from collab_kit.optim import make_optimizer
-    from collab_kit.swarm import resolve_reachability, start_dht
+    from collab_kit.roles.processes import emit_event
+    from collab_kit.model.transformer import TextToImageTransformer, model_seed
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import resolve_reachability, start_dht
 
     torch.set_num_threads(1)
     config = get_preset("small", swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
@@ -131,8 +131,8 @@ def gradient_bytes() -> int:
     from hivemind.compression import CompressionInfo
 
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import gradient_compression
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import gradient_compression
 
     config = get_preset("small")
     compression = gradient_compression(config.optimizer.compression_threshold)
@@ -146,7 +146,7 @@ def gradient_bytes() -> int:
 
 def parameter_count() -> int:
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer, count_parameters
+    from collab_kit.model.transformer import TextToImageTransformer, count_parameters
 
     return count_parameters(TextToImageTransformer(get_preset("small").model))
 

@@ -1,4 +1,4 @@
-"""collab_kit.memory.estimate against the bytes of real GPT-2 training steps on the CPU (target: states exact,
+"""collab_kit.memory.estimator.estimate against the bytes of real GPT-2 training steps on the CPU (target: states exact,
 activations within 10 %).
 
 GPT-2 small, medium and large (random weights, nothing downloaded) at 1024 tokens under bf16 autocast
@@ -23,11 +23,11 @@ from benchmarks.memory_gpu import SIZES, gpt2_config, make_optimizer
 
 TITLE = "Memory estimates: measured / estimated (GPT-2 small, medium, large on the CPU)"
 HOW = """
-This CPU benchmark checks the byte formulas of `collab_kit.memory.estimate`; what a GPU adds on top
+This CPU benchmark checks the byte formulas of `collab_kit.memory.estimator.estimate`; what a GPU adds on top
 (allocator rounding and fragmentation, CUDA workspaces, which fused kernels run, the CUDA context) is
 measured by `benchmarks/memory_gpu.py` on a GPU (`python benchmarks/memory_gpu.py --out gpu.json`).
-Each GPT-2 size is built from its `collab_kit.memory.CATALOGUE` shape with
-`collab_kit.lm_finetune.load_gpt2(dict of GPT2Config fields, device="cpu")` (seed 0, random weights,
+Each GPT-2 size is built from its `collab_kit.memory.catalogue.CATALOGUE` shape with
+`collab_kit.tutorial.finetuning.load_gpt2(dict of GPT2Config fields, device="cpu")` (seed 0, random weights,
 dropout 0 as in `tests/test_memory.py`: on a CPU dropout keeps fp32 masks where CUDA keeps bytes;
 torch's SDPA attention), fed 1024 random tokens per sample under `torch.autocast("cpu", torch.bfloat16)`
 with fp32 parameters, and compared with `estimate(model, micro_batch=b, seq_len=1024,
@@ -35,7 +35,7 @@ precision="mixed", checkpointing=...)`. Each setting is measured once: bytes are
 
 - Weights, gradients, optimizer state: after one real step (forward and backward of one sample with
   checkpointing, then `optimizer.step()` with `torch.optim.Adam` and, on the same gradients, bitsandbytes'
-  `Adam8bit`), the bytes of the tensors (`collab_kit.memory.parameter_bytes`, `gradient_bytes`,
+  `Adam8bit`), the bytes of the tensors (`collab_kit.memory.measured.parameter_bytes`, `gradient_bytes`,
   `optimizer_state_bytes`) must equal those of `estimate("gpt2-small" | ...)`, the catalogue shape counted from its
   dimensions (an estimate of the built model's own tensors would match by construction). That step runs in fp32: parameters and gradients are
   fp32 under autocast too, and this CPU (no bf16 instructions) runs bf16 products three times slower.
@@ -198,7 +198,7 @@ def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[
     """One GPT-2 size: the activations at each micro-batch without and with checkpointing, then the states
     after one real step."""
     from collab_kit import memory
-    from collab_kit.lm_finetune import load_gpt2
+    from collab_kit.tutorial.finetuning import load_gpt2
 
     start = time.perf_counter()
     fields = gpt2_config(size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -206,7 +206,7 @@ def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[
     generator = torch.Generator().manual_seed(0)
     rows = []
     for checkpointing in (False, True):
-        if checkpointing:  # as collab_kit.lm_finetune.load_gpt2 turns it on
+        if checkpointing:  # as collab_kit.tutorial.finetuning.load_gpt2 turns it on
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for micro_batch in micro_batches:
             tokens = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), generator=generator)

@@ -1,4 +1,4 @@
-"""GPU memory of GPT-2 training steps, measured against collab_kit.memory.estimate (needs a CUDA GPU).
+"""GPU memory of GPT-2 training steps, measured against collab_kit.memory.estimator.estimate (needs a CUDA GPU).
 
     python benchmarks/memory_gpu.py --out results.json                  # GPT-2 small, medium, large
     python benchmarks/memory_gpu.py --models small --micro-batch 8 --steps 2
@@ -8,7 +8,7 @@ torch.optim.Adam ("32bit") and bitsandbytes' Adam8bit ("8bit"), without and with
 checkpointing, a few training steps run at ``--seq-len`` tokens under bf16 autocast (fp32 parameters:
 the estimate's "mixed" precision). Of the last step, measured with torch.cuda's allocator statistics:
 
-- weights, gradients, optimizer state: the bytes of the tensors (collab_kit.memory.parameter_bytes,
+- weights, gradients, optimizer state: the bytes of the tensors (collab_kit.memory.measured.parameter_bytes,
   gradient_bytes, optimizer_state_bytes), which the estimate should match exactly;
 - activations: the peak of forward + backward minus the memory allocated before the forward pass
   (the gradients already exist then: they are zeroed, not freed, between steps);
@@ -43,7 +43,7 @@ def gpt2_config(size: str, attention: str = "sdpa", **fields) -> dict:
 
     :param fields: more GPT2Config fields, e.g. ``resid_pdrop=0.0``
     """
-    from collab_kit.memory import CATALOGUE
+    from collab_kit.memory.catalogue import CATALOGUE
 
     shape = CATALOGUE[SIZES[size]]
     return dict(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_inner=shape.ffn,

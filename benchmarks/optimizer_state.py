@@ -12,19 +12,19 @@ from typing import Dict, List
 import torch
 
 from benchmarks import common
-from collab_kit.memory import optimizer_state_bytes
+from collab_kit.memory.measured import optimizer_state_bytes
 
 TITLE = "Optimizer state: 8-bit LAMB / 32-bit LAMB"
 HOW = """
 The `small` preset's model (seed 0) computes real gradients on one batch of 16 synthetic samples.
 Two copies of it, with the same gradients, take one step each: one with the kit's optimizer
-(`collab_kit.optim.make_lamb8bit(parameter_groups(model, weight_decay), config.optimizer)`), one with
+(`collab_kit.swarm.optimizer.make_lamb8bit(parameter_groups(model, weight_decay), config.optimizer)`), one with
 bitsandbytes' 32-bit LAMB (`bnb.optim.LAMB(..., optim_bits=32)`) with the same learning rate, betas,
 eps, weight decay and parameter groups. The figure is the ratio of the bytes of all tensors in
 `optimizer.state` (moments, quantization maps, block scales, norms; a tensor shared by several
 parameters, such as bitsandbytes' quantization map, counted once), also shown per parameter.
 Tensors smaller than `min_8bit_size` (4096 elements: biases, norms) keep 32-bit statistics in both.
-The kit's `collab_kit.optim.LAMB8bit` keeps bitsandbytes' blockwise 8-bit Adam statistics and applies
+The kit's `collab_kit.swarm.lamb.LAMB8bit` keeps bitsandbytes' blockwise 8-bit Adam statistics and applies
 LAMB's trust ratio itself (bitsandbytes 0.50's own `LAMB8bit` does not in its 8-bit update); the
 trust ratio needs no stored state, so this figure is the statistics' memory.
 """
@@ -34,8 +34,8 @@ def measure(preset: str = "small", batch_size: int = 16) -> Dict[str, float]:
     import bitsandbytes as bnb
 
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer, count_parameters
-    from collab_kit.optim import make_lamb8bit, parameter_groups
+    from collab_kit.model.transformer import TextToImageTransformer, count_parameters
+    from collab_kit.swarm.optimizer import make_lamb8bit, parameter_groups
 
     config = get_preset(preset)
     opt_config = config.optimizer

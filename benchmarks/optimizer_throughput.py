@@ -1,8 +1,8 @@
 """Step throughput of the kit's optimizer with one peer over a plain PyTorch loop (target >= 0.95).
 
-Kit: ``collab_kit.optim.make_optimizer`` (hivemind.Optimizer around 8-bit LAMB) on a real
+Kit: ``collab_kit.swarm.optimizer.make_optimizer`` (hivemind.Optimizer around 8-bit LAMB) on a real
 ``hivemind.DHT`` on 127.0.0.1, alone in its swarm. Baseline: the same model, data and 8-bit LAMB
-(``collab_kit.optim.make_lamb8bit``) in a plain loop that accumulates gradients over as many micro-
+(``collab_kit.swarm.optimizer.make_lamb8bit``) in a plain loop that accumulates gradients over as many micro-
 batches as the kit does per optimizer step. Each side runs in its own process (hivemind allows one
 Optimizer per process); runs alternate and repeat, and the figure compares the best run of each side.
 
@@ -32,14 +32,14 @@ RUN_TIMEOUT = 240  # seconds for one side's process, start-up and shutdown inclu
 TITLE = "Optimizer throughput: hivemind.Optimizer with one peer / plain PyTorch loop"
 HOW = f"""
 Both sides train the `{PRESET}` preset's model (seed 0, about 4.3 M parameters) on the same
-pre-loaded synthetic batches (`collab_kit.data.make_synthetic_shards` + `ShardStream`, 16 samples per
+pre-loaded synthetic batches (`collab_kit.data.synthetic.make_synthetic_shards` + `ShardStream`, 16 samples per
 micro-batch) with the same `torch.set_num_threads`, each in its own process, measured twice: with
 one torch thread per side (on this 2-core machine, a core is left for hivemind's DHT, p2p daemon,
 averagers and background optimizer step) and with all cores.
-The kit side starts a DHT with `collab_kit.swarm.start_dht` on 127.0.0.1 (alone in its swarm) and runs
-`forward, loss.backward(), opt.step(), opt.zero_grad()` with `collab_kit.optim.make_optimizer(...)`, as
+The kit side starts a DHT with `collab_kit.swarm.dht.start_dht` on 127.0.0.1 (alone in its swarm) and runs
+`forward, loss.backward(), opt.step(), opt.zero_grad()` with `collab_kit.swarm.optimizer.make_optimizer(...)`, as
 the volunteer loop does, with the preset's optimizer settings (target batch 256, 8-bit LAMB offloaded,
-delayed optimizer step, size-adaptive compression). The baseline runs `collab_kit.optim.make_lamb8bit`
+delayed optimizer step, size-adaptive compression). The baseline runs `collab_kit.swarm.optimizer.make_lamb8bit`
 with the same parameter groups and linear schedule in a plain loop: 256 / 16 = 16 micro-batches of
 gradient accumulation, then `opt.step()`, so both take one optimizer step per 256 samples.
 After {WARMUP_EPOCHS} warm-up optimizer step(s), each run times {EPOCHS} optimizer steps ({EPOCHS * 16} micro-batches),
@@ -80,7 +80,7 @@ def run_side(side: str, shards: str, epochs: int, warmup_epochs: int, threads: i
     import torch
 
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer
+    from collab_kit.model.transformer import TextToImageTransformer
 
     torch.set_num_threads(threads)
     run_id = f"bench_throughput_{os.getpid()}"
@@ -98,8 +98,8 @@ def run_side(side: str, shards: str, epochs: int, warmup_epochs: int, threads: i
 
 
 def _run_kit(model, config, batches, epochs: int, warmup_epochs: int) -> Dict[str, float]:
-    from collab_kit.optim import make_optimizer
-    from collab_kit.swarm import start_dht
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import start_dht
 
     dht = start_dht(config.swarm)
     try:
@@ -131,7 +131,7 @@ def _run_kit(model, config, batches, epochs: int, warmup_epochs: int) -> Dict[st
 
 
 def _run_baseline(model, config, batches, accumulation: int, epochs: int, warmup_epochs: int) -> Dict[str, float]:
-    from collab_kit.optim import make_lamb8bit, make_scheduler_factory, parameter_groups
+    from collab_kit.swarm.optimizer import make_lamb8bit, make_scheduler_factory, parameter_groups
 
     opt = make_lamb8bit(parameter_groups(model, config.optimizer.weight_decay), config.optimizer)
     scheduler = make_scheduler_factory(config.optimizer)(opt)

@@ -58,7 +58,7 @@ def step_seconds(model, batch, repeats: int) -> float:
 
 def build(depth: int, reversible: bool):
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer
+    from collab_kit.model.transformer import TextToImageTransformer
 
     config = get_preset("small", model=dict(num_layers=depth, reversible=reversible))
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ def _byzantine_module():
 
 def run(quick: bool = False) -> List[dict]:
     from collab_kit.config import get_preset
-    from collab_kit.data import make_synthetic_shards
+    from collab_kit.data.synthetic import make_synthetic_shards
 
     byzantine = _byzantine_module()
     epochs = 4 if quick else 10

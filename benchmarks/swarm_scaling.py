@@ -1,14 +1,14 @@
 """Swarm scaling by simulation: time per global epoch with 2, 4 and 6 peers, and with one peer 4x slower.
 
 Each simulated peer is its own process on 127.0.0.1 with the kit's real optimizer
-(``collab_kit.optim.make_optimizer``: hivemind.Optimizer, 8-bit LAMB, compressed gradient averaging,
+(``collab_kit.swarm.optimizer.make_optimizer``: hivemind.Optimizer, 8-bit LAMB, compressed gradient averaging,
 state averaging) over a small real model; only its compute is simulated: a micro-batch takes a fixed
 ``compute_seconds`` (a real tiny forward / backward, then a sleep up to that time), standing in for an
 accelerator so that this machine's 2 cores are not what limits the swarm.
 
 ``python -m benchmarks.swarm_scaling`` measures and updates RESULTS.md;
 ``python -m benchmarks.swarm_scaling --peer ...`` is one simulated peer (what the former starts), printing
-``@event {json}`` lines (collab_kit.local_swarm.emit_event): ``ready`` with its addresses, ``training``,
+``@event {json}`` lines (collab_kit.roles.processes.emit_event): ``ready`` with its addresses, ``training``,
 one ``epoch`` per global epoch with the wall time at which it ended there, and ``done``.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import common
-from collab_kit.local_swarm import PeerFailed, PeerProcess
+from collab_kit.roles.processes import PeerFailed, PeerProcess
 
 
 @dataclass
@@ -85,7 +85,7 @@ def parameter_count(width: int) -> int:
 TITLE = "Swarm scaling (simulated compute): time per global epoch with 2, 4 and 6 peers, and one peer 4x slower"
 HOW = """
 Every peer is its own process on 127.0.0.1 (`python -m benchmarks.swarm_scaling --peer ...`) with the kit's
-optimizer, `collab_kit.optim.make_optimizer` (hivemind.Optimizer around 8-bit LAMB, offloaded and delayed step,
+optimizer, `collab_kit.swarm.optimizer.make_optimizer` (hivemind.Optimizer around 8-bit LAMB, offloaded and delayed step,
 size-adaptive gradient compression, state averaging every epoch) at the kit's defaults, except: target batch
 {target}, micro-batches of {micro} samples, matchmaking {matchmaking:g} s, progress refresh period {refresh:g} s. The
 model is an MLP of {params:,} parameters: real gradients, averaged for real over loopback. Only the compute is
@@ -105,7 +105,7 @@ The progress refresh period is shortened in the same proportion as the epochs (t
 of minutes): with it, a peer that starts before it can estimate the swarm's throughput reads the swarm's progress
 again only after 10 s, longer than a {high}-peer epoch here, and falls behind at the start.
 
-How it is measured: peers start together (`collab_kit.swarm.wait_for_peers`); each prints the wall time at which it
+How it is measured: peers start together (`collab_kit.swarm.dht.wait_for_peers`); each prints the wall time at which it
 reaches each global epoch, and an epoch's end is the median over peers. After {warmup} warm-up epoch(s) (the first
 runs long while peers learn the swarm's throughput), the time per epoch is the mean of the next {measured}.
 Scaling: time per epoch with {high} peers / with {low} peers, target <= {scaling_target:.2f} (ideal {ideal:.2f}).
@@ -170,9 +170,9 @@ def peer_main(args: argparse.Namespace) -> int:
     import torch
 
     from collab_kit.config import OptimizerConfig, SwarmConfig
-    from collab_kit.local_swarm import emit_event
-    from collab_kit.optim import make_optimizer
-    from collab_kit.swarm import join_addresses, start_dht, wait_for_peers
+    from collab_kit.roles.processes import emit_event
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import join_addresses, start_dht, wait_for_peers
 
     torch.set_num_threads(1)  # the model is tiny; the cores are for the other peers' DHTs and averagers
     initial_peers = args.initial_peers

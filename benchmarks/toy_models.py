@@ -1,5 +1,5 @@
 """The toy world's shipped models on held-out pictures (CLIP caption retrieval, VQGAN reconstruction PSNR),
-re-measured from the weights in collab_kit/toy_assets, and what CLIP's reranking adds to a trained toy model.
+re-measured from the weights in collab_kit/toy/assets, and what CLIP's reranking adds to a trained toy model.
 
 Chance for the retrieval is 1/8; the figures the training scripts stated (metrics.json) are shown beside.
 """
@@ -14,18 +14,18 @@ from benchmarks import common
 
 TITLE = "Toy world: the shipped models on held-out pictures, and CLIP's reranking"
 HOW = """
-`collab_kit.toy_clip.load_toy_clip()` loads the weights shipped in `collab_kit/toy_assets/clip/` (trained by
-`python -m collab_kit.toy_clip --output collab_kit/toy_assets/clip --steps 1500 --threads 1`, its training time in
-that folder's `metrics.json`). CLIP: `collab_kit.toy_clip.evaluate_toy_clip` on the held-out
+`collab_kit.toy.clip.load_toy_clip()` loads the weights shipped in `collab_kit/toy/assets/clip/` (trained by
+`python -m collab_kit.toy.clip --output collab_kit/toy/assets/clip --steps 1500 --threads 1`, its training time in
+that folder's `metrics.json`). CLIP: `collab_kit.toy.clip.evaluate_toy_clip` on the held-out
 pictures `toy.scenes(512, seed=20211206)` (seeds the training never draws): for each picture, its caption against 7
 captions of other held-out pictures; the figure is the share where its own caption has the highest cosine (chance
 0.125). The details add the colour test (its caption against the 7 same captions in the other colours) and the same
 on pictures blurred as a VQGAN reconstruction would be. VQGAN: mean PSNR of decode(encode(x)) against x over its
-held-out pictures (`collab_kit.toy_vqgan.evaluate_toy_vqgan`), with the share of reconstructions whose dominant
+held-out pictures (`collab_kit.toy.vqgan.evaluate_toy_vqgan`), with the share of reconstructions whose dominant
 colour (`toy.dominant_color`, pixels only) is still the caption's.
 
 Reranking: a toy-preset model is trained in this process as the demo's swarm trains it, but in a plain loop
-(`collab_kit.optim.make_lamb8bit` and the preset's linear schedule: 60 steps of 64 pictures from the demo's
+(`collab_kit.swarm.optimizer.make_lamb8bit` and the preset's linear schedule: 60 steps of 64 pictures from the demo's
 cached toy dataset, 2 torch threads, seed 0). Then for 32 prompts (4 per colour, shapes, sizes and places
 from `toy.scenes(32, seed=4242)`) it draws 32 pictures each (`generate.draw_images`, top-k 32 as in the demo,
 seed = prompt index). CLIP's best 4 of the 32 (`ClipRanker.rank`) are set against 4 of the same 32 picked at
@@ -41,10 +41,11 @@ def train_toy_model(steps: int, evaluate_at: Dict[int, callable], batch_size: in
     import torch
 
     from collab_kit.config import get_preset
-    from collab_kit.data import ShardStream, batches, caption_tokenizer
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import make_lamb8bit, make_scheduler_factory, parameter_groups
-    from collab_kit.toy import prepare_toy_dataset
+    from collab_kit.data.stream import ShardStream, batches
+    from collab_kit.data.tokenizers import caption_tokenizer
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import make_lamb8bit, make_scheduler_factory, parameter_groups
+    from collab_kit.toy.dataset import prepare_toy_dataset
 
     torch.set_num_threads(threads)
     config = get_preset("toy")
@@ -77,10 +78,10 @@ def rerank_colour_match(model) -> Dict[str, float]:
     import numpy as np
 
     from collab_kit import toy
-    from collab_kit.generate import draw_images
-    from collab_kit.toy_clip import load_toy_clip
-    from collab_kit.toy_vqgan import load_toy_vqgan
-    from collab_kit.vqgan import images_to_pil
+    from collab_kit.images.generate import draw_images
+    from collab_kit.toy.clip import load_toy_clip
+    from collab_kit.toy.vqgan import load_toy_vqgan
+    from collab_kit.model.vqgan import images_to_pil
 
     vqgan, ranker, tokenizer = load_toy_vqgan(), load_toy_clip(), toy.ToyTokenizer()
     prompts = [scene.caption for colour in toy.COLORS
@@ -101,7 +102,7 @@ def rerank_colour_match(model) -> Dict[str, float]:
 
 def run(quick: bool = False) -> List[dict]:
     rows = []
-    from collab_kit.toy_clip import evaluate_toy_clip, load_toy_clip, toy_clip_metrics
+    from collab_kit.toy.clip import evaluate_toy_clip, load_toy_clip, toy_clip_metrics
 
     ranker, stated = load_toy_clip(), toy_clip_metrics()
     count = 128 if quick else stated["held_out"]
@@ -118,7 +119,7 @@ def run(quick: bool = False) -> List[dict]:
     rows.append(common.make_row(__spec__.name, "toy CLIP caption retrieval, right caption of 8 (held-out)", accuracy,
                                 ">= 0.9", f"{accuracy:.3f}", details))
 
-    from collab_kit.toy_vqgan import evaluate_toy_vqgan, load_toy_vqgan, toy_vqgan_metrics
+    from collab_kit.toy.vqgan import evaluate_toy_vqgan, load_toy_vqgan, toy_vqgan_metrics
 
     stated = toy_vqgan_metrics()
     measured = evaluate_toy_vqgan(load_toy_vqgan(), count=64 if quick else stated["held_out"],

@@ -1,57 +1,50 @@
 """collab_kit: train transformers together over the Internet, after "Training Transformers Together".
 
-The names most people need are here; each lives in the module named after its concept
-(see README.md, "How it fits together"). Heavy modules (torch, hivemind) load on first use.
-"""
-import logging
+The names most people need are here; each lives in the subpackage of its concept (README.md, "How it fits
+together"):
 
+- ``config``, ``errors``, ``units``, ``addresses``: the run's settings and presets, the base error, sizes, peer
+  addresses (no torch, no hivemind).
+- ``model/``: the transformer, its attention and sampling, checkpoints, the VQGAN and CLIP.
+- ``data/``: codes, caption tokenizers, shards and the stream of batches, preprocessing, synthetic data.
+- ``memory/``: how much memory training takes, and the settings that fit a GPU.
+- ``auth/``: access tokens, the volunteer's login, the authentication server.
+- ``toy/``: the toy world's VQGAN, CLIP and dataset.
+- ``swarm/``: the DHT, the collaborative optimizer, its averagers and robust aggregation, metrics.
+- ``images/``: pictures from a trained model.
+- ``tutorial/``: the GPT-2 8-bit fine-tuning tutorial.
+- ``roles/``: the volunteer, the monitor, local processes and a maintainer's services.
+- ``notebook/``: pre-flight checks, the live view, the dashboard.
+- ``demo``, ``netlab``, ``cli/``: the local demo, the network lab the tests build, the command line.
+"""
 from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingFileMissing, SettingProblem,
                                SwarmConfig, get_preset)
+from collab_kit.errors import CollabKitError
+from collab_kit.lazy import lazy_exports
+from collab_kit.units import format_bytes
 
 __version__ = "0.1.0"
 
-
-class _Unused4bitKernelsFilter(logging.Filter):
-    """bitsandbytes warns at import that its optional CPU kernels for 4-bit layers are missing: the kit uses its
-    8-bit optimizers only, so on a run where nothing is wrong this would be a notebook's one red box."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "gemm_4bit" not in record.getMessage()
-
-
-# before any module of the kit imports bitsandbytes (the warning comes at its import)
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Unused4bitKernelsFilter())
-
-_LAZY = {
-    "Volunteer": "collab_kit.volunteer",
-    "TextToImageTransformer": "collab_kit.model",
-    "make_optimizer": "collab_kit.optim",
-    "start_dht": "collab_kit.swarm",
-    "run_demo": "collab_kit.demo",
-    "make_synthetic_shards": "collab_kit.data",
-    "run_coordinator": "collab_kit.monitor",
-    "Monitor": "collab_kit.monitor",
-    "MonitorSettings": "collab_kit.monitor",
-    "generate_images": "collab_kit.generate",
-    "load_for_inference": "collab_kit.inference",
-    "save_checkpoint": "collab_kit.checkpoint",
-    "load_checkpoint": "collab_kit.checkpoint",
-    "load_latest_checkpoint": "collab_kit.checkpoint",
-    "load_vqgan": "collab_kit.vqgan",
-    "ClipRanker": "collab_kit.clip_rank",
-    "login": "collab_kit.auth",
-    "run_preflight": "collab_kit.preflight",
-    "LiveView": "collab_kit.live_view",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'collab_kit' has no attribute {name!r}")
-
+# the heavy names (torch, hivemind, transformers) load on first use: `import collab_kit` stays fast
+__getattr__, _lazy_names = lazy_exports(__name__, {
+    "roles.volunteer": ["Volunteer"],
+    "roles.monitor": ["Monitor", "MonitorSettings"],
+    "roles.services": ["*module*"],
+    "model.transformer": ["TextToImageTransformer"],
+    "model.checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint"],
+    "model.vqgan": ["load_vqgan"],
+    "model.clip_rank": ["ClipRanker"],
+    "swarm.optimizer": ["make_optimizer"],
+    "swarm.dht": ["start_dht"],
+    "data.synthetic": ["make_synthetic_shards"],
+    "images.generate": ["generate_images"],
+    "images.inference": ["load_for_inference"],
+    "auth.client": ["login"],
+    "notebook.preflight": ["run_preflight"],
+    "notebook.live_view": ["LiveView"],
+    "notebook.dashboard": ["*module*"],
+    "demo": ["run_demo"],
+})
 
 __all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem",
-           "SettingFileMissing", *_LAZY]
+           "SettingFileMissing", "CollabKitError", "format_bytes", *_lazy_names]

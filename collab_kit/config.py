@@ -6,7 +6,7 @@ ValueError that names the field and what is allowed, instead of deep inside torc
 Presets:
 - ``tiny``: unit and multi-process tests; a training step takes milliseconds on one CPU core.
 - ``small``: a CPU run on synthetic codes; several peers share two cores and still learn visibly.
-- ``toy``: the toy world (collab_kit.toy): its word captions, its VQGAN's 8x8 codes of 512; what ``make demo`` trains.
+- ``toy``: the toy world (collab_kit.toy.world): its word captions, its VQGAN's 8x8 codes of 512; what ``make demo`` trains.
 - ``paper``: the values of the paper's run (section 3 of "Training Transformers Together").
 """
 from __future__ import annotations
@@ -15,20 +15,15 @@ import ast
 import dataclasses
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from collab_kit.errors import CollabKitError
 
 PRESETS = ("tiny", "small", "toy", "paper")
 
 
-class SettingProblem(ValueError):
-    """A problem the reader fixes by changing a setting: the message says what is wrong and which setting to change.
-
-    A notebook shows it as that one sentence, not as a traceback (IPython prints what ``_render_traceback_`` gives
-    instead of the stack), and the notebook stops there as at any error.
-    """
-
-    def _render_traceback_(self) -> List[str]:
-        return [f"{type(self).__name__}: {self}"]
+class SettingProblem(CollabKitError, ValueError):
+    """A problem the reader fixes by changing a setting: the message says what is wrong and which setting to change."""
 
 
 class SettingFileMissing(SettingProblem, FileNotFoundError):
@@ -37,7 +32,7 @@ class SettingFileMissing(SettingProblem, FileNotFoundError):
 
 def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None:
     if not condition:
-        raise ValueError(f"{field_name}={value!r} is not allowed: {allowed}")
+        raise SettingProblem(f"{field_name}={value!r} is not allowed: {allowed}")
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
@@ -72,7 +67,7 @@ class ModelConfig:
     text_vocab_size: int = 32100  # t5-small in the paper
     pad_token_id: int = 1  # pad = eos, as in the original run's T5 tokenizer
     ffn_multiplier: int = 4  # GEGLU inner width = ffn_multiplier * hidden_size
-    # what each layer sees (collab_kit.attention): "row", "column", "conv" (a window of
+    # what each layer sees (collab_kit.model.attention): "row", "column", "conv" (a window of
     # conv_kernel_size x conv_kernel_size codes) or "full" (every earlier position)
     attention_pattern: Tuple[str, ...] = ("row", "column", "row", "row")
     last_layer_attention: Optional[str] = "conv"  # None: the last layer follows the pattern too
@@ -160,7 +155,7 @@ class OptimizerConfig:
     # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
     next_chunk_timeout: Optional[float] = None
     # seconds a download of the swarm's state may take before it is given up and started again. A stalled download is
-    # noticed sooner (30 s without a part, collab_kit.optim.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow one, and
+    # noticed sooner (30 s without a part, collab_kit.swarm.optimizer.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow one, and
     # hivemind starts a given-up download from scratch, forever. The paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s.
     load_state_timeout: float = 1800.0
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds
@@ -169,7 +164,7 @@ class OptimizerConfig:
     offload_optimizer: bool = True
     delay_optimizer_step: bool = True
     min_8bit_size: int = 4096  # bitsandbytes keeps 32-bit statistics for tensors smaller than this
-    # how peers combine their gradients (collab_kit.robust): "mean" (hivemind's weighted mean) or "centered_clip",
+    # how peers combine their gradients (collab_kit.swarm.robust): "mean" (hivemind's weighted mean) or "centered_clip",
     # which bounds what a peer sending poisoned gradients can do, as long as honest peers hold most of the weight
     aggregation: str = "mean"
     # CenteredClip's radius, relative: each part of the gradients is clipped at clip_tau times the median distance
@@ -232,7 +227,7 @@ class SwarmConfig:
     host: str = "0.0.0.0"  # 127.0.0.1 for a run that stays on this machine
     port: int = 0  # 0 = any free port
     # True: this peer connects out but accepts no connections (behind NAT or a firewall); None: asked of the swarm's
-    # peers when joining (collab_kit.reachability); False: it accepts connections
+    # peers when joining (collab_kit.swarm.reachability); False: it accepts connections
     client_mode: Optional[bool] = None
     use_auto_relay: bool = False  # look for relays so peers behind NAT can still be reached
     identity_path: Optional[str] = None  # a private key file keeps the peer ID across restarts
@@ -251,10 +246,13 @@ class SwarmConfig:
                  self.port)
         _require(isinstance(self.host, str) and len(self.host) > 0, "swarm.host",
                  "expected an IP address such as 127.0.0.1 or 0.0.0.0", self.host)
-        # multiaddrs are checked by collab_kit.swarm.parse_initial_peers, which explains what a good one looks like
-        from collab_kit.swarm import parse_initial_peers
+        if self.initial_peers:
+            # lazy: the multiaddr parser is hivemind's, whose import takes seconds; a preset names no peers to check
+            from collab_kit.addresses import parse_initial_peers
 
-        self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
+            self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
+        else:
+            self.initial_peers = ()
         _require(self.client_mode in (None, True, False), "swarm.client_mode",
                  "expected true, false or none (none: found out when joining)", self.client_mode)
         _require(not (self.client_mode and not self.initial_peers), "swarm.client_mode",
@@ -314,7 +312,7 @@ def _with(config_cls, base: Any, overrides: dict):
     names = {f.name for f in dataclasses.fields(config_cls)}
     unknown = set(overrides) - names
     if unknown:
-        raise ValueError(f"{config_cls.__name__} has no field(s) {sorted(unknown)}; known fields: {sorted(names)}")
+        raise SettingProblem(f"{config_cls.__name__} has no field(s) {sorted(unknown)}; known fields: {sorted(names)}")
     return dataclasses.replace(base, **overrides)
 
 
@@ -326,10 +324,10 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
     :example: ``get_preset("small", optimizer=dict(target_batch_size=64))``
     """
     if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not allowed: choose one of {', '.join(PRESETS)}")
+        raise SettingProblem(f"preset={name!r} is not allowed: choose one of {', '.join(PRESETS)}")
     unknown = set(overrides) - {"model", "optimizer", "swarm", "data"}
     if unknown:
-        raise ValueError(f"get_preset got unknown section(s) {sorted(unknown)}: use model=, optimizer=, swarm=, data=")
+        raise SettingProblem(f"get_preset got unknown section(s) {sorted(unknown)}: use model=, optimizer=, swarm=, data=")
 
     if name == "paper":
         model, optimizer = ModelConfig(), OptimizerConfig()
@@ -387,7 +385,7 @@ def command_line_literal(section: str, name: str, value) -> str:
     except (ValueError, SyntaxError):
         same = False
     if not same:
-        raise ValueError(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a string, "
+        raise SettingProblem(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a string, "
                          f"a boolean, None or a tuple of these")
     return text
 
@@ -421,3 +419,20 @@ def shared_setting_options(config: RunConfig) -> List[str]:
     if config.swarm.auth_server:
         options += ["--set", shlex.quote(f"swarm.auth_server={config.swarm.auth_server}")]
     return options
+
+
+def parse_overrides(assignments: Sequence[str]) -> Dict[str, dict]:
+    """Turn ``["optimizer.target_batch_size=64", ...]`` into ``{"optimizer": {"target_batch_size": 64}}``."""
+    overrides: Dict[str, dict] = {}
+    for assignment in assignments:
+        key, sep, raw_value = assignment.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise SettingProblem(f"--set {assignment!r}: expected SECTION.FIELD=VALUE, "
+                                 f"for example --set optimizer.target_batch_size=64")
+        try:
+            value = ast.literal_eval(raw_value)
+        except (ValueError, SyntaxError):
+            value = raw_value  # a plain string
+        overrides.setdefault(section, {})[name] = value
+    return overrides

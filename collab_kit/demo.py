@@ -2,7 +2,7 @@
 
 A first peer (the coordinator) and N volunteers start as separate processes on 127.0.0.1; the
 volunteers train the ``toy`` preset together for E global epochs on the toy world's dataset (shapes
-drawn by collab_kit.toy, encoded by the shipped toy VQGAN through ``preprocess`` once, then cached).
+drawn by collab_kit.toy.world, encoded by the shipped toy VQGAN through ``preprocess`` once, then cached).
 Then the trained model draws pictures for a fixed set of prompts through ``generate_images`` (toy
 VQGAN decode, toy CLIP rerank) and the demo writes, in ``demo_out/``:
 
@@ -26,9 +26,15 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
-from collab_kit.config import get_preset
-from collab_kit.data import make_synthetic_images
-from collab_kit.local_swarm import PeerFailed, PeerProcess
+from collab_kit.config import get_preset, parse_overrides
+from collab_kit.data.preprocess import preprocess
+from collab_kit.data.synthetic import color_match, make_synthetic_images
+from collab_kit.errors import CollabKitError
+from collab_kit.images.inference import draw_prompts, load_for_inference
+from collab_kit.model.vqgan import untrained_vqgan
+from collab_kit.notebook.dashboard import write_page
+from collab_kit.roles.processes import PeerFailed, PeerProcess
+from collab_kit.toy.dataset import prepare_toy_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +73,13 @@ class DemoResult:
 def prepare_demo_data(workdir: str, num_samples: int, config) -> str:
     """The demo's data, made as a real run's is: pictures -> ``preprocess`` (VQGAN codes) -> shards.
 
-    The ``toy`` preset reads the toy world's dataset (collab_kit.toy.prepare_toy_dataset: made once,
+    The ``toy`` preset reads the toy world's dataset (collab_kit.toy.dataset.prepare_toy_dataset: made once,
     then taken from the cache). Other presets get synthetic pictures ("a red cross on blue") encoded
     by an untrained VQGAN of their code grid, in ``workdir``. Returns the shards' folder.
     """
-    from collab_kit.preprocess import preprocess
-    from collab_kit.vqgan import untrained_vqgan
 
     started = time.monotonic()
     if config.data.tokenizer == "toy":
-        from collab_kit.toy import prepare_toy_dataset
-
         shards = prepare_toy_dataset(num_samples, progress=True)
         print(f"demo: the toy world's dataset ({num_samples} pictures as toy VQGAN codes) in {shards} "
               f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -91,7 +93,7 @@ def prepare_demo_data(workdir: str, num_samples: int, config) -> str:
     return report.output
 
 
-class DemoFailed(RuntimeError):
+class DemoFailed(CollabKitError, RuntimeError):
     """The demo could not show a collaborative run; the message says which part failed."""
 
 
@@ -120,8 +122,6 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     :param draws_per_prompt: pictures drawn per prompt, of which CLIP keeps ``keep``
     :raises DemoFailed: with what went wrong and where the logs are
     """
-    from collab_kit.cli import parse_overrides
-
     epochs = epochs if epochs is not None else DEFAULT_EPOCHS.get(preset, 5)
     if num_volunteers < 1 or epochs < 1:
         raise ValueError(f"the demo needs at least one volunteer and one epoch (got peers={num_volunteers}, "
@@ -248,8 +248,7 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
 
 
 def write_dashboard(monitor_db: str, path: str) -> str:
-    """The dashboard page (collab_kit.dashboard) of what the demo's monitor recorded."""
-    from collab_kit.dashboard import write_page
+    """The dashboard page (collab_kit.notebook.dashboard) of what the demo's monitor recorded."""
 
     if not os.path.exists(monitor_db):
         raise DemoFailed(f"the first peer wrote no history to {monitor_db}: see its log")
@@ -260,16 +259,14 @@ def draw_toy_samples(checkpoint: str, prompts: Sequence[str], path: Optional[str
                      seed: int = 0, top_k: Optional[int] = None) -> float:
     """Draw ``n`` pictures per prompt with a toy-world model, keep CLIP's best ``keep``, save them as a sheet.
 
-    The same path as ``notebooks/inference.ipynb`` (``collab_kit.inference``): the shipped toy VQGAN and
+    The same path as ``notebooks/inference.ipynb`` (``collab_kit.images.inference``): the shipped toy VQGAN and
     toy CLIP, the toy world's top-k; the same checkpoint and seed give the same pictures.
 
     :param checkpoint: a checkpoint folder (or Hub id) of a model trained on the toy world
     :param path: where to save the sheet (prompt above each row); None saves nothing
-    :param top_k: None: the toy world's (``collab_kit.sampling.TOY_TOP_K``)
-    :returns: color_match of the kept pictures (collab_kit.toy.color_match)
+    :param top_k: None: the toy world's (``collab_kit.model.sampling.TOY_TOP_K``)
+    :returns: color_match of the kept pictures (collab_kit.data.synthetic.color_match)
     """
-    from collab_kit.inference import draw_prompts, load_for_inference
-    from collab_kit.toy import color_match
 
     pieces = load_for_inference(checkpoint, device="cpu")
     result = draw_prompts(pieces, prompts, n=n, keep=keep, seed=seed, top_k="auto" if top_k is None else top_k)

@@ -38,7 +38,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from collab_kit.local_swarm import PeerProcess
+from collab_kit.errors import CollabKitError
+from collab_kit.roles.processes import PeerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ TCP_COUNTERS = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes", "T
                 "TcpExtTCPDSACKRecv", "TcpExtTCPSpuriousRTOs")
 
 
-class LabError(RuntimeError):
+class LabError(CollabKitError, RuntimeError):
     """A command that builds or changes the lab failed; the message holds the command and what it printed."""
 
 

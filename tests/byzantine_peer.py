@@ -12,7 +12,7 @@ gradients times 1000 only makes the swarm train on that one peer's batch: the lo
 Times -1000 turns the plain mean into gradient ascent.
 
 ``start_byzantine_peer`` starts it as a subprocess with the same handling as any test peer
-(collab_kit.local_swarm.PeerProcess: events, deadlines, kill of the whole process group);
+(collab_kit.roles.processes.PeerProcess: events, deadlines, kill of the whole process group);
 ``run_poisoned_swarm`` runs it beside 3 honest peers (tests/test_robust.py, benchmarks/robust_aggregation.py).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from collab_kit.local_swarm import PeerFailed, PeerProcess
+from collab_kit.roles.processes import PeerFailed, PeerProcess
 
 SCRIPT = os.path.abspath(__file__)
 

@@ -1,6 +1,6 @@
 """Shared test setup: an offline Hugging Face cache, a tiny dataset, and peers that always die.
 
-Peers are real processes on 127.0.0.1 (collab_kit.local_swarm.PeerProcess); the ``start_peer``
+Peers are real processes on 127.0.0.1 (collab_kit.roles.processes.PeerProcess); the ``start_peer``
 fixture kills every one it started, with its p2p daemons, however the test ends.
 """
 import os
@@ -14,8 +14,8 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=_HF_HOME,
 import pytest  # noqa: E402
 
 from collab_kit.config import get_preset  # noqa: E402
-from collab_kit.data import make_synthetic_shards  # noqa: E402
-from collab_kit.local_swarm import PeerProcess  # noqa: E402
+from collab_kit.data.synthetic import make_synthetic_shards  # noqa: E402
+from collab_kit.roles.processes import PeerProcess  # noqa: E402
 pytest_plugins = ["hub_server"]  # the stand-in Hub on 127.0.0.1: the `hub_server` fixture
 
 

@@ -1,15 +1,15 @@
 """A monitor database with a made-up run in it, written the way the monitor writes one.
 
 Each poll is what the monitor would have read from the DHT: the alive peers' signed records
-(collab_kit.metrics.PeerMetrics), summarized, then stored with RunHistory.record(). Used by the
+(collab_kit.swarm.metrics.PeerMetrics), summarized, then stored with RunHistory.record(). Used by the
 dashboard's tests and the dashboard notebook's test.
 """
 import math
 from typing import Sequence
 
-from collab_kit.checkpoint import checkpoint_name
-from collab_kit.metrics import PeerMetrics, summarize
-from collab_kit.run_history import RunHistory
+from collab_kit.model.checkpoint import checkpoint_name
+from collab_kit.swarm.metrics import PeerMetrics, summarize
+from collab_kit.roles.run_history import RunHistory
 
 START = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 POLL_EVERY = 30.0

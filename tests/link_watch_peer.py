@@ -6,8 +6,8 @@ import sys
 import threading
 
 from collab_kit.config import SwarmConfig
-from collab_kit.local_swarm import emit_event
-from collab_kit.swarm import SwarmWatchdog, join_addresses, start_dht
+from collab_kit.roles.processes import emit_event
+from collab_kit.swarm.dht import SwarmWatchdog, join_addresses, start_dht
 
 
 async def _table_size(_dht, node) -> int:

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import List
 
-from collab_kit.local_swarm import PeerProcess
+from collab_kit.roles.processes import PeerProcess
 
 SCRIPT = os.path.abspath(__file__)
 
@@ -39,8 +39,8 @@ def main(argv: List[str]) -> int:
     import torch
 
     from collab_kit import cli, volunteer
-    from collab_kit.local_swarm import emit_event
-    from collab_kit.model import TextToImageTransformer
+    from collab_kit.roles.processes import emit_event
+    from collab_kit.model.transformer import TextToImageTransformer
 
     parser = argparse.ArgumentParser(prog="nan_peer.py")
     parser.add_argument("--nan-at-epoch", type=int, default=0, help="the global epoch at which a step goes wrong")

@@ -4,7 +4,7 @@ import datetime
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collab_kit.access_token import (MalformedToken, binding_problem, issue_token, load_or_create_private_key,
+from collab_kit.auth.tokens import (MalformedToken, binding_problem, issue_token, load_or_create_private_key,
                                      public_key_from_text, public_key_to_text, seconds_left, sign_peer_binding,
                                      token_from_json, token_problem, token_to_json)
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from collab_kit.attention import ATTENTION_KINDS, Layout
+from collab_kit.model.attention import ATTENTION_KINDS, Layout
 
 
 @pytest.mark.parametrize("text_length, image_side, kernel", [(3, 4, 3), (5, 6, 5), (2, 5, 11), (4, 7, 1), (1, 3, 3)])

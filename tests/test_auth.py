@@ -1,6 +1,6 @@
 """Authorization inside the swarm: the DHT refuses peers without a valid token, and so do the averagers.
 
-Tokens here are issued by a server key made in the test (``collab_kit.access_token.issue_token``), as the
+Tokens here are issued by a server key made in the test (``collab_kit.auth.tokens.issue_token``), as the
 authentication server would issue them; the DHTs, averagers and libp2p connections are real, on 127.0.0.1.
 """
 import asyncio
@@ -16,9 +16,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab_kit.access_token import issue_token
-from collab_kit.auth import (HubAuthorizer, JoinAnswer, PeerGate, authorized_averager_class, binding_record,
-                             publish_peer_binding)
+from collab_kit.auth.tokens import issue_token
+from collab_kit.auth.client import HubAuthorizer, JoinAnswer
+from collab_kit.swarm.bindings import PeerGate, authorized_averager_class, binding_record, publish_peer_binding
 
 RUN = "authrun"
 
@@ -199,7 +199,7 @@ def test_binding_records_from_the_dht_are_schema_checked(server_key):
 
 
 def test_login_takes_the_token_from_the_environment_or_says_where_to_make_one(monkeypatch):
-    from collab_kit.auth import AuthorizationError, login
+    from collab_kit.auth.client import AuthorizationError, login
 
     monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
     assert login() == "hf_from_the_environment"

@@ -26,9 +26,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hivemind.utils.crypto import RSAPrivateKey
 from hub_server import REPO_ROOT, StandInHub
 
-from collab_kit.access_token import public_key_from_text, token_from_json, token_problem
-from collab_kit.auth_server import JOIN_PATH, AuthServerSettings, JoinLedger
-from collab_kit.swarm import ADDRESS_EXAMPLE
+from collab_kit.auth.tokens import public_key_from_text, token_from_json, token_problem
+from collab_kit.auth.server import JOIN_PATH, AuthServerSettings, JoinLedger
+from collab_kit.addresses import ADDRESS_EXAMPLE
 
 ORG = "training-transformers-together"
 LISTENING = re.compile(r"^auth server for run (\S+) \((.*)\) listening on (http://127\.0\.0\.1:(\d+))$")

@@ -11,9 +11,9 @@ import pytest
 from hub_server import StandInHub
 from test_auth_server import ORG, AuthServerProcess
 
-from collab_kit.auth_server import JoinLedger
-from collab_kit.local_swarm import PeerProcess
-from collab_kit.run_history import RunHistory
+from collab_kit.auth.server import JoinLedger
+from collab_kit.roles.processes import PeerProcess
+from collab_kit.roles.run_history import RunHistory
 
 pytestmark = pytest.mark.slow
 

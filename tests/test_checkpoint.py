@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from collab_kit.checkpoint import CONFIG_NAME, load_checkpoint, save_checkpoint
+from collab_kit.model.checkpoint import CONFIG_NAME, load_checkpoint, save_checkpoint
 from collab_kit.config import get_preset
-from collab_kit.model import TextToImageTransformer
+from collab_kit.model.transformer import TextToImageTransformer
 
 
 def test_a_checkpoint_round_trips_through_a_local_folder(tmp_path):
@@ -56,7 +56,7 @@ def test_a_checkpoint_loads_from_a_hub_repository(tmp_path, hub_server):
     loaded_path = tmp_path / "loaded.pt"
     stdout = hub_server.run_python(f"""
         import json, os, torch
-        from collab_kit.checkpoint import load_checkpoint, resolve_checkpoint
+        from collab_kit.model.checkpoint import load_checkpoint, resolve_checkpoint
         model, config, metadata = load_checkpoint("someone/tiny-run")
         torch.save({{name: tensor.clone() for name, tensor in model.state_dict().items()}}, {str(loaded_path)!r})
         files = sorted(os.listdir(resolve_checkpoint("someone/tiny-run")))
@@ -87,7 +87,7 @@ def test_a_missing_hub_repository_says_so(tmp_path, hub_server):
     hub_server.add_repo("someone/readme-only", str(tmp_path / "not_a_checkpoint"))
     stdout = hub_server.run_python("""
         import json
-        from collab_kit.checkpoint import load_checkpoint
+        from collab_kit.model.checkpoint import load_checkpoint
         for location in ("someone/no-such-run", "someone/readme-only"):
             try:
                 load_checkpoint(location)

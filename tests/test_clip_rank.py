@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from collab_kit.clip_rank import ClipRanker, tiny_random_clip, tiny_tokenizer
+from collab_kit.model.clip_rank import ClipRanker, tiny_random_clip, tiny_tokenizer
 
 PROMPT = "a red circle above a blue square"
 
@@ -107,7 +107,7 @@ def test_clip_loads_from_a_hub_repository(ranker, images, tmp_path, hub_server):
     torch.save(images, tmp_path / "images.pt")
     stdout = hub_server.run_python(f"""
         import json, torch
-        from collab_kit.clip_rank import ClipRanker
+        from collab_kit.model.clip_rank import ClipRanker
         ranker = ClipRanker.from_pretrained("someone/tiny-clip", device="cpu")
         images = torch.load({str(tmp_path / "images.pt")!r}, weights_only=True)
         print(json.dumps(ranker.score({PROMPT!r}, images).tolist()))

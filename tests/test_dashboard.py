@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 
 from collab_kit import dashboard
-from collab_kit.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
-from collab_kit.metrics import PeerMetrics, summarize
-from collab_kit.run_history import RunHistory
+from collab_kit.notebook.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
+from collab_kit.swarm.metrics import PeerMetrics, summarize
+from collab_kit.roles.run_history import RunHistory
 from example_history import NAMES, START, write_example_history
 from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a fixture)
 
@@ -165,7 +165,7 @@ def test_durations_and_leaderboard_rows():
     assert [dashboard.format_duration(s) for s in (0, 44.6, 185, 7620, 3 * 86400 + 3600 * 5 + 59)] == \
            ["0 s", "45 s", "3 min 05 s", "2 h 07 min", "3 d 5 h"]
     assert dashboard.format_time(START) == "2023-11-14 22:13:20 UTC"
-    from collab_kit.run_history import Contributor
+    from collab_kit.roles.run_history import Contributor
 
     rows = dashboard.leaderboard_rows([Contributor("a", 300, 7620.0, START, START + 60),
                                        Contributor("b", 100, 44.6, START + 30, START + 60)])

@@ -31,7 +31,7 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     assert Image.open(tmp_path / "out" / "loss.png").size == (700, 400)
     assert not (tmp_path / "out" / "samples.png").exists()
     # the first peer was the run's monitor: both volunteers are on its leaderboard, and on the dashboard page
-    from collab_kit.run_history import RunHistory
+    from collab_kit.roles.run_history import RunHistory
 
     with RunHistory(str(tmp_path / "out" / "monitor.sqlite"), read_only=True) as history:
         board, series = history.leaderboard(), history.series()
@@ -65,8 +65,8 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     assert sheet.size[0] >= 4 * 128 and sheet.size[1] == len(DEMO_PROMPTS) * (22 + 128 + 6)
     assert Image.open(out / "loss.png").size == (700, 400)
     # the monitor saved the swarm's state along the way (every 20 epochs, the newest 2 kept) and drew the page
-    from collab_kit.checkpoint import load_latest_checkpoint
-    from collab_kit.run_history import RunHistory
+    from collab_kit.model.checkpoint import load_latest_checkpoint
+    from collab_kit.roles.run_history import RunHistory
 
     with RunHistory(str(out / "monitor.sqlite"), read_only=True) as history:
         assert len(history.leaderboard()) == 2 and history.checkpoints(), history.checkpoints()

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from collab_kit.local_swarm import PeerFailed, group_is_empty
-from collab_kit.volunteer import STATE_RETRY_WAITS, Volunteer
+from collab_kit.roles.processes import PeerFailed, group_is_empty
+from collab_kit.roles.volunteer import STATE_RETRY_WAITS, Volunteer
 
 
 # short global epochs (about 21 local steps per peer), and a learning rate at which a few of them already
@@ -273,7 +273,7 @@ def test_a_nan_loss_alone_skips_the_step_and_nan_parameters_alone_stop_with_a_cl
 STATE_NEVER_COMES = textwrap.dedent("""
     import json, logging, sys, time
     from collab_kit.config import get_preset
-    from collab_kit.volunteer import Volunteer
+    from collab_kit.roles.volunteer import Volunteer
 
     logging.basicConfig(level=logging.INFO)
     config = get_preset("tiny", swarm=dict(run_id="state_never_comes", host="127.0.0.1"))
@@ -314,7 +314,7 @@ def test_a_peer_that_cannot_get_the_swarms_state_waits_longer_between_tries_inst
 LIMIT_REACHED_AS_THE_LINK_GOES_DOWN = textwrap.dedent("""
     import json, sys, threading
     from collab_kit.config import get_preset
-    from collab_kit.volunteer import Volunteer
+    from collab_kit.roles.volunteer import Volunteer
 
     config = get_preset("tiny", swarm=dict(run_id="limit_then_link_down", host="127.0.0.1"))
     with Volunteer(config, data_shards=sys.argv[1], num_threads=1) as volunteer:

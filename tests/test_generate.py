@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from collab_kit.checkpoint import save_checkpoint
-from collab_kit.clip_rank import tiny_random_clip
+from collab_kit.model.checkpoint import save_checkpoint
+from collab_kit.model.clip_rank import tiny_random_clip
 from collab_kit.config import get_preset
-from collab_kit.data import ByteCaptionTokenizer
-from collab_kit.generate import draw_images, encode_prompt, generate_images, prompt_sheet
-from collab_kit.model import TextToImageTransformer
-from collab_kit.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil, save_vqgan
+from collab_kit.data.tokenizers import ByteCaptionTokenizer
+from collab_kit.images.generate import draw_images, encode_prompt, generate_images, prompt_sheet
+from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil, save_vqgan
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collab_kit.data import (SHARD_FORMAT, SHARD_SCHEMA, ByteCaptionTokenizer, InvalidCodesError, ShardStream,
-                             decode_codes, encode_codes, write_shard)
+from collab_kit.data.codec import InvalidCodesError, decode_codes, encode_codes
+from collab_kit.data.shards import SHARD_FORMAT, SHARD_SCHEMA, write_shard
+from collab_kit.data.stream import ShardStream
+from collab_kit.data.tokenizers import ByteCaptionTokenizer
 
 IMAGE_LENGTH, CODEBOOK, TEXT_LENGTH = 16, 32, 12
 LARGEST_PAYLOAD = (2 ** 16 - 1) * 16 // 8  # 65,535 codes of 16 bits: the largest record the codec writes
@@ -178,7 +180,7 @@ def test_training_batches_flow_past_hostile_shards(hostile_shards):
 # 5 to /proc/self/clear_refs resets the peak to the current size) and the error
 MEMORY_CHECK = """
 import json, sys
-from collab_kit.data import decode_codes, encode_codes
+from collab_kit.data.codec import decode_codes, encode_codes
 import numpy as np
 
 def rss(field):

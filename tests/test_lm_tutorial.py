@@ -13,10 +13,10 @@ import nbformat
 import pytest
 import torch
 
-from collab_kit.lm_finetune import (compare_optimizer_memory, count_parameters,
+from collab_kit.tutorial.finetuning import (compare_optimizer_memory, count_parameters,
                                     finetune, load_gpt2, make_adam, measure_state_bytes, memory_table)
-from collab_kit.memory import BNB_MIN_8BIT_SIZE
-from collab_kit.text_stream import (block_batches, gpt2_tokenizer, iterate_texts, make_text_shards, pack_blocks,
+from collab_kit.memory.estimator import BNB_MIN_8BIT_SIZE
+from collab_kit.tutorial.text_stream import (block_batches, gpt2_tokenizer, iterate_texts, make_text_shards, pack_blocks,
                                     stream_texts)
 from test_notebooks import NOTEBOOKS, cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
@@ -148,8 +148,8 @@ def test_c4_and_gpt2_by_name_from_the_hub(tmp_path, hub_server):
 
     stdout = hub_server.run_python("""
         import json
-        from collab_kit.lm_finetune import load_gpt2
-        from collab_kit.text_stream import iterate_texts, stream_texts
+        from collab_kit.tutorial.finetuning import load_gpt2
+        from collab_kit.tutorial.text_stream import iterate_texts, stream_texts
         texts = list(iterate_texts(stream_texts(shuffle_buffer=8), passes=1))
         model = load_gpt2("someone/gpt2-tiny")
         print(json.dumps(dict(texts=texts, weight=model.transformer.h[1].mlp.c_fc.weight.sum().item(),
@@ -196,7 +196,7 @@ def test_8bit_adam_keeps_a_quarter_of_the_state(tokenizer):
     assert sorted(by_bits) == [8, 32]
     for bits, row in by_bits.items():
         assert row.parameters == count_parameters(model) and row.error is None and row.peak_gpu_bytes is None
-        # collab_kit.memory predicts it from the tensors' sizes, to the byte (its formula: tests/test_memory.py)
+        # collab_kit.memory.estimate predicts it from the tensors' sizes, to the byte (its formula: tests/test_memory.py)
         assert row.estimated_state_bytes == row.state_bytes > 0, bits
     ratio = by_bits[8].state_bytes / by_bits[32].state_bytes
     assert 0.25 < ratio < 0.26, ratio  # (2 + 8/256) / 8 = 0.254 for large tensors
@@ -268,7 +268,7 @@ def test_tutorial_notebook_fine_tunes_a_tiny_gpt2(shards, tmp_path, python3_kern
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 2, losses
     assert 0 < summary["state_bytes_8"] < 0.3 * summary["state_bytes_32"]  # (2 + 8/256) / 8 on most values
     assert summary["state_bytes"] == summary["state_bytes_8"]  # the trained optimizer is the measured 8-bit one
-    # collab_kit.memory's prediction, printed beside each measurement, is exact for the state
+    # collab_kit.memory.estimate's prediction, printed beside each measurement, is exact for the state
     assert all(row["estimated_state_bytes"] == row["state_bytes"] for row in summary["optimizer_memory"])
     assert [row["bits"] for row in summary["optimizer_memory"]] == [32, 8]
     assert all(row["peak_gpu_bytes"] is None and row["error"] is None for row in summary["optimizer_memory"])
@@ -283,7 +283,7 @@ def test_the_memory_chart_uses_the_units_of_its_labels():
     import matplotlib
 
     matplotlib.use("Agg")
-    from collab_kit.lm_finetune import OptimizerMemory, plot_memory_comparison
+    from collab_kit.tutorial.finetuning import OptimizerMemory, plot_memory_comparison
 
     rows = [OptimizerMemory(bits=32, parameters=2 ** 20, state_bytes=8 * 2 ** 20),
             OptimizerMemory(bits=8, parameters=2 ** 20, state_bytes=2 * 2 ** 20)]
@@ -295,7 +295,7 @@ def test_the_memory_chart_uses_the_units_of_its_labels():
 
 def test_on_a_cpu_the_tutorial_trains_a_tiny_gpt2_and_an_unreachable_model_is_one_sentence():
     from collab_kit.config import SettingProblem
-    from collab_kit.lm_finetune import CPU_SIZED_GPT2, choose_model
+    from collab_kit.tutorial.finetuning import CPU_SIZED_GPT2, choose_model
 
     assert not torch.cuda.is_available()  # this machine: what a CPU-only volunteer has
     source, said = choose_model("gpt2-large", "auto", block_size=256)

@@ -2,11 +2,11 @@
 the dashboard and the join notebook's live view (the swarm itself: tests/test_network_lab.py)."""
 import pytest
 
-from collab_kit.dashboard import averaging_html, load
-from collab_kit.live_view import LiveView
-from collab_kit.metrics import PeerMetrics, SwarmSnapshot
-from collab_kit.run_history import RunHistory
-from collab_kit.volunteer import LONE_AFTER_EPOCHS, EpochRecord, LoneTrainingWatch
+from collab_kit.notebook.dashboard import averaging_html, load
+from collab_kit.notebook.live_view import LiveView
+from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
+from collab_kit.roles.run_history import RunHistory
+from collab_kit.roles.volunteer import LONE_AFTER_EPOCHS, EpochRecord, LoneTrainingWatch
 
 
 def epoch(number, averaged, training_peers=3, problem=None, anchors=0):

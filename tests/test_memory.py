@@ -1,4 +1,4 @@
-"""collab_kit.memory: parameter counts, byte-exact estimates against real optimizer steps, the activation
+"""collab_kit.memory.estimate: parameter counts, byte-exact estimates against real optimizer steps, the activation
 formula against what autograd saves, recommendations, the chart and the widget."""
 import dataclasses
 import math
@@ -9,9 +9,11 @@ import torch
 
 from collab_kit import memory
 from collab_kit.config import get_preset
-from collab_kit.memory import (CATALOGUE, ModelShape, estimate, gradient_bytes, optimizer_state_bytes,
-                               parameter_bytes, recommend_settings)
-from collab_kit.model import TextToImageTransformer, count_parameters
+from collab_kit.memory.catalogue import CATALOGUE, ModelShape
+from collab_kit.memory.estimator import estimate
+from collab_kit.memory.measured import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from collab_kit.memory.recommend import recommend_settings
+from collab_kit.model.transformer import TextToImageTransformer, count_parameters
 
 GiB = 2 ** 30
 # a tiny GPT-2: its biases and norms (64, 192, 256 elements) stay below bitsandbytes' min_8bit_size (4096),
@@ -156,7 +158,7 @@ def test_estimate_of_the_kit_preset_equals_the_bytes_of_its_model(optimizer):
 
 
 def test_the_kits_8bit_lamb_keeps_the_8bit_adam_state():
-    from collab_kit.optim import make_lamb8bit, parameter_groups
+    from collab_kit.swarm.optimizer import make_lamb8bit, parameter_groups
 
     config = get_preset("tiny")
     model = TextToImageTransformer(config.model)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from collab_kit.config import ModelConfig, get_preset
-from collab_kit.model import TextToImageTransformer, count_compute_parameters, count_parameters, describe
+from collab_kit.model.transformer import TextToImageTransformer, count_compute_parameters, count_parameters, describe
 
 
 @pytest.fixture

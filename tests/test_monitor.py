@@ -18,12 +18,12 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab_kit.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, checkpoint_name, list_checkpoints, load_checkpoint,
+from collab_kit.model.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, checkpoint_name, list_checkpoints, load_checkpoint,
                                    load_latest_checkpoint, rotate_checkpoints, save_checkpoint)
 from collab_kit.config import get_preset
-from collab_kit.metrics import MetricsPublisher, PeerMetrics
-from collab_kit.model import TextToImageTransformer
-from collab_kit.run_history import RunHistory
+from collab_kit.swarm.metrics import MetricsPublisher, PeerMetrics
+from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.roles.run_history import RunHistory
 
 # a small target batch: global epochs of a few seconds even on a loaded machine, so that checkpoints come often
 TARGET = "optimizer.target_batch_size=512"
@@ -95,7 +95,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_p
     weights = os.path.join(folder, "epoch-000030", WEIGHTS_NAME)
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
-    with caplog.at_level(logging.WARNING, logger="collab_kit.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="collab_kit.model.checkpoint"):
         model, config, metadata, path = load_latest_checkpoint(folder)
     assert path.endswith("epoch-000020") and metadata["global_epoch"] == 20 and same_parameters(model, models[20])
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
@@ -107,7 +107,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_p
     with open(os.path.join(folder, "epoch-000020", CONFIG_NAME), "w") as f:
         f.write('{"run": {"model": ')
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="collab_kit.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="collab_kit.model.checkpoint"):
         _, _, metadata, _ = load_latest_checkpoint(folder)
     assert metadata["global_epoch"] == 10
     assert any("epoch-000020" in record.getMessage() for record in caplog.records)
@@ -126,8 +126,8 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_p
 
 
 def test_a_username_is_credited_only_when_the_binding_proves_it():
-    from collab_kit.access_token import issue_token, sign_peer_binding
-    from collab_kit.monitor import verified_username
+    from collab_kit.auth.tokens import issue_token, sign_peer_binding
+    from collab_kit.roles.monitor import verified_username
 
     server_key, other_server_key = RSAPrivateKey(), RSAPrivateKey()
     peer_key = RSAPrivateKey()
@@ -135,7 +135,7 @@ def test_a_username_is_credited_only_when_the_binding_proves_it():
     subkey = RSASignatureValidator(peer_key).local_public_key
 
     def bound(username, key=peer_key, server=server_key, lifetime=datetime.timedelta(hours=1), to=peer_id):
-        """The binding record a peer with ``key`` publishes (collab_kit.auth.binding_record), for peer id ``to``."""
+        """The binding record a peer with ``key`` publishes (collab_kit.swarm.bindings.binding_record), for peer id ``to``."""
         token = issue_token(server, username, key.get_public_key().to_bytes(), lifetime)
         return dict(token=token.SerializeToString(), binding=sign_peer_binding(key, token, to.to_bytes()))
 
@@ -165,7 +165,7 @@ def test_a_username_is_credited_only_when_the_binding_proves_it():
 
 def test_wandb_without_the_package_is_a_clear_error_before_anything_starts(tmp_path, monkeypatch):
     from collab_kit.cli import make_parser
-    from collab_kit.monitor import Monitor, MonitorError, MonitorSettings
+    from collab_kit.roles.monitor import Monitor, MonitorError, MonitorSettings
 
     try:
         import wandb  # noqa: F401
@@ -193,7 +193,7 @@ def test_failed_state_downloads_are_retried_with_backoff_until_a_peer_arrives(st
     run_id = "test_monitor_backoff"
     hub = {"HF_ENDPOINT": hub_server.endpoint, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
-    from collab_kit.local_swarm import PeerProcess
+    from collab_kit.roles.processes import PeerProcess
 
     monitor = PeerProcess("monitor", monitor_args(run_id, tmp_path, "--push-to", "someone/tiny-run"),
                           str(tmp_path / "monitor.log"), env=hub)
@@ -250,7 +250,7 @@ def test_failed_state_downloads_are_retried_with_backoff_until_a_peer_arrives(st
     assert f"global epoch {checkpoint['epoch']}" in hub_server.commits[0]["summary"]
     # what an inference notebook does with the repository id: the newest checkpoint pushed
     stdout = hub_server.run_python("""
-        from collab_kit.checkpoint import load_checkpoint
+        from collab_kit.model.checkpoint import load_checkpoint
         print(load_checkpoint("someone/tiny-run")[2]["global_epoch"])
     """)
     on_the_hub = int(stdout.strip())

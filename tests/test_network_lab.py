@@ -16,7 +16,7 @@ import time
 import pytest
 
 from collab_kit.netlab import NetworkLab, lab_unavailable, list_namespaces
-from collab_kit.run_history import RunHistory
+from collab_kit.roles.run_history import RunHistory
 
 REASON = lab_unavailable()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"no network lab on this machine: {REASON}")
@@ -27,8 +27,8 @@ EPOCH_SETTINGS = ["--set", "optimizer.target_batch_size=8192"]
 # the late joiner's link in the NAT scenario, each way: the tiny model's state (~0.3 MB) then takes longer than an epoch
 LATE_JOINER_MBIT = 0.25
 # what each peer's log says about matchmaking and the link, for a failure to be read from the logs alone
-DEBUG_LOGS = ["--debug-logger", "hivemind.averaging.matchmaking", "--debug-logger", "collab_kit.swarm",
-              "--debug-logger", "collab_kit.optim", "--debug-logger", "collab_kit.volunteer"]
+DEBUG_LOGS = ["--debug-logger", "hivemind.averaging.matchmaking", "--debug-logger", "collab_kit.swarm.dht",
+              "--debug-logger", "collab_kit.swarm.optimizer", "--debug-logger", "collab_kit.roles.volunteer"]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""notebooks/inference.ipynb and collab_kit.inference: from a checkpoint (folder or Hub repo) to CLIP's best pictures.
+"""notebooks/inference.ipynb and collab_kit.images.inference: from a checkpoint (folder or Hub repo) to CLIP's best pictures.
 
 The checkpoint is an untrained model of the toy world (drawing needs no training to be tested): the toy
 VQGAN and toy CLIP shipped with the kit decode and rank what it draws, offline.
@@ -11,12 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from collab_kit.checkpoint import save_checkpoint
+from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.config import get_preset
-from collab_kit.generate import draw_images
-from collab_kit.inference import draw_prompts, load_for_inference
-from collab_kit.model import TextToImageTransformer
-from collab_kit.sampling import TOY_TOP_K
+from collab_kit.images.generate import draw_images
+from collab_kit.images.inference import draw_prompts, load_for_inference
+from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.model.sampling import TOY_TOP_K
 from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "inference.ipynb"
@@ -137,7 +137,7 @@ def test_a_checkpoint_loads_by_hub_repository_id(toy_checkpoint, tmp_path, hub_s
     sheet_path = tmp_path / "hub_sheet.png"
     stdout = hub_server.run_python(f"""
         import json
-        from collab_kit.inference import draw_prompts, load_for_inference
+        from collab_kit.images.inference import draw_prompts, load_for_inference
         pieces = load_for_inference("someone/toy-run", revision={commit!r}, device="cpu")
         result = draw_prompts(pieces, {PROMPTS[:1]!r}, n=3, keep=2, seed=5, progress=False)
         result.save_sheet({str(sheet_path)!r})

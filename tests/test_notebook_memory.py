@@ -1,4 +1,4 @@
-"""notebooks/memory_calculator.ipynb run through papermill: its summary equals collab_kit.memory called here."""
+"""notebooks/memory_calculator.ipynb run through papermill: its summary equals collab_kit.memory.estimate called here."""
 import json
 from pathlib import Path
 

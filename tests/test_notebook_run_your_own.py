@@ -1,4 +1,4 @@
-"""notebooks/run_your_own.ipynb and collab_kit.services: a run's services started from Python, and stopped.
+"""notebooks/run_your_own.ipynb and collab_kit.roles.services: a run's services started from Python, and stopped.
 
 The notebook runs under papermill against the real services on 127.0.0.1: ``collab-kit auth-server`` in front of
 the stand-in Hub (tests/hub_server.py), ``collab-kit monitor``, a background ``collab-kit join`` and the notebook's
@@ -19,10 +19,10 @@ from hub_server import StandInHub
 from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
 from collab_kit import cli, services
-from collab_kit.auth_server import AuthServerSettings, JoinLedger
+from collab_kit.auth.server import AuthServerSettings, JoinLedger
 from collab_kit.config import get_preset
-from collab_kit.local_swarm import group_is_empty
-from collab_kit.run_history import RunHistory
+from collab_kit.roles.processes import group_is_empty
+from collab_kit.roles.run_history import RunHistory
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "run_your_own.ipynb"
 ORG = "my-org"
@@ -111,7 +111,7 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
 
 
 # ---------------------------------------------------------------------------------------------
-# collab_kit.services
+# collab_kit.roles.services
 
 
 def test_config_arguments_rebuild_the_same_config():
@@ -189,7 +189,7 @@ def test_services_stop_when_the_interpreter_exits(tmp_path):
     """A notebook kernel that is shut down or restarted leaves no service running (atexit)."""
     code = textwrap.dedent(f"""
         from collab_kit import services
-        from collab_kit.auth_server import AuthServerSettings
+        from collab_kit.auth.server import AuthServerSettings
 
         settings = AuthServerSettings(organization="{ORG}", database_path={str(tmp_path / "a.sqlite3")!r},
                                       hub_endpoint="http://127.0.0.1:9")

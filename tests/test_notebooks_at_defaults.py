@@ -23,9 +23,9 @@ from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a 
 from nbconvert import HTMLExporter
 from test_notebooks import cell_texts, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
-from collab_kit.checkpoint import save_checkpoint
+from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.config import get_preset
-from collab_kit.model import TextToImageTransformer
+from collab_kit.model.transformer import TextToImageTransformer
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

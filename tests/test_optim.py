@@ -15,11 +15,12 @@ from hivemind.compression.base import CompressionInfo
 from hivemind.proto import runtime_pb2
 
 from collab_kit.config import SwarmConfig, get_preset
-from collab_kit.model import TextToImageTransformer
-from collab_kit.optim import (CLIENT_JOIN_ANSWER_TIMEOUT, NO_STATE_AVERAGING, STATE_DOWNLOAD_PART_TIMEOUT,
-                              ForkedTorchThreadsMixin, SwarmProgressTracker, gradient_compression,
-                              linear_warmup_then_decay, make_lamb8bit, parameter_groups)
-from collab_kit.swarm import start_dht
+from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
+from collab_kit.swarm.lamb import linear_warmup_then_decay
+from collab_kit.swarm.optimizer import (CLIENT_JOIN_ANSWER_TIMEOUT, NO_STATE_AVERAGING, STATE_DOWNLOAD_PART_TIMEOUT,
+                                        SwarmProgressTracker, gradient_compression, make_lamb8bit, parameter_groups)
+from collab_kit.swarm.dht import start_dht
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero():
@@ -95,9 +96,10 @@ def test_lamb8bit_steps_each_matrix_by_lr_times_its_norm_whatever_the_gradient_s
 WIRING_CHECK = textwrap.dedent("""
     import json, torch, hivemind
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import LAMB8bit, make_optimizer
-    from collab_kit.swarm import start_dht
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.lamb import LAMB8bit
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import start_dht
     config = get_preset("tiny")
     dht = start_dht(config.swarm)
     model = TextToImageTransformer(config.model)
@@ -171,7 +173,7 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
 
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.optim import ANCHOR_ROLE, RoundResult, round_report_averager_class
+    from collab_kit.swarm.optimizer import ANCHOR_ROLE, RoundResult, round_report_averager_class
 
     averager_class = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
     # hivemind names RPCs after the class: a peer with the mixin and one without still talk to each other
@@ -183,7 +185,8 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
 
 
 def test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_claim():
-    from collab_kit.optim import ANCHOR_ROLE, TRAINER_ROLE, RoundResult, round_member
+    from collab_kit.swarm.averagers import round_member
+    from collab_kit.swarm.optimizer import ANCHOR_ROLE, TRAINER_ROLE, RoundResult
 
     def epoch_of(*members):
         return RoundResult({f"peer{i}": member for i, member in enumerate(members)}).epoch()
@@ -205,7 +208,7 @@ def test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_cl
 # depends on what ran in it before, so the pytest process, after other tests, is no place to measure it
 FORKED_THREADS_RACE = textwrap.dedent("""
     import json, multiprocessing as mp, threading, torch
-    from collab_kit.optim import ForkedTorchThreadsMixin
+    from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
 
     class ThreadsAtOnce(mp.get_context("fork").Process):
         # a forked process whose threads run their first tensor operation at the same moment, as hivemind's
@@ -259,8 +262,8 @@ def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
     # every averager the kit builds carries it: gradient averagers (plain, CenteredClip, authorized) and state averagers
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.optim import ANCHOR_ROLE, TRAINER_ROLE, recording_state_averager_class, round_report_averager_class
-    from collab_kit.robust import with_centered_clip
+    from collab_kit.swarm.optimizer import ANCHOR_ROLE, TRAINER_ROLE, recording_state_averager_class, round_report_averager_class
+    from collab_kit.swarm.robust import with_centered_clip
 
     for role in (TRAINER_ROLE, ANCHOR_ROLE):
         averager_class = round_report_averager_class(GradientAverager, role)
@@ -274,9 +277,9 @@ def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
 CLIENT_MODE_AVERAGERS = textwrap.dedent("""
     import json, sys, hivemind, torch
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import CLIENT_JOIN_ANSWER_TIMEOUT, make_optimizer
-    from collab_kit.swarm import join_addresses, start_dht
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import CLIENT_JOIN_ANSWER_TIMEOUT, make_optimizer
+    from collab_kit.swarm.dht import join_addresses, start_dht
 
     first = start_dht(SwarmConfig(host="127.0.0.1"))
     client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(first)))
@@ -329,8 +332,8 @@ LEADER_AND_CLIENT = textwrap.dedent("""
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.utils import get_dht_time
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.optim import ANCHOR_ROLE, TRAINER_ROLE, round_report_averager_class
-    from collab_kit.swarm import join_addresses, start_dht
+    from collab_kit.swarm.optimizer import ANCHOR_ROLE, TRAINER_ROLE, round_report_averager_class
+    from collab_kit.swarm.dht import join_addresses, start_dht
 
     logging.getLogger("hivemind.averaging.matchmaking").setLevel(logging.DEBUG)
     leader_kind, client_round = sys.argv[1:3]
@@ -400,9 +403,9 @@ def test_an_anchor_lets_in_a_peer_whose_time_comes_before_its_own_and_starts_the
 STATE_ROUND_AFTER_RESYNC = textwrap.dedent("""
     import json
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import make_optimizer
-    from collab_kit.swarm import start_dht
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import start_dht
 
     dht = start_dht(SwarmConfig(host="127.0.0.1"))
     config = get_preset("tiny").optimizer
@@ -432,9 +435,9 @@ def test_a_peer_apart_from_the_swarm_takes_no_state_round_before_it_loads_the_sw
 STALE_PROGRESS_AFTER_A_SLOW_DOWNLOAD = textwrap.dedent("""
     import json
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import make_optimizer
-    from collab_kit.swarm import start_dht
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import start_dht
 
     dht = start_dht(SwarmConfig(host="127.0.0.1"))
     preset = get_preset("tiny")
@@ -477,9 +480,10 @@ OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.optim.progress_tracker import ProgressTracker
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import ANCHOR_ROLE, parameter_groups, round_member, round_report_averager_class
-    from collab_kit.swarm import join_addresses, start_dht
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.averagers import round_member
+    from collab_kit.swarm.optimizer import ANCHOR_ROLE, parameter_groups, round_report_averager_class
+    from collab_kit.swarm.dht import join_addresses, start_dht
 
     preset = get_preset("tiny")
     target = preset.optimizer.target_batch_size
@@ -505,9 +509,9 @@ OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
 PEER_READING_EPOCH_4 = textwrap.dedent("""
     import json, sys, time, torch
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.optim import make_optimizer
-    from collab_kit.swarm import start_dht
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import start_dht
 
     preset = get_preset("tiny")
     dht = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=json.loads(sys.argv[1])))
@@ -578,7 +582,7 @@ def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_other
 
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
     # plain bitsandbytes warns at import that its CPU 4-bit kernels are missing: a red box in every notebook
-    result = subprocess.run([sys.executable, "-c", "import collab_kit.optim, collab_kit.lm_finetune"],
+    result = subprocess.run([sys.executable, "-c", "import collab_kit.swarm.optimizer, collab_kit.tutorial.finetuning"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gemm_4bit" not in result.stderr and "kernels" not in result.stderr, result.stderr

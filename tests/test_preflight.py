@@ -1,4 +1,4 @@
-"""collab_kit.preflight: each problem a volunteer can meet is forced, and must be named with what to do.
+"""collab_kit.notebook.preflight: each problem a volunteer can meet is forced, and must be named with what to do.
 
 The facts of this machine are read for real (gather_facts); a case this machine does not have (a GPU too
 small, a full disk) is forced by changing the facts the checks judge. Reachability is tried for real on
@@ -11,10 +11,10 @@ import pytest
 
 from collab_kit import get_preset
 from collab_kit.config import SwarmConfig
-from collab_kit.memory import GiB
-from collab_kit.preflight import (NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
+from collab_kit.units import GiB
+from collab_kit.notebook.preflight import (NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
                                   gather_facts, run_preflight)
-from collab_kit.swarm import start_dht
+from collab_kit.swarm.dht import start_dht
 
 
 @pytest.fixture(scope="module")

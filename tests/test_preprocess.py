@@ -19,10 +19,14 @@ import torch
 from PIL import Image
 
 from collab_kit.cli import PREPROCESS_SOURCE_FORMATS
-from collab_kit.data import ByteCaptionTokenizer, ShardStream, decode_codes, shard_metadata
-from collab_kit.preprocess import (ASPECT_RATIO, MISSING_CAPTION, MISSING_IMAGE, NSFW, SHORT_CAPTION, SOURCE_FORMATS,
-                                   UNREADABLE_IMAGE, PushError, drop_reason, preprocess, read_pairs)
-from collab_kit.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor, save_vqgan
+from collab_kit.data.codec import decode_codes
+from collab_kit.data.shards import shard_metadata
+from collab_kit.data.stream import ShardStream
+from collab_kit.data.tokenizers import ByteCaptionTokenizer
+from collab_kit.data.preprocess import (ASPECT_RATIO, MISSING_CAPTION, MISSING_IMAGE, NSFW, SHORT_CAPTION,
+                                        UNREADABLE_IMAGE, PushError, drop_reason, preprocess)
+from collab_kit.data.sources import SOURCE_FORMATS, read_pairs
+from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor, save_vqgan
 
 SIDE = 16  # the tiny VQGAN's image_size
 
@@ -387,7 +391,7 @@ def test_the_cli_pushes_to_the_hub_and_the_shards_stream_back(tmp_path, vqgan, h
     stdout = hub_server.run_python("""
         import json
         import datasets
-        from collab_kit.data import decode_codes
+        from collab_kit.data.codec import decode_codes
         stream = datasets.load_dataset("someone/codes", streaming=True, split="train")
         for row in stream:
             print(json.dumps(dict(source_id=row["source_id"], caption=row["caption"],
@@ -430,7 +434,7 @@ def test_a_hub_dataset_is_a_source(tmp_path, vqgan, hub_server):
     save_vqgan(vqgan, tmp_path / "vqgan")
 
     stdout = hub_server.run_python(f"""
-        from collab_kit.preprocess import preprocess
+        from collab_kit.data.preprocess import preprocess
         report = preprocess("someone/laion-sample", {str(tmp_path / "shards")!r}, {str(tmp_path / "vqgan")!r},
                             progress=False)
         print(report.summary())
@@ -461,7 +465,7 @@ def test_the_training_stream_reads_a_hub_dataset_by_its_id(tmp_path, vqgan, hub_
     hub_server.add_repo("someone/codes", str(tmp_path / "shards"), repo_type="dataset")
     stdout = hub_server.run_python("""
         import json
-        from collab_kit.data import ShardStream
+        from collab_kit.data.stream import ShardStream
         stream = ShardStream("someone/codes", text_length=24, image_length=16, codebook_size=32, shuffle_buffer=4)
         samples = iter(stream)
         for _ in range(14):  # two passes

@@ -1,4 +1,4 @@
-"""Robust gradient aggregation (collab_kit.robust): CenteredClip alone, inside hivemind's all-reduce, and in a swarm
+"""Robust gradient aggregation (collab_kit.swarm.robust): CenteredClip alone, inside hivemind's all-reduce, and in a swarm
 with a peer that poisons its gradients."""
 import json
 import sys
@@ -9,7 +9,7 @@ import torch
 
 from collab_kit import robust
 from collab_kit.config import OptimizerConfig, get_preset
-from collab_kit.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
+from collab_kit.swarm.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
 
 
 def honest_and_outlier(d: int = 1000, n_honest: int = 3, factor: float = 1000.0, seed: int = 0):
@@ -118,7 +118,7 @@ def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     from hivemind.optim.grad_averager import GradientAverager
 
     from collab_kit import optim
-    from collab_kit.model import TextToImageTransformer
+    from collab_kit.model.transformer import TextToImageTransformer
 
     built = []
 
@@ -174,7 +174,7 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 # inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
 
 def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, **kwargs):
-    from collab_kit.optim import gradient_compression
+    from collab_kit.swarm.optimizer import gradient_compression
 
     averagers = [averager_class([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True,
                                 target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,

@@ -3,8 +3,8 @@ import sqlite3
 
 import pytest
 
-from collab_kit.metrics import PeerMetrics, SwarmSnapshot
-from collab_kit.run_history import RunHistory
+from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
+from collab_kit.roles.run_history import RunHistory
 
 
 def record(peer: str, samples: int, seconds: float, at: float, **changes) -> PeerMetrics:

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from collab_kit.config import ModelConfig
-from collab_kit.model import TextToImageTransformer
-from collab_kit.sampling import generate_image_codes, sample_next, top_k_filter, top_p_filter
+from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.model.sampling import generate_image_codes, sample_next, top_k_filter, top_p_filter
 
 
 def test_top_k_keeps_exactly_the_k_largest():

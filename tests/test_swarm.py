@@ -2,7 +2,7 @@
 import pytest
 
 from collab_kit.config import SwarmConfig, get_preset
-from collab_kit.swarm import (CLIENT_DHT_REQUEST_TIMEOUT, SwarmConnectionError, count_present_peers, join_addresses,
+from collab_kit.swarm.dht import (CLIENT_DHT_REQUEST_TIMEOUT, SwarmConnectionError, count_present_peers, join_addresses,
                               join_instructions, parse_initial_peers, start_dht, wait_for_peers)
 
 GOOD = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
@@ -112,7 +112,7 @@ def test_reachability_is_asked_of_the_swarm_only_where_it_can_differ(monkeypatch
 def test_a_failed_averaging_round_is_one_log_line(caplog):
     import logging
 
-    from collab_kit.swarm import install_log_filters
+    from collab_kit.swarm.dht import install_log_filters
     from hivemind.averaging.partition import AllreduceException
 
     install_log_filters()
@@ -136,7 +136,7 @@ def test_a_failed_averaging_round_is_one_log_line(caplog):
 def test_the_dht_hard_stop_is_not_shown_unless_debug_logs_are_asked_for():
     import logging
 
-    from collab_kit.swarm import install_log_filters
+    from collab_kit.swarm.dht import install_log_filters
 
     install_log_filters()
     logger = logging.getLogger("hivemind.dht.dht")

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from collab_kit.local_swarm import group_is_empty
+from collab_kit.roles.processes import group_is_empty
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,8 @@ def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer
     first, second = (torch.load(tmp_path / f"params-{i}.pt") for i in range(2))
     assert first.keys() == second.keys()
     from collab_kit.config import get_preset
-    from collab_kit.model import TextToImageTransformer
-    from collab_kit.volunteer import model_seed
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.model.transformer import model_seed
 
     torch.manual_seed(model_seed(run_id))
     initial = dict(TextToImageTransformer(get_preset("tiny").model).named_parameters())
@@ -89,8 +89,8 @@ def test_late_peer_loads_the_swarm_state_and_continues_at_its_epoch(first_peer, 
 
 def test_the_monitor_reads_the_swarms_progress(first_peer, start_peer, tiny_shards):
     from collab_kit.config import SwarmConfig
-    from collab_kit.monitor import progress_validators, read_swarm_progress
-    from collab_kit.swarm import start_dht
+    from collab_kit.roles.monitor import progress_validators, read_swarm_progress
+    from collab_kit.swarm.dht import start_dht
 
     run_id = "test_monitor"
     _, addresses = first_peer(run_id)

@@ -4,8 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from collab_kit.toy import (BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, Scene, ToyTokenizer, dominant_color, draw,
-                            pictures, scenes, world_words, write_toy_images)
+from collab_kit.data.synthetic import (BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, Scene, dominant_color, draw,
+                                       pictures, scenes, world_words, make_synthetic_images)
+from collab_kit.data.tokenizers import ToyTokenizer
 
 
 def test_the_same_seed_draws_the_same_pictures_and_another_seed_others():
@@ -65,7 +66,7 @@ def test_dominant_colour_reads_blurry_pictures_and_knows_when_there_is_none():
 
 
 def test_color_match_counts_pictures_in_their_prompts_colour():
-    from collab_kit.toy import color_match, prompt_color
+    from collab_kit.data.synthetic import color_match, prompt_color
 
     drawn = list(pictures(40, seed=5))
     images, captions = [image for image, _ in drawn], [caption for _, caption in drawn]
@@ -84,7 +85,7 @@ def test_color_match_counts_pictures_in_their_prompts_colour():
 
 
 def test_toy_images_are_written_for_preprocess(tmp_path):
-    folder = write_toy_images(str(tmp_path / "toy"), 5, seed=3)
+    folder = make_synthetic_images(str(tmp_path / "toy"), 5, seed=3)
     entries = [json.loads(line) for line in open(f"{folder}/captions.jsonl")]
     assert [e["caption"] for e in entries] == [caption for _, caption in pictures(5, seed=3)]
     assert sorted(p.name for p in (tmp_path / "toy").glob("*.png")) == [e["file"] for e in entries]
@@ -104,9 +105,10 @@ def test_the_toy_preset_fits_the_toy_world():
 def test_the_toy_dataset_is_made_by_preprocess_once_and_streamed_with_the_toy_tokenizer(tmp_path):
     import os
 
-    from collab_kit.data import ShardStream, shard_metadata
-    from collab_kit.toy import prepare_toy_dataset
-    from collab_kit.vqgan import untrained_vqgan
+    from collab_kit.data.shards import shard_metadata
+    from collab_kit.data.stream import ShardStream
+    from collab_kit.toy.dataset import prepare_toy_dataset
+    from collab_kit.model.vqgan import untrained_vqgan
 
     vqgan = untrained_vqgan(grid_size=8, codebook_size=512)
     shards = prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=vqgan, rows_per_shard=16, progress=False)

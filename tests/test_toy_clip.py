@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from collab_kit import toy
-from collab_kit.clip_rank import ClipRanker
-from collab_kit.toy_clip import (HELD_OUT_SEED, METRICS_FILE, TOY_CLIP_DIR, TRAIN_SEED_BASE, evaluate_toy_clip,
+from collab_kit.model.clip_rank import ClipRanker
+from collab_kit.toy.clip import (HELD_OUT_SEED, METRICS_FILE, TOY_CLIP_DIR, TRAIN_SEED_BASE, evaluate_toy_clip,
                                  fixed_blur, load_toy_clip, main, scene_pixels, toy_clip_metrics, toy_clip_tokenizer,
                                  train_toy_clip, training_scenes)
 

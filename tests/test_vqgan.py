@@ -15,7 +15,7 @@ import torch
 import yaml
 from PIL import Image
 
-from collab_kit.vqgan import (CHECKPOINT_NAME, CONFIG_NAME, GUMBEL_TARGET, PAPER_VQGAN_CONFIG, TINY_VQGAN_CONFIG,
+from collab_kit.model.vqgan import (CHECKPOINT_NAME, CONFIG_NAME, GUMBEL_TARGET, PAPER_VQGAN_CONFIG, TINY_VQGAN_CONFIG,
                               VQ_TARGET, build_vqgan, images_to_pil, load_vqgan, pil_to_tensor, save_vqgan)
 
 TINY_VQ_CONFIG = dict(copy.deepcopy(TINY_VQGAN_CONFIG), target=VQ_TARGET)
@@ -322,7 +322,7 @@ def test_load_from_a_hub_repository(hub_server, tmp_path):
 
     output = hub_server.run_python(f"""
         import json, torch
-        from collab_kit.vqgan import TINY_VQGAN_CONFIG, load_vqgan
+        from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, load_vqgan
         x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
         model = load_vqgan("collab/tiny-vqgan")
         torch.save(model.decode(model.encode(x)), {str(tmp_path / "decoded.pt")!r})
@@ -346,8 +346,8 @@ def test_load_from_a_hub_repository(hub_server, tmp_path):
 
 
 def test_an_untrained_vqgan_gives_codes_that_follow_the_picture():
-    from collab_kit.data import draw_synthetic_picture
-    from collab_kit.vqgan import untrained_vqgan
+    from collab_kit.data.synthetic import Scene, draw
+    from collab_kit.model.vqgan import untrained_vqgan
 
     vqgan = untrained_vqgan(grid_size=8, codebook_size=256, seed=0)
     assert (vqgan.grid_size, vqgan.codebook_size, vqgan.image_size) == (8, 256, 32)
@@ -355,8 +355,9 @@ def test_an_untrained_vqgan_gives_codes_that_follow_the_picture():
     assert all(torch.equal(a, b) for a, b in zip(vqgan.state_dict().values(), again.state_dict().values()))
 
     def codes(color, shape, background):
-        return vqgan.encode(pil_to_tensor(draw_synthetic_picture(color, shape, background, 32)))[0]
-    red_square = codes("red", "square", "blue")
-    assert torch.equal(red_square, codes("red", "square", "blue"))
-    assert not torch.equal(red_square, codes("green", "square", "blue"))
-    assert not torch.equal(red_square, codes("red", "frame", "blue"))
+        scene = Scene(shape=shape, color=color, size="large", position="center", background=background)
+        return vqgan.encode(pil_to_tensor(draw(scene, 32)))[0]
+    red_square = codes("red", "square", "dark grey")
+    assert torch.equal(red_square, codes("red", "square", "dark grey"))
+    assert not torch.equal(red_square, codes("green", "square", "dark grey"))
+    assert not torch.equal(red_square, codes("red", "cross", "dark grey"))

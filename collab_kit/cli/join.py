@@ -1,0 +1,72 @@
+"""``collab-kit join``: train with a swarm as a volunteer."""
+from __future__ import annotations
+
+import argparse
+
+from collab_kit.cli.common import add_swarm_options, build_config, handle_stop_signals
+from collab_kit.roles.processes import emit_event
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``collab-kit join`` to the command line."""
+    join = commands.add_parser("join", help="train with a swarm as a volunteer")
+    add_swarm_options(join)
+    join.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None,
+                      help="connect out only, accept no incoming connections (default: asked of the swarm's peers, "
+                           "which try to dial this one back)")
+    join.add_argument("--data", help="parquet shards: a folder, a glob, or a Hub dataset id (user/name)")
+    join.add_argument("--epochs", type=int, help="train this many global epochs from the swarm's current one")
+    join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
+    join.add_argument("--max-steps", type=int, help="stop after this many local steps")
+    join.add_argument("--threads", type=int, help="CPU threads for torch")
+    join.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
+                      help="start training once N peers (this one included) are ready (default: 1)")
+    join.add_argument("--no-progress", action="store_true", help="no progress bar")
+    join.add_argument("--verbose", action="store_true", help="log every stage of the global steps")
+    join.add_argument("--save-params", metavar="PATH", help="save the final parameters here (torch.save)")
+    join.add_argument("--save-checkpoint", metavar="FOLDER",
+                      help="save the final model and its configuration here (a checkpoint generate_images reads)")
+    join.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # lazy: the libraries the command needs (torch, hivemind) load when it runs: `collab-kit --help` answers at once
+    import torch
+
+    from collab_kit.roles.volunteer import Volunteer
+    from collab_kit.swarm.dht import join_addresses
+
+    config = build_config(args)
+    if args.epochs is None and args.max_epochs is None and args.max_steps is None:
+        args.max_epochs = config.optimizer.total_steps
+    # a swarm out of reach, a refused token, a setting to change: CollabKitErrors, one line from main()
+    volunteer = Volunteer(config, num_threads=args.threads, verbose=args.verbose)
+    with volunteer:
+        handle_stop_signals(volunteer.request_stop)
+        if volunteer.reachability is not None:
+            print(f"reachability: {volunteer.reachability.explain()}", flush=True)
+        print(volunteer.join_line, flush=True)
+        if args.events:
+            emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
+        on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
+        on_restore = (lambda record: emit_event("restore", **record.to_dict())) if args.events else None
+        on_lone = (lambda warning: emit_event("lone", **warning.to_dict())) if args.events else None
+        on_link = (lambda state: emit_event("link", state=state, epoch=volunteer.local_epoch)) if args.events else None
+        if args.events:  # the moment a gradient all-reduce is under way (tests kill peers in the middle of one)
+            def on_averaging_start(epoch: int, stage: str):
+                emit_event("averaging", epoch=epoch, stage=stage)
+            volunteer.optimizer.on_averaging_start = on_averaging_start
+        history = volunteer.train(epochs=args.epochs, max_epochs=args.max_epochs, max_steps=args.max_steps,
+                                  progress=not args.no_progress, on_epoch=on_epoch, wait_for_peers=args.wait_for_peers,
+                                  on_restore=on_restore, on_lone=on_lone, on_link=on_link)
+        if args.save_params:
+            torch.save(volunteer.parameters_snapshot(), args.save_params)
+        if args.save_checkpoint:
+            volunteer.save_checkpoint(args.save_checkpoint)
+        if args.events:
+            emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
+                       local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
+                       interrupted=history.interrupted, skipped_steps=history.skipped_steps,
+                       link_outages=history.link_outages)
+    print(f"join: {history.summary()}", flush=True)
+    return 130 if history.interrupted else 0

@@ -1,0 +1,122 @@
+"""Settings for a GPU: the largest micro-batch that fits, with or without gradient checkpointing, and why.
+
+``recommend_settings`` tries the estimate (collab_kit.memory.estimator) at growing micro-batches and says what it
+chose, what it left out and, when nothing fits, which setting would make it fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from collab_kit.memory.estimator import MemoryEstimate, check_positive_int, estimate
+from collab_kit.units import format_bytes
+
+
+# without checkpointing, a micro-batch this large keeps a GPU busy: recommend_settings prefers it to a larger
+# micro-batch with checkpointing, which costs a second forward pass (about a third more compute per sample)
+MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING = 4
+
+# ---------------------------------------------------------------------------------------------
+# settings for a GPU
+
+
+@dataclass
+class Recommendation:
+    """What ``recommend_settings`` chose, and why (``reason``, also ``str()``)."""
+
+    micro_batch: int
+    checkpointing: bool
+    estimate: MemoryEstimate
+    fits: bool
+    reason: str
+    gpu_memory_bytes: int = 0
+    budget_bytes: int = 0
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit", seq_len: Optional[int] = None,
+                       headroom: float = 0.85, max_micro_batch: int = 64, offload: Optional[bool] = None,
+                       precision: str = "mixed", shared_groups: Optional[int] = None,
+                       checkpointing: Optional[bool] = None,
+                       min_micro_batch: int = MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING, **kwargs) -> Recommendation:
+    """The largest micro-batch that fits ``headroom`` of the GPU's memory, and whether to checkpoint.
+
+    Without checkpointing a step is about a third faster (no second forward pass), so it is chosen when
+    its largest micro-batch reaches ``min_micro_batch`` (4: enough to keep a GPU busy; hivemind accumulates
+    micro-batches up to the swarm's target batch anyway), or is as large as with checkpointing. Otherwise
+    checkpointing, with its largest micro-batch. When not even one sample fits with checkpointing,
+    ``fits`` is False and ``reason`` says which change would fit (8-bit optimizer, offloading, a smaller model).
+
+    :param model: anything ``estimate`` takes: a name, a preset, a ModelShape, a RunConfig, a torch module
+    :param gpu_memory_bytes: the GPU's memory (``torch.cuda.get_device_properties(0).total_memory``)
+    :param headroom: the fraction of it to plan for; the rest is for the CUDA context and fragmentation
+    :param max_micro_batch: the largest micro-batch to consider
+    :param checkpointing: None: choose as above; True or False: only the micro-batch is chosen
+    :param kwargs: more arguments of ``estimate`` (attention, pcie_gb_per_s, min_8bit_size)
+    """
+    if not isinstance(gpu_memory_bytes, (int, float)) or isinstance(gpu_memory_bytes, bool) or gpu_memory_bytes <= 0:
+        raise ValueError(f"gpu_memory_bytes={gpu_memory_bytes!r} is not allowed: expected the GPU's memory in bytes, "
+                         f"e.g. 16 * 2**30")
+    if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ValueError(f"headroom={headroom!r} is not allowed: expected a fraction in (0, 1], e.g. 0.85")
+    check_positive_int("max_micro_batch", max_micro_batch)
+    check_positive_int("min_micro_batch", min_micro_batch)
+    budget = int(headroom * gpu_memory_bytes)
+    settings = dict(optimizer=optimizer, seq_len=seq_len, offload=offload, precision=precision,
+                    shared_groups=shared_groups, **kwargs)
+    estimate(model, **settings)  # checks the arguments once, with clear errors
+
+    def at(micro_batch: int, checkpointing: bool, **changes) -> MemoryEstimate:
+        return estimate(model, micro_batch=micro_batch, checkpointing=checkpointing, **{**settings, **changes})
+
+    def largest(checkpointing: bool) -> int:
+        """The largest micro-batch in [1, max_micro_batch] that fits (memory grows with it), 0 if none."""
+        low, high = 0, max_micro_batch
+        while low < high:
+            middle = (low + high + 1) // 2
+            if at(middle, checkpointing).gpu_bytes <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    if checkpointing not in (None, True, False):
+        raise ValueError(f"checkpointing={checkpointing!r} is not allowed: expected True, False or None (choose)")
+    where = f"{format_bytes(budget)} budget ({headroom:.0%} of {format_bytes(gpu_memory_bytes)})"
+    plain = 0 if checkpointing is True else largest(False)
+    checkpointed = 0 if checkpointing is False else largest(True)
+    if plain and (checkpointing is False or plain >= min(min_micro_batch, checkpointed)):
+        chosen = at(plain, False)
+        reason = f"micro-batch {plain} without checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
+        if any("reversible" in note for note in chosen.notes):
+            reason += " (reversible layers already rebuild their activations in backward)"
+        elif checkpointing is None and checkpointed > plain:
+            reason += f"; checkpointing would allow {checkpointed}, at about a third more compute per sample"
+        return Recommendation(plain, False, chosen, True, reason, int(gpu_memory_bytes), budget)
+    if checkpointed:
+        chosen = at(checkpointed, True)
+        reason = f"micro-batch {checkpointed} with gradient checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
+        if checkpointing is None:
+            reason += f" (without it, only {plain} would fit)" if plain else " (without it, not one sample fits)"
+        return Recommendation(checkpointed, True, chosen, True, reason, int(gpu_memory_bytes), budget)
+
+    smallest = at(1, checkpointing is not False)
+    current = dict(optimizer=smallest.optimizer, offload=smallest.offload)
+    fixes, tried = [], [current]
+    for name, changes in (("the 8-bit optimizer (optimizer='8bit')", dict(optimizer="8bit")),
+                          ("offloading the optimizer to the CPU (offload=True)", dict(offload=True)),
+                          ("the 8-bit optimizer and offloading", dict(optimizer="8bit", offload=True))):
+        if {**current, **changes} in tried:
+            continue  # already so, or already suggested
+        tried.append({**current, **changes})
+        option = at(1, smallest.checkpointing, **changes)
+        if option.gpu_bytes <= budget:
+            fixes.append(f"{name}: {format_bytes(option.gpu_bytes)}")
+    advice = ("it would fit with " + "; or ".join(fixes) + ". Otherwise try " if fixes else "try ")
+    advice += "a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more memory"
+    how = "with" if smallest.checkpointing else "without"
+    reason = (f"does not fit: micro-batch 1 {how} checkpointing needs {format_bytes(smallest.gpu_bytes)} on the GPU, "
+              f"more than the {where}; {advice}")
+    return Recommendation(1, smallest.checkpointing, smallest, False, reason, int(gpu_memory_bytes), budget)

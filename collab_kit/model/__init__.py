@@ -1,0 +1,23 @@
+"""The networks: the text-to-image transformer, and the VQGAN and CLIP around it.
+
+- ``transformer``: ``TextToImageTransformer``, a decoder-only transformer over ``[caption tokens; image codes]``
+  (section 3.1 of the paper), with parameter counts and a seeded initialization every peer shares.
+- ``attention``: the sparse attention layouts (row, column, convolutional, full) and their masks.
+- ``reversible``: reversible residual layers, which keep only each layer's input for the backward pass.
+- ``sampling``: drawing image codes one at a time (top-k, top-p) with a cache of keys and values.
+- ``checkpoint``: saving and loading a model with its run configuration (folder, Hub), and rotating checkpoints.
+- ``vqgan``: taming-transformers' VQGAN as the image codec (load from a folder, a file or the Hub; encode, decode).
+- ``clip_rank``: ranking drawn images by CLIP's similarity to the prompt.
+"""
+from collab_kit.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "transformer": ["TextToImageTransformer", "count_parameters", "describe", "model_seed", "initial_model",
+                    "non_finite_parameters"],
+    "attention": ["Layout"],
+    "sampling": ["generate_image_codes", "PAPER_TOP_K", "PAPER_TOP_P", "TOY_TOP_K"],
+    "checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "list_checkpoints",
+                   "rotate_checkpoints"],
+    "vqgan": ["VQGAN", "load_vqgan", "save_vqgan", "build_vqgan", "untrained_vqgan", "images_to_pil", "pil_to_tensor"],
+    "clip_rank": ["ClipRanker", "DEFAULT_CLIP"],
+})

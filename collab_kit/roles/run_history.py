@@ -1,0 +1,256 @@
+"""The run's history as the monitor saw it, in one SQLite file: what the dashboard draws.
+
+    history = RunHistory("monitor/run.sqlite")
+    history.record(snapshot, records)          # one poll of the DHT: a time-series row + contributors
+    history.series(), history.leaderboard(), history.checkpoints()
+
+Tables (the file is the interface: the dashboard and notebooks read it, possibly while the monitor
+writes it, which SQLite's WAL mode allows):
+
+    swarm(time, epoch, loss, alive_peers, samples_per_second)           one row per poll
+    contributors(name, samples, compute_seconds, first_seen, last_seen)  the leaderboard
+    peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, lone_epochs, lone_reason)
+        the last counters seen from each signed record, so that only their growth is credited, and how the
+        peer's last gradient round went (with how many other training peers, or alone for how long and why)
+    checkpoints(epoch, path, time, pushed_to)                            checkpoints the monitor wrote
+    run(key, value)                                                      the run id the file belongs to
+
+Every poll is one transaction: a monitor killed at any moment leaves the file as it was after the
+last complete poll, and a restarted monitor goes on from there (no leaderboard row is lost, no
+sample is credited twice: the per-peer counters are in the same transaction).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Tuple
+
+from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS swarm (
+    time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, alive_peers INTEGER NOT NULL,
+    samples_per_second REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS contributors (
+    name TEXT PRIMARY KEY, samples INTEGER NOT NULL, compute_seconds REAL NOT NULL,
+    first_seen REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS peers (
+    key BLOB PRIMARY KEY, peer_id TEXT NOT NULL, name TEXT NOT NULL, samples_accumulated INTEGER NOT NULL,
+    compute_seconds REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    epoch INTEGER PRIMARY KEY, path TEXT NOT NULL, time REAL NOT NULL, pushed_to TEXT);
+CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+# columns added after the first release: added to a file that lacks them (name, SQL type)
+LATER_PEER_COLUMNS = (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT"))
+
+
+@dataclass
+class Contributor:
+    """One row of the leaderboard: a Hugging Face username in an authorized run, else a peer id."""
+
+    name: str
+    samples: int
+    compute_seconds: float
+    first_seen: float
+    last_seen: float
+
+
+@dataclass
+class PeerAveraging:
+    """How one training peer's last gradient round went, as its newest record says.
+
+    :param averaged_with: other training peers in that round (0: it stepped alone; None: the peer does not say)
+    :param lone_epochs: global epochs in a row it was not averaged while others trained
+    :param lone_reason: why (None when it was averaged)
+    """
+
+    peer_id: str
+    name: str
+    last_seen: float
+    averaged_with: Optional[int]
+    lone_epochs: Optional[int]
+    lone_reason: Optional[str]
+
+    @property
+    def alone(self) -> bool:
+        return bool(self.lone_epochs)
+
+    def describe(self) -> str:
+        """"averaging with 2 peers", "alone for 4 epochs: why", or "not reported"."""
+        if self.alone:
+            return f"alone for {self.lone_epochs} epoch(s): {self.lone_reason or 'no reason given'}"
+        if self.averaged_with is None:
+            return "not reported"
+        return f"averaging with {self.averaged_with} peer(s)" if self.averaged_with else "alone in the swarm"
+
+
+@dataclass
+class CheckpointRow:
+    epoch: int
+    path: str
+    time: float
+    pushed_to: Optional[str]
+
+
+class RunHistory:
+    """The monitor's SQLite file (created if missing; an existing one is continued).
+
+    :param path: the database file
+    :param read_only: open for reading only (the dashboard): never creates or changes the file
+    :param run_id: the run this history is of: recorded in a new file, checked in an existing one (two runs'
+      points in one file would draw one meaningless curve)
+    :raises ValueError: the file holds another run's history
+    """
+
+    def __init__(self, path: str, read_only: bool = False, run_id: Optional[str] = None):
+        self.path = path
+        if read_only:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"no monitor database at {path!r}: start `collab-kit monitor --db {path}` "
+                                        f"first, or pass the file it writes")
+            self._connection = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True,
+                                               check_same_thread=False)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._connection = sqlite3.connect(path, check_same_thread=False)
+            self._connection.execute("PRAGMA journal_mode=WAL")  # readers (the dashboard) never block the monitor
+            self._connection.execute("PRAGMA synchronous=FULL")  # a committed poll survives a power cut
+            self._connection.executescript(SCHEMA)
+            present = {row[1] for row in self._connection.execute("PRAGMA table_info(peers)")}
+            with self._connection:
+                for column, kind in LATER_PEER_COLUMNS:
+                    if column not in present:
+                        self._connection.execute(f"ALTER TABLE peers ADD COLUMN {column} {kind}")
+        self._lock = threading.Lock()
+        if run_id is not None and not read_only:
+            self._claim(run_id)
+
+    def _claim(self, run_id: str) -> None:
+        with self._lock, self._connection:
+            row = self._connection.execute("SELECT value FROM run WHERE key = 'run_id'").fetchone()
+            if row is None:
+                self._connection.execute("INSERT INTO run (key, value) VALUES ('run_id', ?)", (run_id,))
+        if row is not None and row[0] != run_id:
+            self._connection.close()
+            raise ValueError(f"{self.path!r} holds the history of run {row[0]!r}, not of {run_id!r}: give this "
+                                 f"run a database of its own (--db), or use --run-id {row[0]} to continue that run")
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The run this file belongs to (None for a file written without one)."""
+        with self._lock:
+            try:
+                row = self._connection.execute("SELECT value FROM run WHERE key = 'run_id'").fetchone()
+            except sqlite3.OperationalError:  # a file from before the table existed, opened read-only
+                return None
+        return row[0] if row else None
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> "RunHistory":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def record(self, snapshot: SwarmSnapshot, records: Iterable[Tuple[bytes, PeerMetrics, str]]) -> None:
+        """Store one poll: the swarm's point and each peer's growth since its last record, in one transaction.
+
+        :param snapshot: the aggregate (collab_kit.swarm.metrics.summarize)
+        :param records: (the record's subkey, the record, the name to credit: a verified username or the peer id)
+        """
+        with self._lock, self._connection:  # one transaction: all of this poll or none of it
+            self._connection.execute(
+                "INSERT INTO swarm (time, epoch, loss, alive_peers, samples_per_second) VALUES (?, ?, ?, ?, ?)",
+                (snapshot.time, snapshot.epoch, snapshot.loss, snapshot.alive_peers, snapshot.samples_per_second))
+            for key, record, name in records:
+                self._credit(bytes(key), record, name)
+
+    def _credit(self, key: bytes, record: PeerMetrics, name: str) -> None:
+        row = self._connection.execute(
+            "SELECT samples_accumulated, compute_seconds, last_seen FROM peers WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            new_samples, new_seconds = record.samples_accumulated, record.compute_seconds
+        elif record.time <= row[2]:
+            return  # the same record read again: nothing new
+        else:
+            # counters only grow while a peer lives; smaller ones mean it restarted under the same key
+            new_samples = record.samples_accumulated - row[0] if record.samples_accumulated >= row[0] \
+                else record.samples_accumulated
+            new_seconds = record.compute_seconds - row[1] if record.compute_seconds >= row[1] \
+                else record.compute_seconds
+        self._connection.execute(
+            "INSERT INTO peers (key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, "
+            "lone_epochs, lone_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+            "peer_id = excluded.peer_id, name = excluded.name, samples_accumulated = excluded.samples_accumulated, "
+            "compute_seconds = excluded.compute_seconds, last_seen = excluded.last_seen, "
+            "averaged_with = excluded.averaged_with, lone_epochs = excluded.lone_epochs, "
+            "lone_reason = excluded.lone_reason",
+            (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time,
+             record.averaged_with, record.lone_epochs, record.lone_reason))
+        self._connection.execute(
+            "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
+            "compute_seconds = compute_seconds + excluded.compute_seconds, "
+            "first_seen = MIN(first_seen, excluded.first_seen), last_seen = MAX(last_seen, excluded.last_seen)",
+            (name, new_samples, new_seconds, record.time, record.time))
+
+    def record_checkpoint(self, epoch: int, path: str, time: float, pushed_to: Optional[str] = None) -> None:
+        with self._lock, self._connection:
+            self._connection.execute(
+                "INSERT INTO checkpoints (epoch, path, time, pushed_to) VALUES (?, ?, ?, ?) ON CONFLICT(epoch) "
+                "DO UPDATE SET path = excluded.path, time = excluded.time, pushed_to = excluded.pushed_to",
+                (epoch, path, time, pushed_to))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def series(self) -> List[SwarmSnapshot]:
+        """Every polled point, oldest first."""
+        with self._lock:
+            rows = self._connection.execute(
+                "SELECT time, epoch, loss, alive_peers, samples_per_second FROM swarm ORDER BY time").fetchall()
+        return [SwarmSnapshot(*row) for row in rows]
+
+    def leaderboard(self, limit: Optional[int] = None) -> List[Contributor]:
+        """Contributors, most samples first."""
+        query = "SELECT name, samples, compute_seconds, first_seen, last_seen FROM contributors " \
+                "ORDER BY samples DESC, name"
+        with self._lock:
+            rows = self._connection.execute(query + (" LIMIT ?" if limit else ""),
+                                            (limit,) if limit else ()).fetchall()
+        return [Contributor(*row) for row in rows]
+
+    def peer_averaging(self, since: Optional[float] = None) -> List[PeerAveraging]:
+        """Each peer's last gradient round as its newest record said, peers alone first, then by name.
+
+        :param since: only peers seen at this DHT time or later (None: every peer ever seen)
+        """
+        try:
+            with self._lock:
+                rows = self._connection.execute(
+                    "SELECT peer_id, name, last_seen, averaged_with, lone_epochs, lone_reason FROM peers "
+                    "WHERE last_seen >= ?", (since if since is not None else float("-inf"),)).fetchall()
+        except sqlite3.OperationalError:  # a file from before these columns, opened read-only
+            return []
+        peers = [PeerAveraging(*row) for row in rows]
+        return sorted(peers, key=lambda peer: (not peer.alone, peer.name))
+
+    def checkpoints(self) -> List[CheckpointRow]:
+        with self._lock:
+            rows = self._connection.execute("SELECT epoch, path, time, pushed_to FROM checkpoints "
+                                            "ORDER BY epoch").fetchall()
+        return [CheckpointRow(*row) for row in rows]
+
+    def last_checkpoint_epoch(self) -> Optional[int]:
+        with self._lock:
+            row = self._connection.execute("SELECT MAX(epoch) FROM checkpoints").fetchone()
+        return row[0]

@@ -1,0 +1,655 @@
+"""A volunteer: the DHT, the model, the data stream and the collaborative optimizer, and the loop.
+
+    with Volunteer(get_preset("small"), data_shards="demo/shards") as volunteer:
+        history = volunteer.train(max_epochs=5)
+
+Each local step computes gradients on one local batch and hands them to hivemind.Optimizer, which
+accumulates them until the swarm as a whole has processed ``target_batch_size`` samples; then peers
+average their gradients and take one global step together (one "global epoch").
+
+A local step whose loss or gradients are not finite (nan, inf) never reaches the optimizer: its gradients
+would be averaged into every peer's step and poison the whole swarm. The volunteer drops them and loads
+the swarm's parameters and optimizer state instead (``Volunteer._recover_from_non_finite_step``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from tqdm.auto import tqdm
+
+from collab_kit.auth.client import AuthorizationError, HubAuthorizer, login
+from collab_kit.config import RunConfig
+from collab_kit.data.stream import ShardStream, batches, peer_data_seed
+from collab_kit.data.tokenizers import caption_tokenizer
+from collab_kit.errors import CollabKitError
+from collab_kit.model.checkpoint import save_checkpoint
+from collab_kit.model.transformer import initial_model, non_finite_parameters
+from collab_kit.swarm.bindings import BindingKeeper, PeerGate
+from collab_kit.swarm.dht import (SwarmWatchdog, join_instructions, resolve_reachability, start_dht, wait_for_peers as
+                                  wait_for_peers_in_swarm)
+from collab_kit.swarm.metrics import MetricsPublisher
+from collab_kit.swarm.optimizer import make_optimizer
+
+logger = logging.getLogger(__name__)
+
+# seconds training waits after a step that found this peer behind the swarm could not get the swarm's state (no peer
+# answered: a DHT that lost its neighbours on a full link, or every download given up), before the next step tries
+# again; each failure in a row takes the next wait, the last one repeating. Without a wait, a peer behind would try at
+# every batch (a late joiner of the NAT lab tried 1197 times in 49 s, a hundred a second with the tiny model), spending
+# its data and a core that the machine's other processes needed, and filling its log, while it could not train
+STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
+
+
+@dataclass
+class EpochRecord:
+    """What one peer saw of one global epoch."""
+
+    epoch: int  # the global epoch these local steps belonged to
+    loss: float  # mean loss of this peer's local steps in that epoch
+    local_steps: int
+    samples: int  # samples this peer contributed
+    averaged: bool  # gradients of this epoch were averaged with at least one other training peer
+    group_size: int  # training peers in the gradient averaging group, this one included (1 = local gradients only)
+    num_peers: int  # peers the swarm reported when the epoch ended (anchors included)
+    seconds: float
+    anchors: int = 0  # anchors in the round (collab_kit.swarm.anchor: peers that reduce for others, with no samples)
+    training_peers: int = 1  # peers that trained in the swarm when the epoch ended, this one included
+    problem: Optional[str] = None  # why the round failed or came back in part (None: it did not)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RestoreRecord:
+    """One time this peer loaded (or tried to load) the swarm's parameters and optimizer state."""
+
+    # "behind_swarm" (it joined or came back late, or its last global step was not the swarm's) or "non_finite" (its
+    # loss, gradients or parameters)
+    reason: str
+    problem: str  # what was seen, in words
+    loaded: bool  # a peer gave its state; False: none could, the local state was kept
+    epoch_before: int
+    epoch_after: int
+    local_step: int  # local steps this peer had taken when it happened
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoneWarning:
+    """Said when a volunteer's global steps go unaveraged while other peers train: it is training alone.
+
+    :param epoch: the global epoch at which it was said
+    :param epochs: global epochs in a row that were not averaged
+    :param training_peers: peers that trained in the swarm meanwhile (this one included)
+    :param reason: why, as far as this peer can tell
+    :param advice: what to do about it
+    """
+
+    epoch: int
+    epochs: int
+    training_peers: int
+    reason: str
+    advice: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"training alone: the last {self.epochs} global steps were not averaged with any other peer, although "
+                f"{self.training_peers - 1} other peer(s) train in the swarm. Why: {self.reason}. What to do: "
+                f"{self.advice}")
+
+
+LONE_AFTER_EPOCHS = 3  # unaveraged global epochs in a row, while others train, before a volunteer is told it is alone
+
+
+class LoneTrainingWatch:
+    """Notices a volunteer that trains alone while others are present, and says why (once per stretch).
+
+    hivemind goes on with a peer's own gradients when its averaging round fails, so such a volunteer
+    would otherwise believe it trains with the swarm. After ``after_epochs`` global epochs in a row
+    that were not averaged while other training peers were present, ``observe`` returns a LoneWarning;
+    the next one comes only after an averaged epoch ended the stretch.
+
+    :param after_epochs: unaveraged epochs in a row (with others present) before saying so
+    """
+
+    def __init__(self, after_epochs: int = LONE_AFTER_EPOCHS):
+        self.after_epochs = after_epochs
+        self.streak = 0
+        self.reason: Optional[str] = None  # why the epochs of the current stretch were not averaged (None: averaged)
+        self._warned = False
+
+    def observe(self, record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
+                matchmaking_time: float) -> Optional[LoneWarning]:
+        """Count one epoch; returns the warning when a stretch of lone epochs reaches ``after_epochs``."""
+        if record.averaged or record.training_peers <= 1:
+            self.streak, self.reason, self._warned = 0, None, False
+            return None
+        self.streak += 1
+        self.reason, advice = self.diagnose(record, client_mode, anchors_in_swarm, averaging_timeout, matchmaking_time)
+        if self.streak < self.after_epochs or self._warned:
+            return None
+        self._warned = True
+        return LoneWarning(epoch=record.epoch, epochs=self.streak, training_peers=record.training_peers,
+                           reason=self.reason, advice=advice)
+
+    @staticmethod
+    def diagnose(record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
+                 matchmaking_time: float) -> Tuple[str, str]:
+        """Why an epoch was not averaged, as far as this peer can tell, and what to do about it: (reason, advice)."""
+        if client_mode and not anchors_in_swarm and not record.anchors:
+            return ("this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
+                    "so no averaging group can hold it",
+                    "the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
+                    "anchor, which volunteers behind NAT average through); or join from a machine with a public "
+                    "address or a forwarded port")
+        if record.problem:
+            return (f"its averaging rounds fail ({record.problem})",
+                    f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "
+                    f"optimizer.matchmaking_time=... (now {averaging_timeout:g} s and {matchmaking_time:g} s; every "
+                    f"peer of the run needs the same); check the link (a speed test, another network)")
+        return ("its averaging groups held no other training peer (the others joined other rounds)",
+                "check that every peer runs the same --preset, --run-id and --set options; if it goes on, restart "
+                "this peer")
+
+
+class NonFiniteTrainingError(CollabKitError, RuntimeError):
+    """Training cannot go on: the model is not finite and no peer could give its state, or every step stays nan."""
+
+
+@dataclass
+class TrainingHistory:
+    epochs: List[EpochRecord] = field(default_factory=list)
+    restores: List[RestoreRecord] = field(default_factory=list)
+    lone_warnings: List[LoneWarning] = field(default_factory=list)  # stretches of training alone while others trained
+    skipped_steps: int = 0  # local steps dropped because their loss or gradients were not finite
+    link_outages: int = 0  # times training waited for the link to the swarm to come back
+    start_epoch: int = 0  # the global epoch this peer started at (> 0 when it joined late)
+    final_epoch: int = 0
+    local_steps: int = 0
+    averaged_rounds: int = 0
+    interrupted: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: epochs trained, loss from first to last epoch, rounds averaged with peers."""
+        if not self.epochs:
+            return f"no global epoch completed (epochs {self.start_epoch}->{self.final_epoch})"
+        return (f"epochs {self.start_epoch}->{self.final_epoch}: loss {self.epochs[0].loss:.4f} -> "
+                f"{self.epochs[-1].loss:.4f}, {self.averaged_rounds} of {len(self.epochs)} global steps averaged "
+                f"with other peers{' (interrupted)' if self.interrupted else ''}")
+
+    def plot(self, ax=None):
+        """Loss per global epoch; epochs averaged with other peers in green, lone ones in grey.
+
+        :param ax: a matplotlib Axes to draw on (default: a new figure)
+        :returns: the Axes
+        """
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5))
+        epochs = [record.epoch for record in self.epochs]
+        ax.plot(epochs, [record.loss for record in self.epochs], color="tab:blue", zorder=1, label="loss")
+        for averaged, color, label in ((True, "tab:green", "averaged with peers"), (False, "tab:gray", "alone")):
+            chosen = [record for record in self.epochs if record.averaged == averaged]
+            if chosen:
+                ax.scatter([r.epoch for r in chosen], [r.loss for r in chosen], color=color, zorder=2, label=label)
+        ax.set_xlabel("global epoch")
+        ax.set_ylabel("mean loss of this peer's steps (nats per token)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # epochs are whole
+        ax.set_title("training together")
+        ax.legend()
+        return ax
+
+
+def authorize(swarm_config):
+    """A HubAuthorizer holding this volunteer's first token when the run has an authentication server, else None.
+
+    :raises collab_kit.auth.client.AuthorizationError: no Hugging Face token, or the server refused (its message says why)
+    """
+    if not swarm_config.auth_server:
+        return None
+
+    token = login()
+    if token is None:
+        raise AuthorizationError("log in to Hugging Face first (the form above), then run this again")
+    authorizer = HubAuthorizer(swarm_config.auth_server, token)
+    answer = authorizer.join()
+    logger.info(f"joined run {swarm_config.run_id} as {answer.username}")
+    return authorizer
+
+
+class Volunteer:
+    """One peer of a collaborative run: builds everything it needs, then trains with the swarm.
+
+    :param config: the run's configuration (a preset from collab_kit.config.get_preset, possibly changed)
+    :param data_shards: folder or glob of parquet shards; defaults to ``config.data.shards``
+    :param data_seed: the order in which this peer reads the data; default: derived from its peer id
+    :param num_threads: torch CPU threads for this peer (None leaves torch's default)
+    :param verbose: log every stage of hivemind's global steps
+    """
+
+    # local steps in a row whose loss or gradients may be non-finite, each followed by loading the swarm's
+    # state, before giving up: beyond that the fault is not in the parameters but in the data or the settings
+    max_non_finite_steps = 5
+
+    def __init__(self, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
+                 num_threads: Optional[int] = None, verbose: bool = False, authorizer=None):
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.authorizer = authorizer if authorizer is not None else authorize(config.swarm)
+        # client mode or not, asked of the swarm (collab_kit.swarm.reachability) unless the configuration says
+        swarm_config, self.reachability = resolve_reachability(config.swarm)
+        self.config = config = dataclasses.replace(config, swarm=swarm_config)
+        self.dht = start_dht(config.swarm, **({"authorizer": self.authorizer} if self.authorizer else {}))
+        self._binding_keeper = None
+        # back in the DHT when it lost its neighbours; a cut link said, waited out and followed by loading the state
+        self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
+                                       on_link_back=self._on_link_back)
+        try:
+            peer_gate = None
+            if self.authorizer is not None:
+                self._binding_keeper = BindingKeeper(self.dht, self.authorizer, config.swarm.run_id)
+                peer_gate = PeerGate(self.dht, config.swarm.run_id, self.authorizer.server_public_key.to_bytes())
+            self.join_line = join_instructions(self.dht, config)
+            self.model = initial_model(config.model, config.swarm.run_id)
+            if data_seed is None:
+                data_seed = peer_data_seed(self.dht.peer_id.to_bytes(), config.data.seed)
+            tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
+            if tokenizer.vocab_size > config.model.text_vocab_size:
+                raise ValueError(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens "
+                                 f"but the model reads {config.model.text_vocab_size}: set model.text_vocab_size")
+            self.stream = ShardStream(data_shards or config.data.shards, config.model.text_length,
+                                      config.model.image_length, tokenizer=tokenizer,
+                                      shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
+                                      codebook_size=config.model.codebook_size)
+            self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
+                                            client_mode=config.swarm.client_mode, verbose=verbose,
+                                            peer_gate=peer_gate)
+            # this peer's signed record for the monitor (collab_kit.swarm.metrics), refreshed every global epoch
+            self.metrics = MetricsPublisher(self.dht, config.swarm.run_id,
+                                            username=self.authorizer.username if self.authorizer else None)
+        except BaseException:
+            if self._binding_keeper is not None:
+                self._binding_keeper.stop()
+            self._watchdog.stop()
+            self.dht.shutdown()
+            raise
+        self._closed = False
+        self._stop_requested = threading.Event()
+        self._non_finite_streak = 0
+        self._failed_loads = 0  # steps in a row that found this peer behind and could not get the swarm's state
+        self._lone_watch = LoneTrainingWatch()
+
+    def request_stop(self):
+        """Ask ``train`` to stop after the current step (safe to call from a signal handler or a thread)."""
+        self._stop_requested.set()
+
+    # -- a cut link (called by the watchdog's thread) -------------------------------------------
+
+    def _on_link_down(self) -> None:
+        """The round under way cannot finish without the link: give it up now rather than at its timeout, so that
+        nothing of this peer waits for it when the link is back."""
+        optimizer = getattr(self, "optimizer", None)  # None while the constructor still builds it
+        if optimizer is not None and optimizer.cancel_pending_round():
+            logger.info("gave up the averaging round under way: it cannot finish while the link is down")
+
+    def _on_link_back(self) -> None:
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            optimizer.request_resync("its link to the swarm was down, and the swarm went on meanwhile")
+
+    # -- the swarm's view -----------------------------------------------------------------------
+
+    @property
+    def local_epoch(self) -> int:
+        return self.optimizer.local_epoch
+
+    @property
+    def global_progress(self):
+        return self.optimizer.tracker.global_progress
+
+    def catch_up(self, timeout: float = 30.0) -> bool:
+        """If the swarm is ahead, download its current parameters and optimizer state.
+
+        :param timeout: seconds to wait for the swarm's progress before deciding (a busy machine or a thin link can
+          take several); without it, this peer starts at its own epoch and its first step finds it behind
+        :returns: True if state was loaded from peers
+        """
+        if not self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout):
+            logger.info(f"the swarm's progress did not come within {timeout:.0f} s: starting at this peer's epoch "
+                        f"({self.local_epoch}); its first step loads the swarm's state if the swarm is ahead")
+        if self.optimizer.local_epoch < self.optimizer.tracker.global_epoch:
+            logger.info(f"the swarm is at epoch {self.optimizer.tracker.global_epoch}: loading its state")
+            if self.optimizer.load_state_from_peers():
+                return True
+            logger.warning(f"the swarm is at epoch {self.optimizer.tracker.global_epoch} but no peer gave its "
+                           f"state: starting from this peer's own (epoch {self.local_epoch})")
+        return False
+
+    # -- training -------------------------------------------------------------------------------
+
+    def train(self, epochs: Optional[int] = None, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
+              progress: bool = True, on_epoch: Optional[Callable[[EpochRecord], None]] = None,
+              wait_for_peers: int = 1, wait_timeout: float = 120.0,
+              on_restore: Optional[Callable[[RestoreRecord], None]] = None,
+              on_lone: Optional[Callable[[LoneWarning], None]] = None,
+              on_link: Optional[Callable[[str], None]] = None) -> TrainingHistory:
+        """Train with the swarm until one of the limits is reached.
+
+        Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
+        (``interrupted=True``); the swarm goes on without this peer.
+
+        :param epochs: train this many global epochs from the swarm's current epoch
+        :param max_epochs: stop once the swarm's global epoch reaches this number
+        :param max_steps: stop after this many local steps
+        :param progress: show a progress bar with loss, global epoch, samples accumulated and peers
+        :param on_epoch: called with an EpochRecord each time a global epoch ends
+        :param wait_for_peers: first wait until this many peers (this one included) are ready to train, unless
+          the swarm is already past its first epoch
+        :param wait_timeout: seconds to wait for them before raising SwarmConnectionError
+        :param on_restore: called with a RestoreRecord each time this peer loads (or tries to load) the swarm's
+          state: when it starts behind the swarm, when a step finds it behind or apart from the swarm, and after a
+          step whose loss or gradients were not finite
+        :param on_lone: called with a LoneWarning when this peer's global steps go unaveraged for a few epochs while
+          others train (also logged as a warning, whatever this is)
+        :param on_link: called with "down" when training stops to wait for the link to the swarm (no initial peer
+          accepts a connection), and with "back" when it goes on
+        :raises NonFiniteTrainingError: the model is not finite and no peer can give its state, or the loss stays
+          non-finite for ``max_non_finite_steps`` steps in a row
+        """
+        if epochs is None and max_epochs is None and max_steps is None:
+            raise ValueError("train() needs epochs, max_epochs or max_steps, otherwise it would never stop")
+        history = TrainingHistory()
+        bar = None
+        try:
+            epoch_before = self.local_epoch
+            if self.catch_up():
+                self._record_restore(history, RestoreRecord(
+                    reason="behind_swarm", problem=f"the swarm was at epoch {self.local_epoch}", loaded=True,
+                    epoch_before=epoch_before, epoch_after=self.local_epoch, local_step=0), on_restore)
+            if epochs is not None:
+                max_epochs = self.local_epoch + epochs if max_epochs is None else min(max_epochs,
+                                                                                       self.local_epoch + epochs)
+            stream = batches(self.stream, self.config.optimizer.batch_size_per_step)
+            first_batch = next(stream)  # the data pipeline is warm before the others are told we are ready
+            # a swarm past epoch 0 is already training: a peer that joins or comes back late starts at once (the
+            # others announced themselves when they started, and those records have long expired)
+            if wait_for_peers > 1 and self.optimizer.tracker.global_epoch == 0:
+                present = wait_for_peers_in_swarm(self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout,
+                                                  stop=self._stop_requested)
+                logger.info(f"{present} peers are ready to train")
+            history.start_epoch = self.local_epoch
+            bar = tqdm(total=max(0, max_epochs - self.local_epoch) if max_epochs is not None else max_steps,
+                       disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
+                       dynamic_ncols=True)
+            self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch,
+                            on_restore, on_lone, on_link)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
+            history.interrupted = True
+        finally:
+            if bar is not None:
+                bar.close()
+        history.final_epoch = self.local_epoch
+        history.averaged_rounds = self.optimizer.averaged_rounds
+        return history
+
+    def _run_steps(self, stream, history: TrainingHistory, bar, max_epochs: Optional[int],
+                   max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]],
+                   on_restore: Optional[Callable[[RestoreRecord], None]] = None,
+                   on_lone: Optional[Callable[[LoneWarning], None]] = None,
+                   on_link: Optional[Callable[[str], None]] = None) -> None:
+        """The training loop proper: one local step per batch until a limit is reached."""
+        epoch_losses: List[float] = []
+        epoch_start = time.perf_counter()
+        batch_size = self.config.optimizer.batch_size_per_step
+        self.model.train()
+        def limit_reached() -> bool:
+            return ((max_epochs is not None and self.local_epoch >= max_epochs)
+                    or (max_steps is not None and history.local_steps >= max_steps))
+
+        for batch in stream:
+            # a peer whose last step reached its limit is done, link or no link: when the others stop at the same
+            # epoch, their leaving looks like a cut link, and waiting for it to come back would be waiting for ever
+            if self._watchdog.link_down.is_set() and not limit_reached():
+                self._wait_for_link(history, on_link)
+                epoch_losses, epoch_start = [], time.perf_counter()  # the swarm's state replaces what came before
+            if self._stop_requested.is_set():
+                raise KeyboardInterrupt
+            if limit_reached():
+                return
+            epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
+            loss = self.model(**batch).loss
+            loss.backward()
+            problem = self._non_finite_step_problem(loss)
+            if problem is not None:
+                self._recover_from_non_finite_step(problem, history, on_restore)
+                # the losses so far belong to the state just replaced
+                epoch_losses, epoch_start = [], time.perf_counter()
+                continue
+            self._non_finite_streak = 0
+            self.optimizer.step()  # accumulates; when the swarm has target_batch_size samples, a global step
+            self.optimizer.zero_grad()
+            history.local_steps += 1
+            loads = self._record_step_loads(history, on_restore)
+            if loads and not loads[-1]["loaded"]:
+                self._wait_before_loading_again()
+            elif loads:
+                self._failed_loads = 0
+            epoch_losses.append(loss.item())
+
+            if self.local_epoch != epoch_before:
+                optimizer = self.optimizer
+                averaged = optimizer.averaged_rounds > rounds_before
+                # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own;
+                # a round of the swarm's next epoch ended that one (this peer's losses went into its gradients)
+                in_round = averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1)
+                record = EpochRecord(
+                    epoch=optimizer.last_round_epoch if in_round else epoch_before,
+                    loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
+                    samples=len(epoch_losses) * batch_size, averaged=averaged,
+                    group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
+                    seconds=time.perf_counter() - epoch_start,
+                    anchors=optimizer.last_anchors_in_group if in_round else 0,
+                    training_peers=max(1, optimizer.tracker.training_peers),
+                    problem=optimizer.last_round_problem if in_round else "this peer was behind the swarm")
+                history.epochs.append(record)
+                epoch_losses, epoch_start = [], time.perf_counter()
+                warning = self._lone_watch.observe(record, bool(self.config.swarm.client_mode),
+                                                   optimizer.tracker.anchor_peers, self.config.optimizer.averaging_timeout,
+                                                   self.config.optimizer.matchmaking_time)
+                if warning is not None:
+                    logger.warning(str(warning))
+                    history.lone_warnings.append(warning)
+                    if on_lone is not None:
+                        on_lone(warning)
+                self._publish_metrics(record)
+                if on_epoch is not None:
+                    on_epoch(record)
+                if max_epochs is not None:
+                    bar.update(self.local_epoch - epoch_before)
+                # a global step changed the parameters: once per epoch, check them (a nan in a row of the
+                # embeddings that no batch has used yet does not show in the loss)
+                problem = self._non_finite_parameters_problem()
+                if problem is not None:
+                    self._recover_from_non_finite_step(problem, history, on_restore, step_dropped=False)
+            if max_epochs is None:
+                bar.update(1)
+            swarm = self.global_progress
+            bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
+                            samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
+                            refresh=False)
+
+    def _wait_for_link(self, history: TrainingHistory, on_link: Optional[Callable[[str], None]] = None) -> None:
+        """Training waits while the link to the swarm is down: steps taken meanwhile could be averaged with nobody, and
+        the swarm's state (loaded when the link is back) would replace them anyway."""
+        history.link_outages += 1
+        if on_link is not None:
+            on_link("down")
+        while self._watchdog.link_down.is_set() and not self._stop_requested.is_set():
+            self._stop_requested.wait(0.2)
+        if not self._stop_requested.is_set() and on_link is not None:
+            on_link("back")
+
+    # -- non-finite steps -----------------------------------------------------------------------
+
+    def _non_finite_step_problem(self, loss: torch.Tensor) -> Optional[str]:
+        """What is not finite after this local step's backward pass: the loss or the gradients (None: all finite)."""
+        if not torch.isfinite(loss.detach()).all():
+            return f"the loss is {loss.item()}"
+        grads = [param.grad for param in self.model.parameters() if param.grad is not None]
+        # one norm over all gradients: nan or inf anywhere makes it non-finite, with one sync instead of one per tensor
+        if grads and not torch.isfinite(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))):
+            return "the gradients are not finite"
+        return None
+
+    def _non_finite_parameters_problem(self) -> Optional[str]:
+        """Which of the model's parameters hold nan or inf (None: all finite)."""
+        bad = non_finite_parameters(self.model)
+        if not bad:
+            return None
+        return f"parameters are not finite: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}"
+
+    def _recover_from_non_finite_step(self, problem: str, history: TrainingHistory,
+                                      on_restore: Optional[Callable[[RestoreRecord], None]] = None,
+                                      step_dropped: bool = True) -> None:
+        """Drop this step's gradients (they never reach the optimizer, so they are never averaged with the swarm's)
+        and load the swarm's parameters and optimizer state in place of this peer's.
+
+        If no peer can give its state, training goes on from the local state as long as the parameters are
+        finite (the bad step is simply skipped); with non-finite parameters there is nothing to go on from.
+
+        :param step_dropped: a local step's gradients are dropped (False: found by the check of the parameters after
+          a global step, when no local step is dropped)
+        :raises NonFiniteTrainingError: non-finite parameters and no peer gave its state, or ``max_non_finite_steps``
+          steps in a row were not finite
+        """
+        self.optimizer.zero_grad()
+        history.skipped_steps += int(step_dropped)
+        self._non_finite_streak += 1
+        if self._non_finite_streak > self.max_non_finite_steps:
+            raise NonFiniteTrainingError(
+                f"{problem} for {self._non_finite_streak} local steps in a row, and loading the swarm's state did not "
+                f"help: the fault is likely in the data or the settings (try a lower optimizer.learning_rate)")
+        epoch_before = self.local_epoch
+        logger.warning(f"{problem} after {history.local_steps} local steps (epoch {epoch_before}): dropping this "
+                       f"step's gradients and loading the swarm's parameters and optimizer state")
+        loaded = self.optimizer.load_state_from_peers()
+        record = RestoreRecord(reason="non_finite", problem=problem, loaded=loaded, epoch_before=epoch_before,
+                               epoch_after=self.local_epoch, local_step=history.local_steps)
+        self._record_restore(history, record, on_restore)
+        still_bad = self._non_finite_parameters_problem()
+        if loaded:
+            if still_bad is None:
+                logger.warning(f"loaded the swarm's state (epoch {self.local_epoch}): training goes on")
+            else:  # the next step tries again (another peer may answer), up to max_non_finite_steps times
+                logger.warning(f"the state a peer gave is not finite either ({still_bad}): the swarm may have "
+                               f"diverged")
+            return
+        if still_bad is not None:
+            raise NonFiniteTrainingError(
+                f"{still_bad}, and no peer of run {self.config.swarm.run_id!r} could give its state: restart from a "
+                f"checkpoint (or with peers that train), and consider a lower optimizer.learning_rate")
+        logger.warning("no peer could give its state: this step is skipped, training goes on from the local state "
+                       "(its parameters are finite)")
+
+    def _record_step_loads(self, history: TrainingHistory,
+                           on_restore: Optional[Callable[[RestoreRecord], None]]) -> List[dict]:
+        """Report the swarm's states that the step just taken loaded (this peer found itself behind or apart from the
+        swarm: it joined while the swarm's progress was still unknown to it, missed a round, or its link was cut), and
+        return them (each says whether a peer gave its state: ``loaded``)."""
+        loads, self.optimizer.step_loads = self.optimizer.step_loads, []
+        for load in loads:
+            self._record_restore(history, RestoreRecord(reason="behind_swarm", local_step=history.local_steps, **load),
+                                 on_restore)
+        return loads
+
+    def _wait_before_loading_again(self) -> None:
+        """A step could not get the swarm's state: wait (STATE_RETRY_WAITS) before the next step tries again, or until a
+        stop is asked for or the link is found down (the loop then waits for it)."""
+        wait = STATE_RETRY_WAITS[min(self._failed_loads, len(STATE_RETRY_WAITS) - 1)]
+        self._failed_loads += 1
+        logger.info(f"no peer gave the swarm's state ({self._failed_loads} time(s) in a row): trying again in "
+                    f"{wait:.0f} s")
+        deadline = time.monotonic() + wait
+        while not self._stop_requested.is_set() and not self._watchdog.link_down.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._stop_requested.wait(min(left, 0.2))
+
+    @staticmethod
+    def _record_restore(history: TrainingHistory, record: RestoreRecord,
+                        on_restore: Optional[Callable[[RestoreRecord], None]]) -> None:
+        history.restores.append(record)
+        if on_restore is not None:
+            on_restore(record)
+
+    # -- metrics for the monitor -----------------------------------------------------------------
+
+    def _publish_metrics(self, record: EpochRecord) -> None:
+        """Count the epoch's work and publish this peer's metrics record (a failure only logs: training goes on)."""
+        self.metrics.add_work(record.samples, record.seconds)
+        try:
+            self.metrics.publish(epoch=self.local_epoch, loss=record.loss, mini_steps=record.local_steps,
+                                 samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False,
+                                 averaged_with=record.group_size - 1, lone_epochs=self._lone_watch.streak,
+                                 lone_reason=self._lone_watch.reason)
+        except Exception as e:  # the DHT may be shutting down or unreachable for a moment
+            logger.warning(f"could not publish this peer's metrics: {e}")
+
+    # -- the model as it is now -----------------------------------------------------------------
+
+    def _apply_pending_update(self) -> None:
+        """Wait for an optimizer step running in the background (delayed updates) and apply it to the model."""
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+
+    def parameters_snapshot(self) -> Dict[str, torch.Tensor]:
+        """The model's current parameters, after any optimizer step still running in the background."""
+        self._apply_pending_update()
+        return {name: param.detach().clone() for name, param in self.model.named_parameters()}
+
+    def save_checkpoint(self, folder: str, metadata: Optional[dict] = None) -> str:
+        """Write the model as it is now, with the run's configuration, as a checkpoint folder
+        (collab_kit.model.checkpoint: what ``generate_images`` and ``load_checkpoint`` read)."""
+
+        self._apply_pending_update()
+        metadata = dict(dict(global_epoch=self.local_epoch, run_id=self.config.swarm.run_id), **(metadata or {}))
+        return save_checkpoint(self.model, self.config, folder, metadata=metadata)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self):
+        """Leave the swarm: stop the optimizer's averagers, then the DHT and its p2p daemon."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._watchdog.stop()
+            if self._binding_keeper is not None:
+                self._binding_keeper.stop()
+            self.optimizer.shutdown()
+        finally:
+            self.dht.shutdown()
+
+    def __enter__(self) -> "Volunteer":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()

@@ -1,0 +1,28 @@
+"""The swarm: peers that find each other in a DHT and train as one, through hivemind.
+
+- ``dht``: starting a peer's DHT, the addresses it gives others (join lines), reachability found out on joining,
+  presence, and the watchdog that dials again when a peer has lost every neighbour.
+- ``reachability``: can the swarm's peers dial this one back? (the probe and the answering service).
+- ``keys``: the run's DHT keys, in one place.
+- ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
+  and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression.
+- ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
+- ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
+- ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT.
+- ``bindings``: peer ids bound to access tokens in the DHT, and the gate the averagers ask in an authorized run.
+- ``metrics``: each peer's signed metrics record, and what the monitor reads of them.
+"""
+from collab_kit.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "dht": ["start_dht", "join_addresses", "join_command", "join_instructions", "resolve_reachability",
+            "wait_for_peers", "SwarmWatchdog", "SwarmConnectionError"],
+    "reachability": ["probe_reachability", "ReachabilityVerdict"],
+    "optimizer": ["make_optimizer", "CollaborativeOptimizer", "SwarmProgressTracker"],
+    "lamb": ["make_lamb8bit", "LAMB8bit", "gradient_compression", "parameter_groups"],
+    "averagers": ["compose_averager"],
+    "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],
+    "anchor": ["Anchor", "AnchorError"],
+    "bindings": ["PeerGate", "BindingKeeper", "publish_peer_binding", "authorized_averager_class"],
+    "metrics": ["MetricsPublisher", "PeerMetrics", "SwarmSnapshot", "read_metrics", "summarize"],
+})

@@ -1,0 +1,354 @@
+"""The anchor: the public peer that volunteers behind NAT average through and load the swarm's state from.
+
+Why a swarm needs one. A volunteer behind NAT (Colab, Kaggle, a home router) can dial out but nobody
+can dial it, so it joins in client mode, and hivemind's rule for client-mode averagers is that they
+only join groups in which some peer accepts connections: that peer reduces the whole vector for the
+group, the client-mode peers send it their parts and get the averages back over the connections they
+opened themselves. Client-mode peers cannot share their state either (nobody can open a stream to
+them). A swarm of volunteers who are all behind NAT therefore forms no group at all, and each trains
+alone on its own gradients.
+
+What it is. The anchor is a training peer that contributes no samples: a hivemind.Optimizer built like
+every volunteer's (the same model, seed, parameter groups, 8-bit LAMB, compression; collab_kit.swarm.optimizer),
+listening for connections, that
+
+- while some training peer is in client mode, joins every gradient round with weight 0: it reduces the
+  parts of the volunteers behind NAT, and since its own (zero) gradients weigh nothing, the average is the
+  volunteers' own. While every training peer accepts connections, hivemind's matchmaking needs no anchor:
+  it stands by (no rounds, no progress record) and downloads the swarm's state when the monitor asks;
+- applies the averaged gradients like any volunteer, so it always holds the swarm's parameters and
+  optimizer state: late joiners download them from it, and the monitor saves its checkpoints from it
+  without a download;
+- publishes a progress record with a throughput of exactly 0 (collab_kit.swarm.optimizer.is_anchor_record): its
+  epoch is the swarm's global epoch for peers in client mode (hivemind counts only the epochs of peers
+  that accept connections), and volunteers know not to count it as a training peer;
+- tells each group it is an anchor (the round's all-gather), so that a volunteer whose group held no other
+  training peer knows that it trained alone.
+
+The organizer runs it on a machine others can dial: ``collab-kit monitor`` starts one when its own
+address is reachable (collab_kit.roles.monitor). Its link carries every volunteer's gradients in and their
+average out: about 2 x (volunteers) x (the compressed gradients) per global step, the price of serving
+peers that cannot reach each other (what the README's "Behind NAT" section measures).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import get_dht_time
+
+from collab_kit.config import RunConfig
+from collab_kit.errors import CollabKitError
+from collab_kit.model.transformer import initial_model
+from collab_kit.swarm.optimizer import ANCHOR_ROLE, CollaborativeOptimizer, SwarmProgressTracker, make_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+class AnchorError(CollabKitError, RuntimeError):
+    """The anchor cannot work here (the message says what to do)."""
+
+
+class AnchorProgressTracker(SwarmProgressTracker):
+    """The anchor's progress record: published although it accumulates no samples, with a throughput of exactly 0.
+
+    hivemind publishes a peer's record only once it has accumulated samples (its "do not report auxiliary
+    peers" rule); the anchor's record must be there all the time, since for peers in client mode only
+    the epochs of peers that accept connections set the swarm's global epoch.
+    """
+
+    @property
+    def trainers_epoch(self) -> int:
+        """The highest epoch a training peer reports."""
+        return max((epoch for _, epoch in self.trainer_records), default=0)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """The anchor follows the training peers: its epoch ends when they have accumulated the target batch, when one of
+        them has moved on, or at the estimated end of an epoch to which they have contributed samples.
+
+        hivemind's peers end an epoch at its estimated time whatever was accumulated, so that slow reports do not hold
+        the swarm; the peers of a round start it at about the same moment, having the same estimate. An anchor doing
+        so in an epoch with no samples yet would run ahead of peers that are merely late, and take the peers in client
+        mode with it (its epoch is theirs).
+        """
+        progress = self.global_progress
+        return (progress.samples_accumulated >= self.target_batch_size
+                or max(self.global_epoch, self.trainers_epoch) > self.local_progress.epoch
+                or (progress.samples_accumulated > 0 and get_dht_time() >= progress.eta_next_epoch))
+
+    def trainers_in_epoch(self, epoch: int) -> List[bytes]:
+        """The training peers expected in the round of ``epoch`` (their ids): those whose record is at that epoch or one
+        before it (a record lags its peer by a report, so a peer that has just moved on may still show the epoch
+        before). A peer further behind loads the swarm's state instead of joining this round."""
+        return [peer_id for peer_id, trainer_epoch in self.trainer_records if trainer_epoch >= epoch - 1]
+
+    def _get_local_progress(self, local_epoch: int, samples_accumulated: int):
+        return super()._get_local_progress(local_epoch, samples_accumulated).copy(update=dict(samples_per_second=0.0))
+
+    leading = False  # whether the anchor takes part in the swarm's rounds (AnchorOptimizer.leads_rounds)
+
+    def set_leading(self, leading: bool) -> None:
+        """Publish the anchor's record while it leads rounds, withdraw it while it stands by: a record counts as a peer
+        in hivemind's reading of the swarm, and a peer that believes it has company looks for an averaging group."""
+        if leading != self.leading:
+            self.leading = leading
+            self.should_report_progress.set()
+
+    async def _progress_reporter(self):
+        """Publish the record when it changes (a new epoch, leading or not) and before it expires (hivemind's
+        cadence); while the anchor stands by, its record is withdrawn (stored as None, as hivemind does at shutdown)."""
+        loop = asyncio.get_event_loop()
+        withdrawn = True  # nothing published yet
+        while not self.shutdown_triggered.is_set():
+            if self.leading or not withdrawn:
+                expiration_time = get_dht_time() + self.metadata_expiration
+                value = self.local_progress.dict() if self.leading else None
+                try:
+                    await asyncio.wait_for(self.dht.store(
+                        key=self.training_progress_key, subkey=self._local_public_key, value=value,
+                        expiration_time=expiration_time, return_future=True), timeout=self.metadata_expiration)
+                    withdrawn = value is None
+                except Exception as e:  # a busy or cut link: the next report comes as usual
+                    logger.debug(f"the anchor could not publish its progress: {e!r}")
+            await loop.run_in_executor(None, self.should_report_progress.wait, self.metadata_expiration / 2)
+            self.should_report_progress.clear()
+
+
+class AnchorOptimizer(CollaborativeOptimizer):
+    """A CollaborativeOptimizer that contributes no samples: it averages with weight 0 and steps like the others.
+
+    The averaged gradients are checked before the step: a round whose weights summed to 0 (only peers tagging
+    along) averages to 0 / 0, and an anchor with non-finite parameters would hand them to every late joiner. A
+    round that no training peer reached leaves the anchor's parameters as they are (LAMB8bit.hold_next_step).
+
+    :param retry_state_every: seconds between two tries to download the swarm's state when the anchor is behind
+    """
+
+    round_role = ANCHOR_ROLE
+
+    def __init__(self, retry_state_every: float = 30.0, **kwargs):
+        self.retry_state_every = retry_state_every
+        self._next_state_attempt = 0.0
+        self.dropped_rounds = 0  # rounds whose averaged gradients were not finite (set to zero instead)
+        self._triggered_early = None  # the round the anchor let start as soon as its group formed
+        super().__init__(**kwargs)
+
+    @property
+    def leads_rounds(self) -> bool:
+        """Whether the swarm needs the anchor in its gradient rounds: some training peer is in client mode, and can
+        average only in a group that a peer accepting connections leads. While every training peer accepts
+        connections, hivemind's own matchmaking needs no anchor, which then stands by (``stand_by``)."""
+        return self.tracker.client_mode_trainers > 0
+
+    def stand_by(self) -> None:
+        """Take no part in rounds: give up a scheduled one and withdraw the progress record."""
+        self.tracker.set_leading(False)
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self.scheduled_grads.cancel()
+        self.scheduled_grads = self._triggered_early = None
+
+    def trigger_formed_round(self) -> None:
+        """Let the round start as soon as its group has formed. A training peer starts its all-reduce when its own
+        epoch ends; the anchor adds nothing to the average (weight 0), so nothing of its own needs to be ready, and
+        every member that sends it a part (the whole vector, from peers in client mode) would otherwise wait for the
+        anchor's reading of the swarm to catch up, and give up after next_chunk_timeout."""
+        self.tracker.set_leading(True)
+        control = self.scheduled_grads
+        if control is None or control.triggered or control.done() or control.stage != AveragingStage.AWAITING_TRIGGER:
+            return
+        self.grad_averager.load_accumulators_into_averager_()  # zeros: the anchor accumulates nothing
+        control.weight = 0.0
+        control.allow_allreduce()
+        self._triggered_early = control
+
+    @property
+    def early_round_pending(self) -> bool:
+        """Whether this epoch's round was started when its group formed (``trigger_formed_round``) and the epoch has not
+        ended with it yet."""
+        return self.scheduled_grads is not None and self.scheduled_grads is self._triggered_early
+
+    def _trigger_gradient_round(self, grad_scaler) -> bool:
+        if self.early_round_pending:
+            self._triggered_early = None
+            return True  # started when its group formed (trigger_formed_round)
+        return super()._trigger_gradient_round(grad_scaler)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+        return AnchorProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                     client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                     **kwargs)
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """hivemind's pre-scheduling, with a group that waits for its peers. The anchor leads the groups of peers in
+        client mode, which can join no other leader, and one whose estimate of the epoch's end is later than the
+        anchor's starts looking later. So the anchor tells its averager which training peers to expect (those whose
+        progress record is at this epoch or the one before, counted afresh at every tick): the group starts as soon as
+        all of them have joined (others are welcome), and at the latest ``next_chunk_timeout`` after the later of the
+        estimated end and matchmaking_time from now. Peers in client mode ask to join for later than that
+        (collab_kit.swarm.averagers.RoundReportMixin.schedule_step)."""
+        if self.early_round_pending:
+            # the round of this epoch, started as soon as its group formed (trigger_formed_round), may be over before
+            # the anchor reads that its peers moved on: it stays the epoch's round until the epoch ends, and the next
+            # is scheduled after that (a round scheduled now would replace it, and end the epoch with the next one's)
+            return
+        if self.tracker.global_progress.num_peers <= 1:
+            return
+        now, estimated_end = get_dht_time(), self.tracker.estimated_next_update_time
+        if estimated_end - now > self.matchmaking_time:
+            return
+        # counted afresh at every tick while the round is pending: a peer that joined the swarm or fell behind since
+        # the round was scheduled changes the group to wait for
+        self.grad_averager.expect_peers(self.tracker.trainers_in_epoch(self.local_epoch))
+        if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
+            scheduled_time = max(estimated_end, now + self.matchmaking_time) + self.next_chunk_timeout
+            self.scheduled_grads = self.grad_averager.schedule_step(scheduled_time=scheduled_time,
+                                                                    timeout=self.averaging_timeout)
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
+        return True  # nothing to accumulate: the anchor's share of every round is 0 samples
+
+    @property
+    def swarm_epoch(self) -> int:
+        """The epoch of the swarm: hivemind's global epoch, or a training peer's when they are ahead (peers in client
+        mode do not count in hivemind's)."""
+        return max(self.tracker.global_epoch, self.tracker.trainers_epoch)
+
+    def _should_load_state_from_peers(self) -> bool:
+        if self.local_epoch >= self.swarm_epoch or time.monotonic() < self._next_state_attempt:
+            return False
+        if self.early_round_pending:
+            # the round of this epoch is under way or over: the training peers in it moved on before the anchor read
+            # its result, and this epoch ends with that round (hivemind checks for a download before the epoch's end)
+            return False
+        self._next_state_attempt = time.monotonic() + self.retry_state_every
+        return True
+
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """Download the swarm's state; when no peer shares it (every volunteer behind NAT: an anchor started again while
+        they trained), take the swarm's epoch with the anchor's own parameters (from the monitor's newest checkpoint)."""
+        loaded = super().load_state_from_peers(**kwargs)
+        if not loaded and self.local_epoch < self.swarm_epoch:
+            logger.warning(f"no peer shares the swarm's state: the anchor goes on at the swarm's epoch "
+                           f"{self.swarm_epoch} with its own parameters (from epoch {self.local_epoch})")
+            self.adopt_epoch(self.swarm_epoch)
+        return loaded
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if self.last_group_size == 0 or self.last_round_problem is not None:
+            # no training peer's gradients reached the anchor (no round, a failed one, or nobody but itself): its share
+            # is zeros, and a step on them would move it away from the peers (momentum, weight decay)
+            self.state_averager.optimizer.hold_next_step()
+            return
+        with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
+            if not all(bool(torch.isfinite(tensor).all()) for tensor in averaged):
+                self.dropped_rounds += 1
+                logger.warning(f"the averaged gradients of epoch {self.local_epoch} are not finite (a round whose "
+                               f"peers all had weight 0): the anchor steps without them")
+                for tensor in averaged:
+                    tensor.zero_()
+
+
+class Anchor:
+    """Runs an AnchorOptimizer in a thread of its own: a step every ``tick`` seconds, rounds as the swarm makes them.
+
+    Build it in the main thread (hivemind's averagers start processes that inherit signal handlers), then
+    ``start()``; ``snapshot()`` gives the parameters between two steps, ``shutdown()`` leaves the swarm.
+
+    :param config: the run's configuration: model and optimizer must be the volunteers'
+    :param dht: this peer's DHT; it must accept connections (not client mode)
+    :param peer_gate: in an authorized run, a collab_kit.swarm.bindings.PeerGate (only bound peers average through it)
+    :param tick: seconds between two steps (how soon it notices the end of an epoch)
+    :param on_round: called with (epoch, training peers in the group, problem or None) after each gradient round
+    :raises AnchorError: the DHT is in client mode
+    """
+
+    def __init__(self, config: RunConfig, dht: hivemind.DHT, peer_gate=None, tick: float = 0.1,
+                 on_round: Optional[Callable[[int, int, Optional[str]], None]] = None):
+        if dht.client_mode:
+            raise AnchorError("an anchor must accept connections, and this peer is in client mode: run it on a "
+                              "machine others can dial (a public address, or a forwarded port)")
+        self.config, self.tick, self.on_round = config, tick, on_round
+        self.model = initial_model(config.model, config.swarm.run_id)  # the volunteers' initial parameters
+        self.optimizer: AnchorOptimizer = make_optimizer(
+            self.model, dht, config.swarm.run_id, config.optimizer, client_mode=False, peer_gate=peer_gate,
+            optimizer_class=AnchorOptimizer)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.rounds = 0  # gradient rounds that held at least one training peer
+
+    @property
+    def local_epoch(self) -> int:
+        return self.optimizer.local_epoch
+
+    def resume_from(self, parameters: Dict[str, torch.Tensor], epoch: int) -> None:
+        """Start from a checkpoint of this run (the monitor's newest) rather than the initial parameters: after a
+        restart, while the volunteers behind NAT train on, nobody else holds the swarm's state to give the anchor.
+        The optimizer's statistics start anew. Call before ``start``."""
+        averager = self.optimizer.state_averager
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(parameters[name])
+            # the offloaded copy the optimizer steps on and shares (hivemind 1.1.12 keeps it beside the model's own)
+            for main, offloaded in zip(averager.main_parameters, averager._averaged_parameters):
+                offloaded.copy_(main)
+        self.optimizer.adopt_epoch(epoch)
+        logger.info(f"the anchor resumes from the checkpoint of epoch {epoch}")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-anchor")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    if not self.optimizer.leads_rounds:
+                        self.optimizer.stand_by()
+                    else:
+                        epoch = self.local_epoch
+                        self.optimizer.trigger_formed_round()
+                        self.optimizer.step()
+                        if self.local_epoch != epoch:
+                            self._report_round(epoch)
+            except Exception as e:  # the swarm goes on: the next step tries again
+                logger.warning(f"the anchor's step failed ({type(e).__name__}: {e}); it goes on",
+                               exc_info=logger.isEnabledFor(logging.DEBUG))
+            self._stop.wait(self.tick)
+
+    def _report_round(self, epoch: int) -> None:
+        optimizer = self.optimizer
+        trainers, problem = optimizer.last_group_size, optimizer.last_round_problem
+        if trainers:
+            self.rounds += 1
+            logger.info(f"anchor: epoch {epoch} averaged the gradients of {trainers} training peer(s)")
+        elif problem:
+            logger.info(f"anchor: no round at epoch {epoch} ({problem})")
+        if self.on_round is not None:
+            self.on_round(epoch, trainers, problem)
+
+    def snapshot(self) -> Tuple[int, Dict[str, torch.Tensor]]:
+        """The swarm's parameters as the anchor holds them between two steps (a pending update applied) and their
+        global epoch; an anchor that stands by (every training peer accepts connections) downloads them first."""
+        with self._lock:
+            optimizer = self.optimizer
+            if not optimizer.leads_rounds and optimizer.local_epoch < optimizer.swarm_epoch:
+                optimizer.load_state_from_peers()
+            optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+            return self.local_epoch, {name: param.detach().clone() for name, param in self.model.named_parameters()}
+
+    def shutdown(self) -> None:
+        """Stop stepping and leave the swarm (safe to call twice)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.optimizer.averaging_timeout + 10)
+            self._thread = None
+        self.optimizer.shutdown()

@@ -1,0 +1,300 @@
+"""hivemind's averagers as the kit builds them: one way to compose them, and the mixins that go in front.
+
+hivemind names an averager's RPCs after its class (``GradientAverager.rpc_join_group``), and peers reach each
+other's handlers by those names. ``compose_averager`` is the one place that rule is applied: a composed class keeps
+its base's name, so peers with and without local mixins (thread pool, round reports, the authorization gate) still
+average together, unless a mixin changes what a round computes and says so (``rpc_name_prefix``: CenteredClip, which
+peers averaging by the plain mean must not join).
+
+- ``ForkedTorchThreadsMixin``: an averager's process rebuilds torch's thread pool before its threads race to.
+- ``DownloadRecorderMixin``: remembers the epoch of the last state downloaded.
+- ``ClientModeMatchmakingMixin``: leaves out hivemind's request-timeout advice that does not apply in client mode.
+- ``RoundReportMixin``: each gradient round reports who was in it (trainers, anchors) and what it received, and
+  lets the anchor hold a group open for the peers it expects.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import warnings
+from collections import Counter
+from typing import AsyncIterator, Callable, Iterable, List, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+
+
+def compose_averager(base: type, *mixins: type, behind: Sequence[type] = (), qualname: Optional[str] = None,
+                     **attributes) -> type:
+    """``base`` (a hivemind averager class) with ``mixins`` in front of it and ``behind`` after it, as one class.
+
+    Its ``__name__``, which hivemind names the RPCs after, is ``base``'s RPC name with the ``rpc_name_prefix`` of each
+    mixin that sets one in front (a mixin that changes what a round computes); a mixin that only watches or guards
+    keeps the name, so its peers still average with peers without it. Each composed class collects its own RPC
+    handlers: hivemind caches them in class attributes, and a class that inherited its base's cache would answer with
+    the base's methods, past the mixins' overrides.
+
+    :param behind: classes placed after ``base`` in the method resolution order (they are its ``super()``)
+    :param qualname: the class's name in tracebacks and reprs (default: the mixins' names and ``base``'s)
+    :param attributes: class attributes, set before hivemind starts the averager's process (``start=True`` forks it
+      inside ``__init__``, so they travel into it)
+    """
+    rpc_name = "".join(getattr(mixin, "rpc_name_prefix", "") for mixin in mixins) + base.__name__
+    name = qualname or "".join(mixin.__name__.removesuffix("Mixin") for mixin in mixins) + base.__name__
+    namespace = {"__module__": __name__, "__qualname__": name, "_rpc_handlers": None, "_stub_type": None, **attributes}
+    return type(rpc_name, (*mixins, base, *behind), namespace)
+
+
+class ForkedTorchThreadsMixin:
+    """Put before a hivemind averager class: its process (a fork of the trainer's) rebuilds torch's thread pool once,
+    before any of its threads runs a tensor operation.
+
+    A forked process inherits a torch whose thread pool belongs to the parent, and the first operation of each thread
+    rebuilds it. hivemind's averagers compress and decompress the parts of a round in several threads at once, and in
+    the first round of a process those first operations race: with more than one torch thread, one of them can fail
+    with "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (measured here: 91 of 100 forked processes whose 4
+    threads began together). hivemind drops that exception silently: the part is never sent, the reducer drops this
+    peer after next_chunk_timeout, and the round is lost (what a peer behind a 5 Mbit/s link met in one run of two).
+    """
+
+    def run(self):
+        # in the averager's own process, in one thread, before hivemind starts its event loop and executors
+        torch.set_num_threads(torch.get_num_threads())
+        # hivemind's 8-bit quantization, which runs here, calls a torch function that torch 2.13 marks as deprecated:
+        # nothing a user can act on, and this process alone meets it
+        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
+        super().run()
+
+
+class DownloadRecorderMixin(DecentralizedAverager):
+    """Remembers the epoch of the last state ``load_state_from_peers`` downloaded (None: no peer gave one).
+
+    hivemind's TrainingStateAverager.load_state_from_peers returns nothing, whether a peer gave its state
+    or none could; it gets the download from ``super().load_state_from_peers``. Placed *after*
+    TrainingStateAverager in the method resolution order (see ``recording_state_averager_class``), this
+    class is that ``super()`` and sees the download on its way.
+    """
+
+    last_downloaded_epoch: Optional[int] = None
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
+        if wait:
+            metadata = loaded[0] if loaded is not None else None
+            epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+            self.last_downloaded_epoch = epoch if isinstance(epoch, int) else None
+        return loaded
+
+
+# seconds a peer in client mode waits for a leader's answer to its join request. The answer crosses the peer's home
+# link twice, and a thin link is often full (the state download, a round's parts, the DHT): a home router's queue of
+# 64 KiB holds 2 s at 0.25 Mbit/s. With the tiny preset's 0.9 x matchmaking_time (1.8 s), a late joiner on such a
+# link asked the anchor in every round and was never answered in time; a busy anchor, or a volunteer's process
+# waiting for a core on a machine shared with five others, cost a round now and then too
+CLIENT_JOIN_ANSWER_TIMEOUT = 5.0
+
+
+# seconds a download of the swarm's state waits for its next part (64 KiB) before giving up on the peer that serves it.
+# hivemind waits next_chunk_timeout, which is set for averaging rounds (6 s for the CPU presets): a part takes 2 s at
+# 0.25 Mbit/s on an idle link and 5 s at 0.1 Mbit/s, and a thin link that drops packets stalls for seconds more while
+# TCP backs off (a late joiner of the NAT lab, at 0.25 Mbit/s, gave up five downloads in a row after 6-8 s each and
+# never trained). A download given up starts again from its first part, so waiting costs less than giving up
+STATE_DOWNLOAD_PART_TIMEOUT = 30.0
+
+
+class _LeaderlessRequestTimeoutFilter(logging.Filter):
+    """Drops hivemind's advice to keep request_timeout below min_matchmaking_time (two leaders that request each
+    other could wait on each other until it passes): a peer in client mode leads no group."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "request_timeout smaller than min_matchmaking_time" not in record.getMessage()
+
+
+class ClientModeMatchmakingMixin:
+    """Put before a hivemind averager class: in client mode, its process (where hivemind builds its matchmaking)
+    leaves out the request_timeout advice that does not apply to it (see CLIENT_JOIN_ANSWER_TIMEOUT). The filter is
+    installed in the averager's own process only, never in the user's."""
+
+    def run(self):
+        if self.client_mode:
+            logging.getLogger("hivemind.averaging.matchmaking").addFilter(_LeaderlessRequestTimeoutFilter())
+        super().run()
+
+
+def recording_state_averager_class() -> type:
+    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin and
+    ClientModeMatchmakingMixin in front), under TrainingStateAverager's RPC name."""
+    return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, ClientModeMatchmakingMixin,
+                            behind=(DownloadRecorderMixin,), qualname="RecordingTrainingStateAverager")
+
+
+# what a peer tells its group about itself in each gradient round (hivemind's all-gather): an anchor contributes no
+# samples (collab_kit.swarm.anchor), so a round with only anchors beside this peer is not training together
+TRAINER_ROLE, ANCHOR_ROLE = "trainer", "anchor"
+
+def round_member(role: str, epoch: Optional[int]) -> dict:
+    """What a peer tells its group about itself in a gradient round (hivemind's all-gather): its role, and the local
+    epoch whose gradients it brings."""
+    return dict(role=role, epoch=epoch)
+
+
+class RoundResult(dict):
+    """What a gradient round gives back to a peer: what each member told the group (peer id -> ``round_member``, from
+    the round's all-gather), and how much of the average came back.
+
+    :ivar received: the share of the averaged vector this peer got back; the rest stayed its own (a reducer failed,
+      or banned this peer for being late): below 1, this peer's step was not the swarm's
+    :ivar failed_senders: senders whose parts this peer, as a reducer, went on without
+    """
+
+    received: float = 1.0
+    failed_senders: int = 0
+
+    def roles(self) -> List[str]:
+        """Each member's role (a member of a kit that sent its role alone counts too)."""
+        return [entry.get("role") if isinstance(entry, dict) else entry for entry in self.values()]
+
+    def epoch(self) -> Optional[int]:
+        """The round's epoch: an anchor's when the group holds one (the organizer's peer, whose epoch is the swarm's for
+        peers in client mode), else the one more than half of the members were at; None if no such epoch.
+
+        hivemind's groups are not keyed by epoch: a peer whose reading of the swarm lagged (it adopted the swarm's
+        epoch a moment before the others ended it) joins the round of the next epoch, and its gradients are averaged
+        into that epoch's update. A lone member's claim never decides (a hostile peer could name any epoch)."""
+        members = [entry for entry in self.values() if isinstance(entry, dict) and isinstance(entry.get("epoch"), int)]
+        anchors = [member["epoch"] for member in members if member.get("role") == ANCHOR_ROLE]
+        if anchors:
+            return max(anchors)
+        counts = Counter(member["epoch"] for member in members)
+        epoch, count = max(counts.items(), key=lambda item: item[1], default=(None, 0))
+        return epoch if 2 * count > len(self) else None
+
+
+class RoundReportMixin:
+    """Put before a hivemind gradient averager: each round carries this peer's ``round_role`` to its group, and its
+    result is a RoundResult.
+
+    hivemind.Optimizer offers no way to add data to a round's all-gather, and says nothing about a round that
+    returned only part of the average ("Averaging: received 0.0% results" is a log line, and the round counts as
+    done); both are read here, in the averager's process, where the round runs.
+
+    An anchor leads the groups of peers in client mode, which can lead none: it keeps its group open until every
+    training peer it expects has joined (``expect_peers``, kept up to date while the round is pending), then starts
+    ``join_grace`` seconds later, instead of closing at a fixed time and leaving out a peer whose estimate of the
+    epoch's end came later. The expected peers are no cap: a peer it did not expect (one that joined the swarm or
+    loaded its state a moment ago) is let in too, while the group is open, and so is a peer whose own time comes before
+    the anchor's: the group then starts by that peer's time.
+    """
+
+    round_role = TRAINER_ROLE
+    round_epoch: Callable[[], Optional[int]] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
+    join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
+    client_join_timeout: Optional[float] = None  # in client mode, a round's timeout when its caller gave none
+    _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
+    _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
+    _follower_deadlines: Optional[dict] = None  # in the averager's process: followers let in before their time
+    _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        kwargs.setdefault("gather", round_member(self.round_role, self.round_epoch()))
+        if self.client_mode:
+            # A peer in client mode never leads: its schedule only says until when it may join a group, and a leader
+            # turns away a peer that asks to start before the leader's own time (hivemind's BAD_EXPIRATION_TIME): a
+            # peer whose estimate of the epoch's end is a few seconds early (it just loaded the state, its link is
+            # slow) would find no group. So it asks for the latest start its timeout allows; the anchor starts the
+            # group as soon as its expected peers are in, so nobody waits longer for it. A round that was not
+            # scheduled ahead (hivemind's step at the epoch's end, after a download say) comes with no timeout and
+            # would ask to start within min_matchmaking_time, before the anchor's time (its time holds a chunk's
+            # timeout for late peers): it gets the optimizer's averaging timeout
+            if kwargs.get("timeout") is None:
+                kwargs["timeout"] = self.client_join_timeout
+            if kwargs["timeout"] is not None:
+                scheduled_time = get_dht_time() + 0.9 * kwargs["timeout"]
+        return super().schedule_step(scheduled_time, **kwargs)
+
+    def expect_peers(self, peer_ids: Iterable[bytes]) -> None:
+        """The peers to wait for in the rounds this peer leads (their ids as bytes; none: hivemind's own rule, which
+        starts the group at the leader's deadline). Sent to the averager's process when it changes."""
+        expected = tuple(sorted(set(peer_ids)))
+        if expected != self._expected_sent:
+            self._expected_sent = expected
+            self._outer_pipe.send(("_set_expected_peers", [], dict(peer_ids=expected)))
+
+    async def _set_expected_peers(self, peer_ids: tuple) -> None:
+        self._expected_peers = frozenset(PeerID(peer_id) for peer_id in peer_ids)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._expected_peers:
+            if self._follower_deadlines is None:
+                self._follower_deadlines = {}
+            self._follower_deadlines.pop(context.remote_id, None)
+            declared = self._matchmaking.potential_leaders.declared_expiration_time
+            if math.isfinite(declared) and math.isfinite(request.expiration) and request.expiration < declared:
+                # hivemind turns away a peer whose time is earlier than its leader's (BAD_EXPIRATION_TIME): it would
+                # give up before the leader's time. An anchor's time is no start time (it starts once its expected
+                # peers are in, and holds its group open for late ones, which pushes its time on), so it lets the
+                # peer in and starts the group by the peer's time instead (_start_group_when_expected_joined)
+                self._follower_deadlines[context.remote_id] = request.expiration
+                request.expiration = declared
+            if self._group_starter is None or self._group_starter.done():
+                self._group_starter = asyncio.create_task(self._start_group_when_expected_joined())
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def _start_group_when_expected_joined(self) -> None:
+        """While this peer leads a group that is being formed: start it once every expected peer is in (and
+        ``join_grace`` has passed for any it did not expect). Runs in the averager's process."""
+        matchmaking = self._matchmaking
+
+        def ready() -> bool:
+            expected = self._expected_peers - {matchmaking.peer_id}
+            return (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
+                    and matchmaking.current_leader is None and bool(expected)
+                    and expected.issubset(matchmaking.current_followers))
+
+        def due() -> bool:  # a follower let in before its time (rpc_join_group) gives up at its own time
+            deadlines = [self._follower_deadlines[peer] for peer in matchmaking.current_followers
+                         if peer in (self._follower_deadlines or {})]
+            return (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
+                    and matchmaking.current_leader is None and bool(deadlines)
+                    and get_dht_time() >= min(deadlines) - self.join_grace)
+
+        while matchmaking.is_looking_for_group and not matchmaking.assembled_group.done():
+            if ready():
+                await asyncio.sleep(self.join_grace)
+                async with matchmaking.lock_request_join_group:
+                    if ready():
+                        await matchmaking.leader_assemble_group()
+                        return
+            if due():
+                async with matchmaking.lock_request_join_group:
+                    if due():
+                        await matchmaking.leader_assemble_group()
+                        return
+            await asyncio.sleep(0.05)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        result = RoundResult(gathered)
+        running = self._running_groups.get(group_info.group_id)  # registered until this round's step is set
+        if running is not None and running.done() and not running.cancelled() and running.exception() is None:
+            runner = running.result()
+            container = runner.tensor_part_container
+            result.received = 1.0 - container.failed_size / max(1, container.total_size)
+            result.failed_senders = sum(index != float("inf")
+                                        for index in runner.tensor_part_reducer.sender_failed_after)
+        return result
+
+
+def round_report_averager_class(base: type, role: str) -> type:
+    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin and
+    ClientModeMatchmakingMixin) in front, sending ``role``, under ``base``'s name (hivemind names the RPCs after the
+    class: every peer's averager must keep the same name)."""
+    return compose_averager(base, ForkedTorchThreadsMixin, ClientModeMatchmakingMixin, RoundReportMixin,
+                            qualname=f"RoundReport{base.__name__}", round_role=role)

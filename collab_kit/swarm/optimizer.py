@@ -1,0 +1,472 @@
+"""The paper's optimizer: hivemind.Optimizer around 8-bit LAMB, offloaded to CPU (section 3.3).
+
+What each piece is for:
+- ``hivemind.Optimizer`` accumulates gradients until the whole swarm has processed
+  ``target_batch_size`` samples, averages them with the other peers, then steps. Peers of any speed
+  contribute as many samples as they can, and the result is the same as one synchronous large batch.
+- 8-bit LAMB (bitsandbytes, collab_kit.swarm.lamb) keeps its two statistics in 8 bits: about 4x less optimizer
+  memory. LAMB's layer-wise trust ratio is what makes batches of thousands of samples trainable.
+- ``offload_optimizer`` keeps the optimizer and its statistics on the CPU, leaving GPU memory to
+  the model; ``delay_optimizer_step`` runs that CPU step in the background while the GPU goes on
+  computing gradients for the next step.
+- Size-adaptive compression (collab_kit.swarm.lamb): gradients of large tensors travel in 8 bits, small tensors
+  (biases, norms) in fp16, where 8-bit quantization would cost more accuracy than it saves bytes.
+
+The averagers it builds, and how they are composed, are collab_kit.swarm.averagers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from functools import partial
+from typing import Callable, List, Optional
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.compression import Float16Compression, NoCompression
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from collab_kit.config import OptimizerConfig
+from collab_kit.swarm import robust
+from collab_kit.swarm.averagers import (ANCHOR_ROLE, CLIENT_JOIN_ANSWER_TIMEOUT, RoundResult,
+                                        STATE_DOWNLOAD_PART_TIMEOUT, TRAINER_ROLE, recording_state_averager_class,
+                                        round_report_averager_class)
+from collab_kit.swarm.bindings import authorized_averager_class
+from collab_kit.swarm.keys import state_averager_prefix
+from collab_kit.swarm.lamb import gradient_compression, make_lamb8bit, make_scheduler_factory, parameter_groups
+
+
+logger = logging.getLogger(__name__)
+
+
+NO_STATE_AVERAGING = 2 ** 62  # an average_state_every no epoch reaches
+
+
+def is_anchor_record(record: LocalTrainingProgress) -> bool:
+    """Whether a hivemind progress record is an anchor's: it reports a throughput of exactly 0, which a peer that
+    trains never does (hivemind publishes a trainer's record only after its first samples)."""
+    return record.samples_per_second == 0.0
+
+class SwarmProgressTracker(ProgressTracker):
+    """hivemind's ProgressTracker that also counts, at each reading, the peers that train and the anchors.
+
+    hivemind's ``global_progress.num_peers`` counts both: an anchor publishes a record so that its epoch is
+    the swarm's (peers behind NAT, in client mode, do not set the global epoch), with no throughput.
+    """
+
+    training_peers: int = 0  # peers with a progress record that contribute samples (this one included)
+    anchor_peers: int = 0  # peers with a progress record and no throughput (collab_kit.swarm.anchor)
+    trainer_records: tuple = ()  # (peer id as bytes, local epoch) of each training peer's record
+    client_mode_trainers: int = 0  # training peers in client mode (they average only through a peer that leads)
+
+    def _parse_swarm_progress_data(self, metadata):
+        progress = super()._parse_swarm_progress_data(metadata)
+        trainers, anchors, clients = [], 0, 0
+        if isinstance(metadata, dict):
+            for entry in metadata.values():
+                if entry.value is None:
+                    continue
+                record = LocalTrainingProgress.parse_obj(entry.value)  # valid: super() parsed it already
+                if is_anchor_record(record):
+                    anchors += 1
+                else:
+                    trainers.append((record.peer_id, record.epoch))
+                    clients += record.client_mode
+        self.trainer_records, self.training_peers, self.anchor_peers = tuple(trainers), len(trainers), anchors
+        self.client_mode_trainers = clients
+        return progress
+
+    def run(self):
+        # hivemind's ProgressTracker.run (1.1.12), ended the way asyncio.run ends a loop. hivemind's fetcher leaves tasks
+        # behind when it stops: its shutdown checker (a wait on an executor thread) and, when the shutdown came first,
+        # its last DHT read. Left pending in a loop nobody runs again, they were destroyed at garbage collection with
+        # asyncio's "Task was destroyed but it is pending!" logged as an ERROR: on every peer's exit, and in a notebook
+        # (the user's own process) as a red box after a run where nothing was wrong
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(asyncio.gather(self._progress_reporter(), self._progress_fetcher()))
+        finally:
+            leftovers = asyncio.all_tasks(loop)
+            for task in leftovers:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            asyncio.set_event_loop(None)
+            loop.close()
+            self.shutdown_complete.set()
+
+
+class CollaborativeOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that counts the global steps averaged with other training peers, and idles when alone.
+
+    The count is what the demo and the tests check to know that peers really trained together,
+    rather than each on its own. A peer alone in the swarm does not look for an averaging group
+    ahead of time: hivemind would otherwise run matchmaking (DHT traffic on every core) during the
+    last ``matchmaking_time`` seconds of every global epoch, for nothing.
+
+    Each gradient round carries the peer's role to its group (``round_role``): a group of this peer and
+    anchors only (collab_kit.swarm.anchor: public peers that reduce for volunteers behind NAT and contribute no
+    samples) has averaged nothing, and counts as a lone step.
+
+    :param peer_gate: in an authorized run, a collab_kit.swarm.bindings.PeerGate for the averagers
+    :param on_averaging_start: called with the global epoch and the round's stage each time this peer begins
+      averaging its gradients with other peers, before the round is over: "looking_for_group" (matchmaking
+      goes on), "awaiting_trigger" (the group is formed) or "running_allreduce"; also settable later as an
+      attribute. ``collab-kit join --events`` reports it, so that tests can act in the middle of a round.
+    """
+
+    round_role = TRAINER_ROLE
+
+    def __init__(self, peer_gate=None, on_averaging_start: Optional[Callable[[int, str], None]] = None, **kwargs):
+        self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
+        self.on_averaging_start = on_averaging_start
+        super().__init__(**kwargs)
+        if self.client_mode or self.round_role == ANCHOR_ROLE:
+            # Averaging parameters needs a peer that accepts connections to lead each round: for a peer in client mode,
+            # only an anchor; and a round it misses holds up its next gradient round (hivemind waits for the previous
+            # background round first), which then misses the group too. Such peers stay equal to the swarm by applying
+            # the same averaged gradients, and load the swarm's state after a gradient round of theirs failed.
+            self.average_state_every = NO_STATE_AVERAGING
+        # each gradient round tells its group which epoch this peer is at (RoundResult.epoch). Read from the state
+        # averager, which holds the epoch: a function of the optimizer would tie it and its averager in a reference
+        # cycle, freed only at some later garbage collection (in a notebook, in the middle of another cell)
+        state_averager = self.state_averager
+        self.grad_averager.round_epoch = lambda: state_averager.local_epoch
+        self.grad_averager.client_join_timeout = self.averaging_timeout
+        self.averaged_rounds = 0  # global steps whose gradients were averaged with at least one other training peer
+        # training peers in the last gradient round, this one included when it trains (anchors are not counted)
+        self.last_group_size = int(self.round_role != ANCHOR_ROLE)
+        self.last_anchors_in_group = 0  # anchors in the last gradient round
+        self.last_round_problem: Optional[str] = None  # why the last gradient round failed (None: it did not)
+        self.last_received = 1.0  # the share of the last round's average that came back to this peer
+        # the epoch the last global step ended: this peer's own, or the next one when its round was the next one's
+        self.last_round_epoch: Optional[int] = None
+        self._resync_requested = False
+        self._resync_reason: Optional[str] = None
+        self._loaded: Optional[tuple] = None  # (epoch, seconds) of a state just loaded, until the next step's check
+        self._parameters_from_swarm = False  # a state loaded (or an epoch adopted with it) since the last global step
+        self._load_reason: Optional[str] = None  # why a step decided to load the swarm's state, until it did
+        # the loads that steps decided on (this peer behind or apart from the swarm), each a dict with the reason
+        # ("problem"), whether a peer gave its state ("loaded"), and the epochs before and after; for the caller to
+        # take (a volunteer reports each one as it reports the state it loads at its start)
+        self.step_loads: List[dict] = []
+
+    # hivemind reads average_state_every at each global step, after the gradient round is known: a step whose round
+    # failed or came back in part (or whose peer was asked to resync) takes no state averaging round. The peer loads the
+    # swarm's state at its next step anyway; a round would hand its diverged parameters to the others, and the download
+    # waits for it (up to averaging_timeout, the round running in the background). Two peers left after a third was
+    # killed mid-round fell out of step that way for good: each one's download waited 20 s for its failed state round
+    # while the other looked for a group at the next epoch, in every epoch after the kill
+    @property
+    def average_state_every(self) -> int:
+        if getattr(self, "_resync_requested", False):
+            return NO_STATE_AVERAGING
+        return self._average_state_every
+
+    @average_state_every.setter
+    def average_state_every(self, every: int) -> None:
+        self._average_state_every = every
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        # hivemind.Optimizer._make_progress_tracker (1.1.12), with the counting tracker
+        return SwarmProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                    client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                    **kwargs)
+
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """Download the newest parameters and optimizer state from a peer of the run (hivemind's method).
+
+        :returns: True if a peer gave a state at this peer's epoch or later, which replaced the local one;
+          False if no peer could (alone in the swarm, or every download failed): the local state is unchanged
+        """
+        self.state_averager.last_downloaded_epoch = None
+        epoch_before = self.local_epoch
+        control = self.scheduled_grads
+        if control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            # hivemind would tag along with zero weight, which spares a formed group from waiting for this peer's part;
+            # a round still looking for its group loses nothing by a cancel, and tagging along would keep this peer's
+            # averager busy with a stale round when the swarm's next one, which it must join, starts
+            control.cancel()
+            self.scheduled_grads = None
+        started = time.monotonic()
+        reason, self._load_reason = self._load_reason, None
+        super().load_state_from_peers(**kwargs)
+        downloaded = self.state_averager.last_downloaded_epoch
+        # hivemind refuses a state from an epoch behind this peer's (and keeps its own)
+        loaded = downloaded is not None and downloaded >= epoch_before
+        if loaded:
+            self._loaded = (self.local_epoch, time.monotonic() - started)
+            self._parameters_from_swarm = True
+        if reason is not None:
+            self.step_loads.append(dict(problem=reason, loaded=loaded, epoch_before=epoch_before,
+                                        epoch_after=self.local_epoch))
+        return loaded
+
+    def adopt_epoch(self, epoch: int, parameters_from_swarm: bool = False) -> None:
+        """Go on at ``epoch`` with the parameters held now (hivemind's catching up, for any distance).
+
+        :param parameters_from_swarm: whether those parameters are a state this peer just loaded from the swarm (they
+          then count as the swarm's until its next global step, see _follow_round_epoch); False for parameters of
+          its own (an anchor resuming from a checkpoint, or going on without a download)
+        """
+        self._parameters_from_swarm = parameters_from_swarm
+        with self.tracker.pause_updates():
+            self.state_averager.local_epoch = epoch
+            self.tracker.report_local_progress(epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = epoch
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        """hivemind's state averager, which remembers what it downloads (DownloadRecorderMixin); in an authorized
+        run, one that lets only bound peers download the state or average parameters with it
+        (collab_kit.swarm.bindings.AuthorizedAveragerMixin)."""
+        averager_class = recording_state_averager_class()
+        if self.peer_gate is not None:
+            averager_class = authorized_averager_class(averager_class, self.peer_gate)
+        # hivemind's averager reads next_chunk_timeout only when it downloads a state; its own averaging rounds take
+        # sender_timeout and reducer_timeout, given here as hivemind derives them from next_chunk_timeout
+        round_timeouts = dict(sender_timeout=self.next_chunk_timeout, reducer_timeout=2 * self.next_chunk_timeout)
+        round_timeouts.update(kwargs)
+        # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped and the wait for
+        # a download's next part set for thin links (STATE_DOWNLOAD_PART_TIMEOUT)
+        return averager_class(
+            dht=self.dht, prefix=state_averager_prefix(self.run_id), min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=max(self.next_chunk_timeout, STATE_DOWNLOAD_PART_TIMEOUT),
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **round_timeouts)
+
+    # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        # every global step passes here (alone too): what the last round did is reset to "local gradients only"
+        self.last_group_size = int(self.round_role != ANCHOR_ROLE)
+        self.last_anchors_in_group, self.last_round_problem, self.last_received = 0, None, 1.0
+        self.last_round_epoch = self.local_epoch
+        began = self._trigger_gradient_round(grad_scaler)
+        if began and self.on_averaging_start is not None:
+            control = self.scheduled_grads  # the round just triggered (hivemind's StepControl)
+            self.on_averaging_start(self.local_epoch, control.stage.name.lower() if control is not None else "unknown")
+        return began
+
+    def _trigger_gradient_round(self, grad_scaler) -> bool:
+        """Start this epoch's gradient round (hivemind's way: the pre-scheduled group, or a new search)."""
+        return super()._begin_averaging_gradients(grad_scaler)
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_state_averaging()
+
+    # the one place where the outcome of a gradient averaging round is known in the trainer's process
+    # (the averagers themselves run as subprocesses)
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        parameters_from_swarm, self._parameters_from_swarm = self._parameters_from_swarm, False
+        if maybe_step_control is None:
+            return  # alone in the swarm: nothing to average
+        result = RoundResult()  # what the round's members said, when it finished
+        if not maybe_step_control.done() or maybe_step_control.cancelled():
+            self.last_round_problem = "the averaging round did not finish"
+        elif maybe_step_control.exception() is not None:
+            error = maybe_step_control.exception()
+            self.last_round_problem = str(error) or type(error).__name__
+        else:
+            gathered = maybe_step_control.result() or {}
+            result = gathered if isinstance(gathered, RoundResult) else RoundResult(gathered)
+            roles = result.roles()  # this peer's own role is among them
+            self.last_anchors_in_group = sum(role == ANCHOR_ROLE for role in roles) - (self.round_role == ANCHOR_ROLE)
+            self.last_group_size = sum(role != ANCHOR_ROLE for role in roles)  # a peer of another kit counts as one
+            self.last_received = float(getattr(result, "received", 1.0))
+            if self.last_received < 1.0:
+                share = f"{self.last_received:.1%}" if self.last_received < 0.9995 else "not all"
+                self.last_round_problem = (f"only {share} of the average came back (a peer that reduces part of it "
+                                           f"failed, or gave up waiting for this one)")
+        others = self.last_group_size - (self.round_role != ANCHOR_ROLE)
+        if others >= 1 and self.last_received >= 0.5:
+            self.averaged_rounds += 1
+        # this peer's step differs from the swarm's when its round failed or came back in part, or when it stepped on
+        # its own gradients while others trained (and no anchor took its step too): it loads the swarm's state next
+        diverged = self.last_round_problem is not None or (
+            others == 0 and self.last_anchors_in_group == 0 and self.tracker.training_peers > 1)
+        if diverged and self.round_role != ANCHOR_ROLE:
+            self._resync_requested = True
+        elif self.round_role != ANCHOR_ROLE and self.last_round_problem is None:
+            self._follow_round_epoch(result, parameters_from_swarm)
+
+    def _follow_round_epoch(self, result: RoundResult, parameters_from_swarm: bool) -> None:
+        """After a round that averaged: a peer whose group was at a later epoch took part in that epoch's round, and
+        ends that epoch with the others (hivemind's step adds one to the epoch set here).
+
+        Without this, it stayed an epoch behind with the swarm's parameters: in the NAT lab, a late joiner adopted
+        the anchor's epoch 10 after its download, 0.7 s before the anchor ended it; it joined the anchor's round of
+        epoch 11, moved to 11 while the others moved to 12, and was taken for a peer that missed a round: an 11 s
+        download on its 0.25 Mbit/s link, in which it missed the next rounds.
+
+        Only a peer whose parameters are the swarm's, loaded since its last global step, follows: its epoch lagged by
+        the time its download took. A peer one epoch behind with parameters of its own missed a global step; were it to
+        follow, hivemind's once-an-epoch check (this peer's epoch equal to the swarm's) would pass, and it would never
+        load the swarm's state. With no state averaging to bring it back, such a peer drifted away for good: in the
+        CenteredClip test (average_state_every 1000) one honest peer, one epoch behind after another had trained an
+        epoch alone, never loaded the swarm's state in 10 epochs, and its loss rose from 3.98 to 4.11 while the others'
+        fell to 3.96."""
+        if result.epoch() != self.local_epoch + 1:  # one epoch ahead only: the reading lags by a moment, no more
+            return
+        if not parameters_from_swarm:
+            logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
+                        f"{self.local_epoch}, with parameters of its own): it stays a round behind and loads the "
+                        f"swarm's state")
+            return
+        logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
+                    f"{self.local_epoch}): it ends that epoch with the others")
+        # not adopt_epoch: hivemind's step, under way, reports the epoch it ends at (this one plus one)
+        self.state_averager.local_epoch += 1
+        self.last_round_epoch = self.local_epoch  # the epoch this step ends: what its losses are reported under
+
+    def request_resync(self, reason: str) -> None:
+        """Load the swarm's state at the next step (safe to call from another thread): this peer's parameters may no
+        longer be the swarm's."""
+        self._resync_reason = reason
+        self._resync_requested = True
+
+    def cancel_pending_round(self) -> bool:
+        """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that
+        waits for it goes on with this peer's own gradients at once, instead of at the round's timeout. Returns whether
+        a round was cancelled."""
+        control = self.scheduled_grads
+        if control is None or control.done():
+            return False
+        return bool(control.cancel())
+
+    def _should_load_state_from_peers(self) -> bool:
+        self._load_reason = None  # set by _wants_swarm_state for the load that hivemind's step makes when this is True
+        if (self._loaded is not None and self._loaded[0] == self.local_epoch > self.tracker.global_epoch
+                and not self._resync_requested):
+            # The state just downloaded is newer than the swarm's progress this peer last read: hivemind's tracker reads
+            # nothing during a download, which on a slow link lasts epochs. hivemind's rule (this peer's epoch equal to
+            # the swarm's, checked once an epoch) would download again at once, for nothing newer: in the network lab
+            # the late joiner on a 0.25 Mbit/s link spent 11 s that way right after an 11 s download. Whether the swarm
+            # moved on meanwhile is decided at the first step after the tracker has read the swarm again (below).
+            return False
+        wanted = self._wants_swarm_state()
+        loaded, self._loaded = self._loaded, None
+        if wanted and loaded is not None and loaded[0] == self.local_epoch < self.tracker.global_epoch:
+            # The swarm moved on while this peer downloaded its state: on a slow link the download (parameters and
+            # optimizer state, about 6 bytes a parameter) can take longer than an epoch, and a peer that downloaded
+            # again would spend every epoch downloading, never training. hivemind goes on at the swarm's epoch when one
+            # behind; this peer does so further behind too: its parameters miss the few updates made during the
+            # download (as a delayed update does), and from now on it applies the same averaged steps as everyone.
+            epoch, seconds = loaded
+            logger.warning(f"the swarm moved from epoch {epoch} to {self.tracker.global_epoch} while this peer "
+                           f"downloaded its state ({seconds:.0f} s): it goes on at epoch {self.tracker.global_epoch} "
+                           f"without downloading again (its parameters miss {self.tracker.global_epoch - epoch} "
+                           f"update(s))")
+            self.adopt_epoch(self.tracker.global_epoch, parameters_from_swarm=True)  # the download's, a few behind
+            self._load_reason = None  # no load follows
+            return False
+        if wanted and self._load_reason is None:
+            self._load_reason = (f"the swarm was at epoch {self.tracker.global_epoch}, this peer at "
+                                 f"{self.local_epoch}")
+        return wanted
+
+    def _wants_swarm_state(self) -> bool:
+        """Whether this peer's parameters are behind or apart from the swarm's (hivemind's rule and the kit's)."""
+        if self._resync_requested:
+            self._resync_requested = False
+            reason = self._resync_reason or (f"its last global step was not the swarm's "
+                                             f"({self.last_round_problem or 'no group'})")
+            self._resync_reason = None
+            logger.info(f"this peer loads the swarm's state: {reason}")
+            self._load_reason = reason
+            return True
+        if self.client_mode and self.tracker.anchor_peers > 0 and self.local_epoch < self.tracker.global_epoch:
+            # For a peer in client mode, the swarm's epoch is the anchor's, and the anchor moves on only when its round
+            # is over: a peer behind it missed that round (it loaded the state while the round ran, or was left out of
+            # the group). hivemind lets a peer one epoch behind go on, for peers that end an epoch a moment apart;
+            # here that would keep this peer one epoch (and one update) behind the others for good.
+            self._load_reason = (f"the anchor was at epoch {self.tracker.global_epoch}, this peer at "
+                                 f"{self.local_epoch} (it missed a round)")
+            logger.info(f"this peer loads the swarm's state: {self._load_reason}")
+            return True
+        return super()._should_load_state_from_peers()
+
+
+def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, config: OptimizerConfig,
+                   client_mode: bool = False, verbose: bool = False, peer_gate=None,
+                   optimizer_class: type = CollaborativeOptimizer, **kwargs) -> CollaborativeOptimizer:
+    """Build the collaborative optimizer for ``model``, connected to the swarm through ``dht``.
+
+    :param model: the model whose parameters the swarm trains
+    :param dht: this peer's DHT (see collab_kit.swarm.dht.start_dht)
+    :param run_id: peers with the same run_id train together; others ignore each other
+    :param config: hyperparameters (collab_kit.config.OptimizerConfig)
+    :param client_mode: True if this peer cannot accept incoming connections
+    :param verbose: log each stage of every global step
+    :param peer_gate: in an authorized run, a collab_kit.swarm.bindings.PeerGate: the gradient and state averagers then
+      serve only peers bound to a valid access token
+    :param optimizer_class: CollaborativeOptimizer or a subclass (collab_kit.swarm.anchor.AnchorOptimizer)
+    :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``, which then replaces the
+        one ``config.aggregation`` chooses)
+    """
+    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself. A peer
+    # in client mode leads no group, so no two of its requests can wait on each other (ClientModeMatchmakingMixin), and
+    # its only leaders are the few peers that accept connections (an anchor): a leader that answers late over a slow or
+    # busy link is better than none, and a request given up waits for the leader's next declaration (seconds), which
+    # costs the round. So its wait is set by the link, not by the preset's matchmaking time
+    request_timeout = CLIENT_JOIN_ANSWER_TIMEOUT if client_mode else min(3.0, config.matchmaking_time / 2)
+    # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
+    averager_class = round_report_averager_class(GradientAverager, optimizer_class.round_role)
+    if peer_gate is not None:
+        averager_class = authorized_averager_class(averager_class, peer_gate)
+    averager_kwargs = dict(request_timeout=request_timeout,
+                           # hivemind would have a peer that loads the swarm's state download the last averaged
+                           # gradients too (as many bytes again as the parameters, in fp32), which nothing uses after
+                           # a download: on a slow link that made catching up take 1.7x as long
+                           allow_state_sharing=False)
+    if client_mode:
+        # hivemind sends a peer in client mode its averaged parts only once it has sent all of its own, and gives up on
+        # its reducer when no part comes back within reducer_timeout of that (by default 2 x next_chunk_timeout). Its
+        # only reducers are peers that accept connections (the anchor), which can return the first part only when every
+        # member's first part is in: one member that starts sending late on a slow link holds every other member's
+        # first part back. The round's own deadline (averaging_timeout) is the one that must hold here.
+        averager_kwargs["reducer_timeout"] = max(config.averaging_timeout, 2 * config.chunk_timeout)
+    if optimizer_class.round_role == ANCHOR_ROLE:
+        # the anchor reduces the whole vector of every volunteer behind NAT, each sending over its own slow link; a
+        # sender that stalls for next_chunk_timeout is dropped from the round, and it loses the round
+        averager_kwargs["sender_timeout"] = max(config.chunk_timeout, config.averaging_timeout / 2)
+    kwargs.setdefault("grad_averager_factory", robust.grad_averager_factory(
+        config.aggregation, config.clip_tau, config.clip_iterations, averager_class, **averager_kwargs))
+    return optimizer_class(
+        peer_gate=peer_gate,
+        dht=dht,
+        run_id=run_id,
+        target_batch_size=config.target_batch_size,
+        batch_size_per_step=config.batch_size_per_step,
+        params=parameter_groups(model, config.weight_decay),
+        optimizer=partial(make_lamb8bit, config=config),
+        scheduler=make_scheduler_factory(config),
+        offload_optimizer=config.offload_optimizer,
+        delay_optimizer_step=config.delay_optimizer_step,
+        delay_grad_averaging=False,
+        average_state_every=config.average_state_every,
+        grad_compression=gradient_compression(config.compression_threshold),
+        state_averaging_compression=Float16Compression() if config.state_compression == "fp16" else NoCompression(),
+        matchmaking_time=config.matchmaking_time,
+        averaging_timeout=config.averaging_timeout,
+        next_chunk_timeout=config.chunk_timeout,
+        load_state_timeout=config.load_state_timeout,
+        averager_opts=dict(request_timeout=request_timeout),
+        tracker_opts=dict(default_refresh_period=config.progress_refresh_period,
+                          min_refresh_period=config.progress_refresh_period / 6,
+                          max_refresh_period=config.progress_refresh_period * 10 / 3),
+        client_mode=client_mode,
+        verbose=verbose,
+        **kwargs,
+    )
