@@ -3,7 +3,7 @@
 Real gradients of the ``small`` preset are cut into parts and serialized exactly as hivemind's
 all-reduce does (``hivemind.averaging.partition.TensorPartContainer``, which calls
 ``compression.compress(part, CompressionInfo)`` for each part), once with
-``collab_kit.swarm.optimizer.gradient_compression`` and once with ``hivemind.compression.NoCompression``; the
+``collab_kit.swarm.lamb.gradient_compression`` and once with ``hivemind.compression.NoCompression``; the
 figure is the ratio of the summed ``ByteSize()`` of the protobufs.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ all-reduce uses to cut tensors into parts of up to 512 KiB (after compression) a
 part with `compression.compress(part, CompressionInfo)` (a `SizeAdaptiveCompression` decides from
 `CompressionInfo.descriptor.numel()` of the whole tensor, so `serialize_torch_tensor`, which takes
 only a fixed compression type, cannot express it). The figure is the summed `ByteSize()` of the
-serialized parts with `collab_kit.swarm.optimizer.gradient_compression(config.optimizer.compression_threshold)`
+serialized parts with `collab_kit.swarm.lamb.gradient_compression(config.optimizer.compression_threshold)`
 (tensors of 2^16 elements or more in 8 bits, others in fp16) over the same with `NoCompression()`
 (fp32). In a group of n peers each peer sends (n-1)/n of these parts and receives as many back, in
 the same encoding, so the ratio is that of the whole round. The compressed parts are also decoded
@@ -74,7 +74,7 @@ def round_bytes(tensors: Sequence[torch.Tensor], threshold: int, check_decoding:
     """
     from hivemind.compression import NoCompression
 
-    from collab_kit.swarm.optimizer import gradient_compression
+    from collab_kit.swarm.lamb import gradient_compression
 
     compressed, fp32, parts, eight_bit_elements = 0, 0, 0, 0
     worst_error, worst_name, decode_failure = 0.0, None, None

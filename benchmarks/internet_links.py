@@ -132,7 +132,7 @@ def gradient_bytes() -> int:
 
     from collab_kit.config import get_preset
     from collab_kit.model.transformer import TextToImageTransformer
-    from collab_kit.swarm.optimizer import gradient_compression
+    from collab_kit.swarm.lamb import gradient_compression
 
     config = get_preset("small")
     compression = gradient_compression(config.optimizer.compression_threshold)

@@ -18,7 +18,7 @@ TITLE = "Optimizer state: 8-bit LAMB / 32-bit LAMB"
 HOW = """
 The `small` preset's model (seed 0) computes real gradients on one batch of 16 synthetic samples.
 Two copies of it, with the same gradients, take one step each: one with the kit's optimizer
-(`collab_kit.swarm.optimizer.make_lamb8bit(parameter_groups(model, weight_decay), config.optimizer)`), one with
+(`collab_kit.swarm.lamb.make_lamb8bit(parameter_groups(model, weight_decay), config.optimizer)`), one with
 bitsandbytes' 32-bit LAMB (`bnb.optim.LAMB(..., optim_bits=32)`) with the same learning rate, betas,
 eps, weight decay and parameter groups. The figure is the ratio of the bytes of all tensors in
 `optimizer.state` (moments, quantization maps, block scales, norms; a tensor shared by several
@@ -35,7 +35,7 @@ def measure(preset: str = "small", batch_size: int = 16) -> Dict[str, float]:
 
     from collab_kit.config import get_preset
     from collab_kit.model.transformer import TextToImageTransformer, count_parameters
-    from collab_kit.swarm.optimizer import make_lamb8bit, parameter_groups
+    from collab_kit.swarm.lamb import make_lamb8bit, parameter_groups
 
     config = get_preset(preset)
     opt_config = config.optimizer

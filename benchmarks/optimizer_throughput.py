@@ -2,7 +2,7 @@
 
 Kit: ``collab_kit.swarm.optimizer.make_optimizer`` (hivemind.Optimizer around 8-bit LAMB) on a real
 ``hivemind.DHT`` on 127.0.0.1, alone in its swarm. Baseline: the same model, data and 8-bit LAMB
-(``collab_kit.swarm.optimizer.make_lamb8bit``) in a plain loop that accumulates gradients over as many micro-
+(``collab_kit.swarm.lamb.make_lamb8bit``) in a plain loop that accumulates gradients over as many micro-
 batches as the kit does per optimizer step. Each side runs in its own process (hivemind allows one
 Optimizer per process); runs alternate and repeat, and the figure compares the best run of each side.
 
@@ -39,7 +39,7 @@ averagers and background optimizer step) and with all cores.
 The kit side starts a DHT with `collab_kit.swarm.dht.start_dht` on 127.0.0.1 (alone in its swarm) and runs
 `forward, loss.backward(), opt.step(), opt.zero_grad()` with `collab_kit.swarm.optimizer.make_optimizer(...)`, as
 the volunteer loop does, with the preset's optimizer settings (target batch 256, 8-bit LAMB offloaded,
-delayed optimizer step, size-adaptive compression). The baseline runs `collab_kit.swarm.optimizer.make_lamb8bit`
+delayed optimizer step, size-adaptive compression). The baseline runs `collab_kit.swarm.lamb.make_lamb8bit`
 with the same parameter groups and linear schedule in a plain loop: 256 / 16 = 16 micro-batches of
 gradient accumulation, then `opt.step()`, so both take one optimizer step per 256 samples.
 After {WARMUP_EPOCHS} warm-up optimizer step(s), each run times {EPOCHS} optimizer steps ({EPOCHS * 16} micro-batches),
@@ -131,7 +131,7 @@ def _run_kit(model, config, batches, epochs: int, warmup_epochs: int) -> Dict[st
 
 
 def _run_baseline(model, config, batches, accumulation: int, epochs: int, warmup_epochs: int) -> Dict[str, float]:
-    from collab_kit.swarm.optimizer import make_lamb8bit, make_scheduler_factory, parameter_groups
+    from collab_kit.swarm.lamb import make_lamb8bit, make_scheduler_factory, parameter_groups
 
     opt = make_lamb8bit(parameter_groups(model, config.optimizer.weight_decay), config.optimizer)
     scheduler = make_scheduler_factory(config.optimizer)(opt)

@@ -17,17 +17,17 @@ HOW = """
 `collab_kit.toy.clip.load_toy_clip()` loads the weights shipped in `collab_kit/toy/assets/clip/` (trained by
 `python -m collab_kit.toy.clip --output collab_kit/toy/assets/clip --steps 1500 --threads 1`, its training time in
 that folder's `metrics.json`). CLIP: `collab_kit.toy.clip.evaluate_toy_clip` on the held-out
-pictures `toy.scenes(512, seed=20211206)` (seeds the training never draws): for each picture, its caption against 7
+pictures `synthetic.scenes(512, seed=20211206)` (seeds the training never draws): for each picture, its caption against 7
 captions of other held-out pictures; the figure is the share where its own caption has the highest cosine (chance
 0.125). The details add the colour test (its caption against the 7 same captions in the other colours) and the same
 on pictures blurred as a VQGAN reconstruction would be. VQGAN: mean PSNR of decode(encode(x)) against x over its
 held-out pictures (`collab_kit.toy.vqgan.evaluate_toy_vqgan`), with the share of reconstructions whose dominant
-colour (`toy.dominant_color`, pixels only) is still the caption's.
+colour (`synthetic.dominant_color`, pixels only) is still the caption's.
 
 Reranking: a toy-preset model is trained in this process as the demo's swarm trains it, but in a plain loop
-(`collab_kit.swarm.optimizer.make_lamb8bit` and the preset's linear schedule: 60 steps of 64 pictures from the demo's
+(`collab_kit.swarm.lamb.make_lamb8bit` and the preset's linear schedule: 60 steps of 64 pictures from the demo's
 cached toy dataset, 2 torch threads, seed 0). Then for 32 prompts (4 per colour, shapes, sizes and places
-from `toy.scenes(32, seed=4242)`) it draws 32 pictures each (`generate.draw_images`, top-k 32 as in the demo,
+from `synthetic.scenes(32, seed=4242)`) it draws 32 pictures each (`generate.draw_images`, top-k 32 as in the demo,
 seed = prompt index). CLIP's best 4 of the 32 (`ClipRanker.rank`) are set against 4 of the same 32 picked at
 random (seeded); the figure is colour match of CLIP's 4 / colour match of the random 4 (target: above 1). The
 details give the share over all 32 (the expected colour match of a random 4) and the same after 30 steps,
@@ -44,7 +44,7 @@ def train_toy_model(steps: int, evaluate_at: Dict[int, callable], batch_size: in
     from collab_kit.data.stream import ShardStream, batches
     from collab_kit.data.tokenizers import caption_tokenizer
     from collab_kit.model.transformer import TextToImageTransformer
-    from collab_kit.swarm.optimizer import make_lamb8bit, make_scheduler_factory, parameter_groups
+    from collab_kit.swarm.lamb import make_lamb8bit, make_scheduler_factory, parameter_groups
     from collab_kit.toy.dataset import prepare_toy_dataset
 
     torch.set_num_threads(threads)
@@ -77,21 +77,22 @@ def rerank_colour_match(model) -> Dict[str, float]:
     """Colour match of CLIP's best 4 of 32, of a random 4 of the same 32, and of all 32, over 32 prompts."""
     import numpy as np
 
-    from collab_kit import toy
+    from collab_kit.data import synthetic
+    from collab_kit.data.tokenizers import ToyTokenizer
     from collab_kit.images.generate import draw_images
     from collab_kit.toy.clip import load_toy_clip
     from collab_kit.toy.vqgan import load_toy_vqgan
     from collab_kit.model.vqgan import images_to_pil
 
-    vqgan, ranker, tokenizer = load_toy_vqgan(), load_toy_clip(), toy.ToyTokenizer()
-    prompts = [scene.caption for colour in toy.COLORS
-               for scene in [s for s in toy.scenes(400, seed=4242) if s.color == colour][:4]]
+    vqgan, ranker, tokenizer = load_toy_vqgan(), load_toy_clip(), ToyTokenizer()
+    prompts = [scene.caption for colour in synthetic.COLORS
+               for scene in [s for s in synthetic.scenes(400, seed=4242) if s.color == colour][:4]]
     rng = np.random.default_rng(0)
     reranked, random_four, every = [], [], []
     for index, prompt in enumerate(prompts):
         pictures = draw_images(prompt, DRAWS, model=model, vqgan=vqgan, tokenizer=tokenizer, top_k=TOP_K, seed=index,
                                progress=False)
-        matches = [toy.dominant_color(picture) == toy.prompt_color(prompt) for picture in images_to_pil(pictures)]
+        matches = [synthetic.dominant_color(picture) == synthetic.prompt_color(prompt) for picture in images_to_pil(pictures)]
         _, _, best = ranker.rank(prompt, pictures, keep=KEEP)
         reranked += [matches[int(i)] for i in best[:KEEP]]
         random_four += [matches[int(i)] for i in rng.choice(DRAWS, KEEP, replace=False)]

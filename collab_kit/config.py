@@ -155,7 +155,7 @@ class OptimizerConfig:
     # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
     next_chunk_timeout: Optional[float] = None
     # seconds a download of the swarm's state may take before it is given up and started again. A stalled download is
-    # noticed sooner (30 s without a part, collab_kit.swarm.optimizer.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow one, and
+    # noticed sooner (30 s without a part, collab_kit.swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow one, and
     # hivemind starts a given-up download from scratch, forever. The paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s.
     load_state_timeout: float = 1800.0
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds

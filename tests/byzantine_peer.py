@@ -17,6 +17,7 @@ Times -1000 turns the plain mean into gradient ascent.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -83,26 +84,30 @@ def main(argv: List[str]) -> int:
     import torch
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit import cli, optim, robust, volunteer
+    from collab_kit.cli import join, main as collab_kit_main
+    from collab_kit.roles.volunteer import Volunteer
+    from collab_kit.swarm import robust
+    from collab_kit.swarm.averagers import compose_averager
+    from collab_kit.swarm.optimizer import make_optimizer
 
     if len(argv) < 2 or argv[0] != "--scale":
         print("usage: byzantine_peer.py --scale FACTOR join OPTIONS...", file=sys.stderr)
         return 2
     scale, argv = float(argv[1]), argv[2:]
 
-    def poisoned(averager_class):
-        """``averager_class`` that sends its gradients times ``scale``, under the same name: hivemind names RPCs
-        after the averager's class, so honest peers take it for one of theirs."""
+    class PoisonedGradientsMixin:
+        """Sends its gradients times ``scale``. It sets no rpc_name_prefix: composed, it keeps the honest class's RPC
+        name, so honest peers take it for one of theirs."""
 
         @torch.no_grad()
         def load_accumulators_into_averager_(self):  # where local gradients become what is averaged
-            averager_class.load_accumulators_into_averager_(self)
+            super().load_accumulators_into_averager_()
             with self.get_tensors() as averaged_grads:
                 for grad in averaged_grads:
                     grad.mul_(scale)
 
-        return type(averager_class.__name__, (averager_class,), dict(
-            load_accumulators_into_averager_=load_accumulators_into_averager_, _rpc_handlers=None, _stub_type=None))
+    def poisoned(averager_class):
+        return compose_averager(averager_class, PoisonedGradientsMixin)
 
     def poisoned_make_optimizer(model, dht, run_id, config, **kwargs):
         # the averager the swarm's honest peers build (this peer reduces its own span with it, honestly)
@@ -110,7 +115,7 @@ def main(argv: List[str]) -> int:
         kwargs["grad_averager_factory"] = robust.grad_averager_factory(
             config.aggregation, config.clip_tau, config.clip_iterations, poisoned(honest_class),
             request_timeout=min(3.0, config.matchmaking_time / 2))
-        optimizer = optim.make_optimizer(model, dht, run_id, config, **kwargs)
+        optimizer = make_optimizer(model, dht, run_id, config, **kwargs)
         # It serves no state to peers that fall behind. Its own copy of the model drifts: what it gets back from
         # each round is the difference from its x1000 gradients, sent in 8 bits. An honest peer that downloaded
         # that copy would train on from a worse model, and without state averaging would stay there: poisoned
@@ -119,9 +124,10 @@ def main(argv: List[str]) -> int:
         optimizer.state_averager.allow_state_sharing = False
         return optimizer
 
-    volunteer.make_optimizer = poisoned_make_optimizer  # what Volunteer calls to build its optimizer
+    # `collab-kit join`, with a volunteer whose optimizer is built by poisoned_make_optimizer (its seam)
+    make_volunteer = functools.partial(Volunteer.from_config, optimizer_factory=poisoned_make_optimizer)
     print(f"byzantine peer: sending gradients x {scale}", flush=True)
-    return cli.main(argv)
+    return collab_kit_main(argv, handlers={"join": functools.partial(join.run, make_volunteer=make_volunteer)})
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def first_peer(start_peer, tmp_path):
     """
     def launch(run_id: str):
         peer = start_peer("first-peer", "monitor", "--preset", "tiny", "--run-id", run_id,
-                          "--host", "127.0.0.1", "--events", "--report-every", "2",
+                          "--host", "127.0.0.1", "--events", "--poll-every", "2",
                           "--db", str(tmp_path / "monitor.sqlite"), "--checkpoint-every", "0")
         ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")
         return peer, ready["addresses"]

@@ -16,6 +16,7 @@ fault is injected here, by patching the model's forward pass in this process onl
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import List
@@ -38,9 +39,10 @@ def start_nan_peer(name: str, args: List[str], log_path: str, at_epoch: int = 0,
 def main(argv: List[str]) -> int:
     import torch
 
-    from collab_kit import cli, volunteer
+    from collab_kit.cli import join, main as collab_kit_main
+    from collab_kit.model.transformer import TextToImageTransformer, initial_model
     from collab_kit.roles.processes import emit_event
-    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.roles.volunteer import Volunteer
 
     parser = argparse.ArgumentParser(prog="nan_peer.py")
     parser.add_argument("--nan-at-epoch", type=int, default=0, help="the global epoch at which a step goes wrong")
@@ -52,39 +54,40 @@ def main(argv: List[str]) -> int:
         parser.error("expected: [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N] "
                      "join OPTIONS...")
 
-    the_volunteer = []  # the peer's Volunteer, to read its global epoch
-    original_init = volunteer.Volunteer.__init__
+    class FaultyTransformer(TextToImageTransformer):
+        """The run's model, whose training step goes nan once it reaches the chosen epoch and step."""
 
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        the_volunteer.append(self)
+        volunteer = None  # set once the volunteer is built: the epoch is its
+        calls, faulty = 0, []  # local training steps so far; the steps that went wrong
 
-    original_forward = TextToImageTransformer.forward
-    calls, faulty = [0], []  # local training steps so far; the steps that went wrong
+        def forward(self, *args, **kwargs):
+            if not self.training:  # sampling, checkpoints: untouched
+                return super().forward(*args, **kwargs)
+            self.calls += 1
+            step, epoch = self.calls, self.volunteer.local_epoch
+            if len(self.faulty) < (1 if options.what == "parameters" else options.steps) and \
+                    (self.faulty or (epoch >= options.nan_at_epoch and step >= options.nan_at_step)):
+                self.faulty.append(step)
+                emit_event("fault", what=options.what, step=step, epoch=epoch)
+                if options.what == "parameters":
+                    with torch.no_grad():
+                        self.text_embedding.weight.fill_(float("nan"))
+                else:
+                    output = super().forward(*args, **kwargs)
+                    output.loss = output.loss * float("nan")
+                    return output
+            return super().forward(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
-        if not self.training:  # sampling, checkpoints: untouched
-            return original_forward(self, *args, **kwargs)
-        calls[0] += 1
-        step, epoch = calls[0], the_volunteer[0].local_epoch
-        if len(faulty) < (1 if options.what == "parameters" else options.steps) and \
-                (faulty or (epoch >= options.nan_at_epoch and step >= options.nan_at_step)):
-            faulty.append(step)
-            emit_event("fault", what=options.what, step=step, epoch=epoch)
-            if options.what == "parameters":
-                with torch.no_grad():
-                    self.text_embedding.weight.fill_(float("nan"))
-            else:
-                output = original_forward(self, *args, **kwargs)
-                output.loss = output.loss * float("nan")
-                return output
-        return original_forward(self, *args, **kwargs)
+    def make_volunteer(config, **kwargs):
+        # the volunteer's model seam: the run's initial parameters, in the faulty class
+        model = initial_model(config.model, config.swarm.run_id, model_class=FaultyTransformer)
+        volunteer = Volunteer.from_config(config, model=model, **kwargs)
+        model.volunteer = volunteer
+        return volunteer
 
-    volunteer.Volunteer.__init__ = init
-    TextToImageTransformer.forward = forward  # the class Volunteer builds its model from
     print(f"nan peer: a step at epoch {options.nan_at_epoch} or later, step {options.nan_at_step} or later, goes "
           f"nan ({options.what})", flush=True)
-    return cli.main(rest)
+    return collab_kit_main(rest, handlers={"join": functools.partial(join.run, make_volunteer=make_volunteer)})
 
 
 if __name__ == "__main__":

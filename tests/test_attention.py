@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from collab_kit.model.attention import ATTENTION_KINDS, Layout
+from collab_kit.config import ATTENTION_KINDS
+from collab_kit.model.attention import Layout
 
 
 @pytest.mark.parametrize("text_length, image_side, kernel", [(3, 4, 3), (5, 6, 5), (2, 5, 11), (4, 7, 1), (1, 3, 3)])

@@ -37,7 +37,7 @@ def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_pa
             common = ["--preset", "tiny", "--run-id", "authswarm", "--host", "127.0.0.1", "--events",
                       "--set", f"swarm.auth_server={server.url}"]
             history_path = str(tmp_path / "monitor.sqlite")
-            first = start("first-peer", ["monitor", *common, "--report-every", "2", "--db", history_path,
+            first = start("first-peer", ["monitor", *common, "--poll-every", "2", "--db", history_path,
                                          "--checkpoint-every", "0"], alice)
             addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
             join = ["join", *common, "--initial-peers", *addresses, "--data", tiny_shards, "--wait-for-peers", "2",

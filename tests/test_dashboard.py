@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from collab_kit import dashboard
+from collab_kit.notebook import dashboard
 from collab_kit.notebook.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
 from collab_kit.swarm.metrics import PeerMetrics, summarize
 from collab_kit.roles.run_history import RunHistory

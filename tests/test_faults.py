@@ -278,7 +278,7 @@ STATE_NEVER_COMES = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     config = get_preset("tiny", swarm=dict(run_id="state_never_comes", host="127.0.0.1"))
     tries = []
-    with Volunteer(config, data_shards=sys.argv[1], num_threads=1) as volunteer:
+    with Volunteer.from_config(config, data_shards=sys.argv[1], num_threads=1) as volunteer:
         def ask_again(record):
             tries.append(dict(at=time.monotonic(), loaded=record.loaded, reason=record.reason))
             volunteer.optimizer.request_resync("the test asks for the swarm's state at every step")
@@ -317,7 +317,7 @@ LIMIT_REACHED_AS_THE_LINK_GOES_DOWN = textwrap.dedent("""
     from collab_kit.roles.volunteer import Volunteer
 
     config = get_preset("tiny", swarm=dict(run_id="limit_then_link_down", host="127.0.0.1"))
-    with Volunteer(config, data_shards=sys.argv[1], num_threads=1) as volunteer:
+    with Volunteer.from_config(config, data_shards=sys.argv[1], num_threads=1) as volunteer:
         volunteer.train(max_steps=1, progress=False)
         volunteer._watchdog.link_down.set()  # what the watchdog does when no initial peer and no neighbour answers
         stop = threading.Timer(30, volunteer.request_stop)

@@ -13,8 +13,9 @@ import nbformat
 import pytest
 import torch
 
-from collab_kit.tutorial.finetuning import (compare_optimizer_memory, count_parameters,
-                                    finetune, load_gpt2, make_adam, measure_state_bytes, memory_table)
+from collab_kit.model.transformer import count_parameters
+from collab_kit.tutorial.finetuning import (compare_optimizer_memory, finetune, load_gpt2, make_adam,
+                                            measure_state_bytes, memory_table)
 from collab_kit.memory.estimator import BNB_MIN_8BIT_SIZE
 from collab_kit.tutorial.text_stream import (block_batches, gpt2_tokenizer, iterate_texts, make_text_shards, pack_blocks,
                                     stream_texts)

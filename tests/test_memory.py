@@ -158,7 +158,7 @@ def test_estimate_of_the_kit_preset_equals_the_bytes_of_its_model(optimizer):
 
 
 def test_the_kits_8bit_lamb_keeps_the_8bit_adam_state():
-    from collab_kit.swarm.optimizer import make_lamb8bit, parameter_groups
+    from collab_kit.swarm.lamb import make_lamb8bit, parameter_groups
 
     config = get_preset("tiny")
     model = TextToImageTransformer(config.model)

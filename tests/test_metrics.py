@@ -8,8 +8,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab_kit.swarm.metrics import (MetricsPublisher, PeerMetrics, metrics_key, metrics_validators, read_metrics,
-                                summarize)
+from collab_kit.swarm.keys import metrics_key
+from collab_kit.swarm.metrics import MetricsPublisher, PeerMetrics, metrics_validators, read_metrics, summarize
 
 @pytest.fixture(scope="module")
 def dht_pair():

@@ -48,7 +48,7 @@ def lab(tmp_path):
 def start_monitor(lab, tmp_path, run_id, *extra):
     server = lab.public_host("server")
     monitor = server.start("monitor", [*DEBUG_LOGS, "monitor", "--preset", "tiny", "--run-id", run_id, "--host", "0.0.0.0",
-                                       "--events", "--report-every", "1", "--db", str(tmp_path / "monitor.sqlite"),
+                                       "--events", "--poll-every", "1", "--db", str(tmp_path / "monitor.sqlite"),
                                        *EPOCH_SETTINGS, *extra], str(tmp_path / "monitor.log"))
     addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")["addresses"]
     assert addresses and all("/ip4/10.77.0." in address for address in addresses), addresses  # no 127.0.0.1

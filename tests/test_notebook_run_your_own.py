@@ -18,7 +18,8 @@ import pytest
 from hub_server import StandInHub
 from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
-from collab_kit import cli, services
+from collab_kit import cli
+from collab_kit.roles import services
 from collab_kit.auth.server import AuthServerSettings, JoinLedger
 from collab_kit.config import get_preset
 from collab_kit.roles.processes import group_is_empty
@@ -188,7 +189,7 @@ def test_a_monitor_with_a_token_the_hub_does_not_know_fails_with_what_to_do(tmp_
 def test_services_stop_when_the_interpreter_exits(tmp_path):
     """A notebook kernel that is shut down or restarted leaves no service running (atexit)."""
     code = textwrap.dedent(f"""
-        from collab_kit import services
+        from collab_kit.roles import services
         from collab_kit.auth.server import AuthServerSettings
 
         settings = AuthServerSettings(organization="{ORG}", database_path={str(tmp_path / "a.sqlite3")!r},

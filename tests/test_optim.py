@@ -18,8 +18,9 @@ from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
 from collab_kit.swarm.lamb import linear_warmup_then_decay
-from collab_kit.swarm.optimizer import (CLIENT_JOIN_ANSWER_TIMEOUT, NO_STATE_AVERAGING, STATE_DOWNLOAD_PART_TIMEOUT,
-                                        SwarmProgressTracker, gradient_compression, make_lamb8bit, parameter_groups)
+from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT
+from collab_kit.swarm.lamb import gradient_compression, make_lamb8bit, parameter_groups
+from collab_kit.swarm.optimizer import NO_STATE_AVERAGING, SwarmProgressTracker
 from collab_kit.swarm.dht import start_dht
 
 
@@ -173,7 +174,7 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
 
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.swarm.optimizer import ANCHOR_ROLE, RoundResult, round_report_averager_class
+    from collab_kit.swarm.averagers import ANCHOR_ROLE, RoundResult, round_report_averager_class
 
     averager_class = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
     # hivemind names RPCs after the class: a peer with the mixin and one without still talk to each other
@@ -186,7 +187,7 @@ def test_round_reports_keep_hiveminds_averager_name_and_travel_between_processes
 
 def test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_claim():
     from collab_kit.swarm.averagers import round_member
-    from collab_kit.swarm.optimizer import ANCHOR_ROLE, TRAINER_ROLE, RoundResult
+    from collab_kit.swarm.averagers import ANCHOR_ROLE, TRAINER_ROLE, RoundResult
 
     def epoch_of(*members):
         return RoundResult({f"peer{i}": member for i, member in enumerate(members)}).epoch()
@@ -262,7 +263,8 @@ def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
     # every averager the kit builds carries it: gradient averagers (plain, CenteredClip, authorized) and state averagers
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.swarm.optimizer import ANCHOR_ROLE, TRAINER_ROLE, recording_state_averager_class, round_report_averager_class
+    from collab_kit.swarm.averagers import (ANCHOR_ROLE, TRAINER_ROLE, recording_state_averager_class,
+                                            round_report_averager_class)
     from collab_kit.swarm.robust import with_centered_clip
 
     for role in (TRAINER_ROLE, ANCHOR_ROLE):
@@ -278,7 +280,8 @@ CLIENT_MODE_AVERAGERS = textwrap.dedent("""
     import json, sys, hivemind, torch
     from collab_kit.config import SwarmConfig, get_preset
     from collab_kit.model.transformer import TextToImageTransformer
-    from collab_kit.swarm.optimizer import CLIENT_JOIN_ANSWER_TIMEOUT, make_optimizer
+    from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT
+    from collab_kit.swarm.optimizer import make_optimizer
     from collab_kit.swarm.dht import join_addresses, start_dht
 
     first = start_dht(SwarmConfig(host="127.0.0.1"))
@@ -332,7 +335,7 @@ LEADER_AND_CLIENT = textwrap.dedent("""
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.utils import get_dht_time
     from collab_kit.config import SwarmConfig, get_preset
-    from collab_kit.swarm.optimizer import ANCHOR_ROLE, TRAINER_ROLE, round_report_averager_class
+    from collab_kit.swarm.averagers import ANCHOR_ROLE, TRAINER_ROLE, round_report_averager_class
     from collab_kit.swarm.dht import join_addresses, start_dht
 
     logging.getLogger("hivemind.averaging.matchmaking").setLevel(logging.DEBUG)
@@ -482,7 +485,8 @@ OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
     from collab_kit.config import SwarmConfig, get_preset
     from collab_kit.model.transformer import TextToImageTransformer
     from collab_kit.swarm.averagers import round_member
-    from collab_kit.swarm.optimizer import ANCHOR_ROLE, parameter_groups, round_report_averager_class
+    from collab_kit.swarm.averagers import ANCHOR_ROLE, round_report_averager_class
+    from collab_kit.swarm.lamb import parameter_groups
     from collab_kit.swarm.dht import join_addresses, start_dht
 
     preset = get_preset("tiny")

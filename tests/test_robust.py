@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from collab_kit import robust
+from collab_kit.swarm import robust
 from collab_kit.config import OptimizerConfig, get_preset
 from collab_kit.swarm.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
 
@@ -117,7 +117,7 @@ def test_config_checks_the_aggregation_fields():
 def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit import optim
+    from collab_kit.swarm import averagers, optimizer as optim
     from collab_kit.model.transformer import TextToImageTransformer
 
     built = []
@@ -133,7 +133,7 @@ def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     optim.make_optimizer(model, None, "run", config.optimizer, optimizer_class=RecordingOptimizer)
     mean = built[-1]["grad_averager_factory"]
     # hivemind's GradientAverager as it is, reporting each round's outcome, under its own name (the RPCs' names)
-    assert issubclass(mean.func, GradientAverager) and issubclass(mean.func, optim.RoundReportMixin)
+    assert issubclass(mean.func, GradientAverager) and issubclass(mean.func, averagers.RoundReportMixin)
     assert mean.func.__name__ == "GradientAverager" and not issubclass(mean.func, robust.CenteredClipAveragerMixin)
     # as before the option; the averaged gradients are no state to download (a late joiner needs the parameters)
     assert mean.keywords == dict(request_timeout=1.0, allow_state_sharing=False)
@@ -141,7 +141,7 @@ def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     optim.make_optimizer(model, None, "run", config.optimizer, optimizer_class=RecordingOptimizer)
     robust_factory = built[-1]["grad_averager_factory"]
     assert issubclass(robust_factory.func, robust.CenteredClipAveragerMixin)
-    assert issubclass(robust_factory.func, optim.RoundReportMixin)
+    assert issubclass(robust_factory.func, averagers.RoundReportMixin)
     assert robust_factory.func.__name__ == robust.CenteredClipGradientAverager.__name__
     assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=30, request_timeout=1.0,
                                            allow_state_sharing=False)
@@ -174,7 +174,7 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 # inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
 
 def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, **kwargs):
-    from collab_kit.swarm.optimizer import gradient_compression
+    from collab_kit.swarm.lamb import gradient_compression
 
     averagers = [averager_class([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True,
                                 target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,

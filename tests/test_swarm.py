@@ -2,8 +2,9 @@
 import pytest
 
 from collab_kit.config import SwarmConfig, get_preset
-from collab_kit.swarm.dht import (CLIENT_DHT_REQUEST_TIMEOUT, SwarmConnectionError, count_present_peers, join_addresses,
-                              join_instructions, parse_initial_peers, start_dht, wait_for_peers)
+from collab_kit.addresses import parse_initial_peers
+from collab_kit.swarm.dht import (CLIENT_DHT_REQUEST_TIMEOUT, SwarmConnectionError, count_present_peers,
+                                  join_addresses, join_instructions, start_dht, wait_for_peers)
 
 GOOD = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
@@ -97,7 +98,7 @@ def test_a_peer_nobody_can_dial_gives_the_addresses_it_joined_through():
 
 
 def test_reachability_is_asked_of_the_swarm_only_where_it_can_differ(monkeypatch):
-    from collab_kit import swarm
+    from collab_kit.swarm import dht as swarm
 
     asked = []
     monkeypatch.setattr(swarm, "probe_reachability", lambda *args, **kwargs: asked.append(args))

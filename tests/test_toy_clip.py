@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from collab_kit import toy
+from collab_kit.data import synthetic
+from collab_kit.data.tokenizers import ToyTokenizer
 from collab_kit.model.clip_rank import ClipRanker
 from collab_kit.toy.clip import (HELD_OUT_SEED, METRICS_FILE, TOY_CLIP_DIR, TRAIN_SEED_BASE, evaluate_toy_clip,
                                  fixed_blur, load_toy_clip, main, scene_pixels, toy_clip_metrics, toy_clip_tokenizer,
@@ -52,15 +53,15 @@ def test_the_shipped_clip_reaches_its_stated_accuracy(shipped):
 def test_the_shipped_clip_ranks_the_right_colour_first_through_cliprank(shipped):
     """What the demo does: one prompt, pictures that differ only in colour; the asked colour must score highest."""
     wrong = 0
-    for scene in toy.scenes(12, seed=HELD_OUT_SEED + 1):
-        variants = [dataclasses.replace(scene, color=color) for color in toy.COLORS]
+    for scene in synthetic.scenes(12, seed=HELD_OUT_SEED + 1):
+        variants = [dataclasses.replace(scene, color=color) for color in synthetic.COLORS]
         pixels = scene_pixels(variants)
         for images in (pixels, fixed_blur(pixels)):
             _, _, order = shipped.rank(scene.caption, images, keep=1)
             wrong += variants[order[0]].color != scene.color
         # and a picture's own caption above the same caption in another colour, as ClipRanker scores it
         other = dataclasses.replace(scene, color="blue" if scene.color != "blue" else "red")
-        own_score, other_score = (shipped.score(s.caption, pixels[list(toy.COLORS).index(scene.color)][None])
+        own_score, other_score = (shipped.score(s.caption, pixels[list(synthetic.COLORS).index(scene.color)][None])
                                   for s in (scene, other))
         wrong += bool(own_score <= other_score)
     assert wrong <= 1, f"{wrong} of 36 colour choices wrong"
@@ -68,10 +69,10 @@ def test_the_shipped_clip_ranks_the_right_colour_first_through_cliprank(shipped)
 
 def test_the_tokenizer_speaks_the_toy_worlds_ids(shipped):
     caption = "a small red circle at the top left"
-    ids = toy.ToyTokenizer().encode(caption, 16)
-    assert shipped.tokenizer(caption)["input_ids"] == ids[: ids.index(toy.ToyTokenizer.eos_token_id) + 1]
+    ids = ToyTokenizer().encode(caption, 16)
+    assert shipped.tokenizer(caption)["input_ids"] == ids[: ids.index(ToyTokenizer.eos_token_id) + 1]
     assert toy_clip_tokenizer()(caption.upper())["input_ids"] == shipped.tokenizer(caption)["input_ids"]
-    assert shipped.model.config.text_config.eos_token_id == toy.ToyTokenizer.eos_token_id  # where CLIP pools
+    assert shipped.model.config.text_config.eos_token_id == ToyTokenizer.eos_token_id  # where CLIP pools
 
 
 def test_training_batches_hold_distinct_captions_and_never_the_held_out_pictures():
@@ -93,7 +94,7 @@ def test_a_short_training_run_writes_a_loadable_clip_and_its_figures(tmp_path, c
     for name in ("retrieval_accuracy_of_8", "colour_accuracy_of_8", "blurred_retrieval_accuracy_of_8"):
         assert 0.0 <= metrics[name] <= 1.0
     ranker = load_toy_clip(folder, device="cpu")
-    images = scene_pixels(toy.scenes(4, seed=1))
+    images = scene_pixels(synthetic.scenes(4, seed=1))
     scores = ranker.score("a large blue square in the center", images)
     assert scores.shape == (4,) and torch.isfinite(scores).all()
 

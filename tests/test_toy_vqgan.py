@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from collab_kit import toy
+from collab_kit.data import synthetic
 from collab_kit.toy.vqgan import (HELD_OUT_COUNT, HELD_OUT_SEED, METRICS_NAME, TOY_VQGAN_CONFIG, TOY_VQGAN_DIR,
                                   ToyVQGANMissing, evaluate_toy_vqgan, load_toy_vqgan, main, scenes_to_tensor,
                                   toy_vqgan_metrics, training_scenes)
@@ -24,7 +24,7 @@ def shipped():
 def test_the_shipped_vqgan_maps_64x64_pictures_to_8x8_codes_and_back(shipped):
     assert not shipped.training and shipped.config == TOY_VQGAN_CONFIG
     assert (shipped.image_size, shipped.downsampling_factor, shipped.grid_size) == (64, 8, 8)
-    images = scenes_to_tensor(toy.scenes(4, seed=HELD_OUT_SEED))
+    images = scenes_to_tensor(synthetic.scenes(4, seed=HELD_OUT_SEED))
     codes = shipped.encode(images)
     assert codes.shape == (4, 64) and codes.dtype == torch.int64
     assert 0 <= codes.min() and codes.max() < shipped.codebook_size == 512
@@ -53,7 +53,7 @@ def test_the_shipped_files_are_small_and_complete():
 
 
 def test_training_never_sees_the_held_out_pictures():
-    held_out = set(toy.scenes(HELD_OUT_COUNT, seed=HELD_OUT_SEED))
+    held_out = set(synthetic.scenes(HELD_OUT_COUNT, seed=HELD_OUT_SEED))
     # the world has ~59k scenes, so an unfiltered stream of this length would meet several held-out ones
     trained = [scene for step in range(200) for scene in training_scenes(16, step, seed=0, excluded=held_out)]
     assert len(trained) == 3200 and not held_out.intersection(trained)

@@ -1,12 +1,12 @@
 """``collab-kit``: the command line, one module per command.
 
-- ``main``: the parser (each command module adds its own subcommand) and ``main``, the console script.
+- ``app``: the parser (each command module adds its own subcommand) and ``main``, the console script.
 - ``common``: the run configuration from ``--preset`` / ``--set`` / the swarm options, clean stops on signals, and
   ``CommandError``.
 - ``demo``, ``join``, ``monitor``, ``reachability``, ``dashboard``, ``auth_server``, ``model_info``,
   ``preprocess``, ``toy``: one command each, ``register(commands)`` and ``run(args)``.
 """
 from collab_kit.cli.common import CommandError, build_config
-from collab_kit.cli.main import main, make_parser
+from collab_kit.cli.app import main, make_parser
 
 __all__ = ["main", "make_parser", "build_config", "CommandError"]

@@ -1,6 +1,6 @@
 """``python -m collab_kit.cli``: the same as the ``collab-kit`` console script."""
 import sys
 
-from collab_kit.cli.main import main
+from collab_kit.cli.app import main
 
 sys.exit(main())

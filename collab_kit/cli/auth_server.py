@@ -62,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
     if args.hub_endpoint is not None:
         options["hub_endpoint"] = args.hub_endpoint
     settings = AuthServerSettings(**options)
-    on_listening = None
-    if args.events:  # a script waiting for the server (collab_kit.roles.services) reads its URL from a "ready" event
-        def on_listening(line: str):
-            print(line, flush=True)
-            emit_event("ready", url=line.rsplit(" ", 1)[-1])  # the line ends "listening on http://HOST:PORT"
+
+    def announce(line: str):  # a script waiting for the server (collab_kit.roles.services) reads its URL from "ready"
+        print(line, flush=True)
+        emit_event("ready", url=line.rsplit(" ", 1)[-1])  # the line ends "listening on http://HOST:PORT"
+    on_listening = announce if args.events else None
     try:
         serve(settings, host=args.host, port=args.port, on_listening=on_listening)
     except KeyboardInterrupt:  # uvicorn has shut down cleanly and passes the signal on

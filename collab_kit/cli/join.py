@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Callable, Optional
 
 from collab_kit.cli.common import add_swarm_options, build_config, handle_stop_signals
 from collab_kit.roles.processes import emit_event
+
+if TYPE_CHECKING:  # for the annotation only: the command loads the volunteer when it runs
+    from collab_kit.roles.volunteer import Volunteer
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -29,7 +33,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.set_defaults(handler=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunteer"]] = None) -> int:
+    """Join, train until a limit, report.
+
+    :param make_volunteer: builds the volunteer from the configuration, as ``Volunteer.from_config`` (the default)
+      does; a script that trains with parts of its own (a test peer) passes its own
+    """
     # lazy: the libraries the command needs (torch, hivemind) load when it runs: `collab-kit --help` answers at once
     import torch
 
@@ -40,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs is None and args.max_epochs is None and args.max_steps is None:
         args.max_epochs = config.optimizer.total_steps
     # a swarm out of reach, a refused token, a setting to change: CollabKitErrors, one line from main()
-    volunteer = Volunteer(config, num_threads=args.threads, verbose=args.verbose)
+    volunteer = (make_volunteer or Volunteer.from_config)(config, num_threads=args.threads, verbose=args.verbose)
     with volunteer:
         handle_stop_signals(volunteer.request_stop)
         if volunteer.reachability is not None:

@@ -24,7 +24,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     monitor.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                          help="run the swarm's anchor here, the peer that volunteers behind NAT average through and "
                               "load the state from (default: when others can dial this monitor)")
-    monitor.add_argument("--poll-every", "--report-every", dest="poll_every", type=float, default=10.0,
+    monitor.add_argument("--poll-every", dest="poll_every", type=float, default=10.0,
                          metavar="SECONDS", help="seconds between two readings of the swarm (default: 10)")
     monitor.add_argument("--db", default=os.path.join("monitor", "run.sqlite"), metavar="PATH",
                          help="SQLite file of the run's history and leaderboard, continued if it exists "

@@ -246,12 +246,15 @@ def model_seed(run_id: str) -> int:
     return zlib.crc32(run_id.encode())
 
 
-def initial_model(config: ModelConfig, run_id: str) -> "TextToImageTransformer":
+def initial_model(config: ModelConfig, run_id: str, model_class: Optional[type] = None) -> "TextToImageTransformer":
     """The model every peer of run ``run_id`` starts from: the same parameters everywhere (``model_seed``), drawn
-    without touching the caller's random state."""
+    without touching the caller's random state.
+
+    :param model_class: TextToImageTransformer (the default) or a subclass of it
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_seed(run_id))
-        return TextToImageTransformer(config)
+        return (model_class or TextToImageTransformer)(config)
 
 
 def non_finite_parameters(model: nn.Module) -> List[str]:

@@ -33,7 +33,6 @@ and the checkpoint series continues from the newest one on disk or in the databa
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -51,19 +50,19 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab_kit.auth.tokens import binding_problem
-from collab_kit.config import RunConfig, SwarmConfig
+from collab_kit.config import RunConfig
 from collab_kit.errors import CollabKitError
 from collab_kit.model.checkpoint import (CONFIG_NAME, checkpoint_name, list_checkpoints, load_latest_checkpoint,
                                          rotate_checkpoints, save_checkpoint)
 from collab_kit.model.transformer import TextToImageTransformer, non_finite_parameters
 from collab_kit.roles.run_history import RunHistory
-from collab_kit.roles.volunteer import authorize
 from collab_kit.swarm.anchor import Anchor
 from collab_kit.swarm.averagers import STATE_DOWNLOAD_PART_TIMEOUT, recording_state_averager_class
-from collab_kit.swarm.bindings import BindingKeeper, PeerGate, read_binding
-from collab_kit.swarm.dht import join_addresses, join_instructions, resolve_reachability, start_dht
+from collab_kit.swarm.bindings import read_binding
+from collab_kit.swarm.dht import join_addresses, join_instructions
 from collab_kit.swarm.keys import peer_tokens_key, progress_key, state_averager_prefix
 from collab_kit.swarm.lamb import make_lamb8bit, make_scheduler_factory, parameter_groups
+from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsSchema, PeerMetrics, SwarmSnapshot, read_metrics, summarize
 from collab_kit.swarm.optimizer import is_anchor_record
 
@@ -496,19 +495,15 @@ class Monitor:
         self.wandb = None
         if self.settings.wandb_project:
             require_wandb(self.settings.wandb_project)  # a missing package fails before anything starts
-        self.authorizer = authorize(config.swarm)  # None for an open run
         # the first peer of a swarm accepts connections; a monitor started again through a volunteer asks the swarm
-        swarm_config, self.reachability = resolve_reachability(config.swarm)
-        self.config = config = dataclasses.replace(config, swarm=swarm_config)
-        self.dht = start_dht(config.swarm, record_validators=monitor_validators(self.run_id),
-                             **({"authorizer": self.authorizer} if self.authorizer else {}))
-        self._binding_keeper, self.checkpointer, self.history, self.anchor = None, None, None, None
+        self.membership = SwarmMembership(config, record_validators=monitor_validators(self.run_id))
+        self.config = config = self.membership.config
+        self.dht, self.authorizer, self.reachability = (self.membership.dht, self.membership.authorizer,
+                                                        self.membership.reachability)
+        peer_gate = self.membership.peer_gate
+        self.checkpointer, self.history, self.anchor = None, None, None
         self._verified: Dict[bytes, str] = {}  # record subkey -> the username a binding proved for it
         try:
-            peer_gate = None
-            if self.authorizer is not None:
-                self._binding_keeper = BindingKeeper(self.dht, self.authorizer, self.run_id)
-                peer_gate = PeerGate(self.dht, self.run_id, self.authorizer.server_public_key.to_bytes())
             if self.settings.anchor and self.dht.client_mode:
                 raise MonitorError("an anchor must accept connections, and this monitor is in client mode: run it on "
                                    "a machine others can dial, or without --anchor")
@@ -653,14 +648,11 @@ class Monitor:
             if self.anchor is not None:
                 self.anchor.shutdown()
                 self.anchor = None
-            if self._binding_keeper is not None:
-                self._binding_keeper.stop()
-                self._binding_keeper = None
             if self.wandb is not None:
                 self.wandb.close()
                 self.wandb = None
         finally:
-            self.dht.shutdown()
+            self.membership.close()
             if self.history is not None:
                 self.history.close()
                 self.history = None
@@ -670,20 +662,3 @@ class Monitor:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def run_coordinator(swarm: SwarmConfig, address_file: Optional[str] = None, report_every: float = 10.0,
-                    stop: Optional[threading.Event] = None,
-                    on_ready: Optional[Callable[[hivemind.DHT], None]] = None) -> None:
-    """Start a first peer that only reports the swarm's progress (no database, no checkpoints) until ``stop``.
-
-    :param swarm: where to listen and the run to watch
-    :param address_file: also write the join addresses to this file (for scripts that start volunteers)
-    :param report_every: seconds between progress lines
-    :param stop: an event that ends the loop (None: run until interrupted)
-    :param on_ready: called with the DHT once the peer is reachable
-    """
-    settings = MonitorSettings(db_path=None, checkpoint_every=0, poll_every=report_every, address_file=address_file,
-                               anchor=False)
-    with Monitor(RunConfig(swarm=swarm), settings) as monitor:
-        monitor.run(stop=stop, on_ready=on_ready)

@@ -1,6 +1,6 @@
 """A volunteer: the DHT, the model, the data stream and the collaborative optimizer, and the loop.
 
-    with Volunteer(get_preset("small"), data_shards="demo/shards") as volunteer:
+    with Volunteer.from_config(get_preset("small"), data_shards="demo/shards") as volunteer:
         history = volunteer.train(max_epochs=5)
 
 Each local step computes gradients on one local batch and hands them to hivemind.Optimizer, which
@@ -13,7 +13,6 @@ the swarm's parameters and optimizer state instead (``Volunteer._recover_from_no
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -24,18 +23,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from collab_kit.auth.client import AuthorizationError, HubAuthorizer, login
-from collab_kit.config import RunConfig
+from collab_kit.config import RunConfig, SettingProblem
 from collab_kit.data.stream import ShardStream, batches, peer_data_seed
 from collab_kit.data.tokenizers import caption_tokenizer
 from collab_kit.errors import CollabKitError
 from collab_kit.model.checkpoint import save_checkpoint
-from collab_kit.model.transformer import initial_model, non_finite_parameters
-from collab_kit.swarm.bindings import BindingKeeper, PeerGate
-from collab_kit.swarm.dht import (SwarmWatchdog, join_instructions, resolve_reachability, start_dht, wait_for_peers as
-                                  wait_for_peers_in_swarm)
+from collab_kit.model.transformer import TextToImageTransformer, initial_model, non_finite_parameters
+from collab_kit.swarm.dht import SwarmWatchdog, join_instructions, wait_for_peers as wait_for_peers_in_swarm
+from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsPublisher
-from collab_kit.swarm.optimizer import make_optimizer
+from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -217,84 +214,92 @@ class TrainingHistory:
         return ax
 
 
-def authorize(swarm_config):
-    """A HubAuthorizer holding this volunteer's first token when the run has an authentication server, else None.
+def peer_stream(config: RunConfig, data_shards: Optional[str] = None, data_seed: int = 0) -> ShardStream:
+    """The stream of samples a peer trains on: the run's shards in this peer's order, tokenized as the run says.
 
-    :raises collab_kit.auth.client.AuthorizationError: no Hugging Face token, or the server refused (its message says why)
+    :raises SettingProblem: the caption tokenizer has more tokens than the model reads
     """
-    if not swarm_config.auth_server:
-        return None
-
-    token = login()
-    if token is None:
-        raise AuthorizationError("log in to Hugging Face first (the form above), then run this again")
-    authorizer = HubAuthorizer(swarm_config.auth_server, token)
-    answer = authorizer.join()
-    logger.info(f"joined run {swarm_config.run_id} as {answer.username}")
-    return authorizer
+    tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
+    if tokenizer.vocab_size > config.model.text_vocab_size:
+        raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the "
+                             f"model reads {config.model.text_vocab_size}: set model.text_vocab_size")
+    return ShardStream(data_shards or config.data.shards, config.model.text_length, config.model.image_length,
+                       tokenizer=tokenizer, shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
+                       codebook_size=config.model.codebook_size)
 
 
 class Volunteer:
-    """One peer of a collaborative run: builds everything it needs, then trains with the swarm.
+    """One peer of a collaborative run: trains its model with the swarm, step by step, and reports each epoch.
 
-    :param config: the run's configuration (a preset from collab_kit.config.get_preset, possibly changed)
-    :param data_shards: folder or glob of parquet shards; defaults to ``config.data.shards``
-    :param data_seed: the order in which this peer reads the data; default: derived from its peer id
-    :param num_threads: torch CPU threads for this peer (None leaves torch's default)
-    :param verbose: log every stage of hivemind's global steps
+    ``Volunteer.from_config(config)`` builds every part (what ``collab-kit join`` and the notebooks do); the
+    constructor takes them built, so a test or a script can give its own (a model that goes wrong on purpose, an
+    optimizer built another way). The volunteer owns its parts: ``close`` shuts them down.
+
+    :param config: the run's configuration, with client mode found out (``membership.config``)
+    :param membership: this peer's membership of the run (its DHT, token binding and averagers' gate)
+    :param model: the model to train (every peer starts from the same one: collab_kit.model.initial_model)
+    :param stream: this peer's stream of samples (collab_kit.data.stream.ShardStream)
+    :param optimizer: the collaborative optimizer of ``model`` on ``membership.dht`` (collab_kit.swarm.optimizer)
+    :param metrics: this peer's signed metrics record for the monitor (None: a publisher on the membership's DHT)
     """
 
     # local steps in a row whose loss or gradients may be non-finite, each followed by loading the swarm's
     # state, before giving up: beyond that the fault is not in the parameters but in the data or the settings
     max_non_finite_steps = 5
 
-    def __init__(self, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
-                 num_threads: Optional[int] = None, verbose: bool = False, authorizer=None):
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        self.authorizer = authorizer if authorizer is not None else authorize(config.swarm)
-        # client mode or not, asked of the swarm (collab_kit.swarm.reachability) unless the configuration says
-        swarm_config, self.reachability = resolve_reachability(config.swarm)
-        self.config = config = dataclasses.replace(config, swarm=swarm_config)
-        self.dht = start_dht(config.swarm, **({"authorizer": self.authorizer} if self.authorizer else {}))
-        self._binding_keeper = None
+    def __init__(self, config: RunConfig, membership: SwarmMembership, model: TextToImageTransformer,
+                 stream: ShardStream, optimizer: CollaborativeOptimizer, metrics: Optional[MetricsPublisher] = None):
+        self.config, self.membership, self.model, self.stream, self.optimizer = config, membership, model, stream, \
+            optimizer
+        self.dht, self.authorizer, self.reachability = membership.dht, membership.authorizer, membership.reachability
+        self.join_line = join_instructions(self.dht, config)
+        # this peer's signed record for the monitor (collab_kit.swarm.metrics), refreshed every global epoch
+        self.metrics = metrics if metrics is not None else MetricsPublisher(self.dht, config.swarm.run_id,
+                                                                            username=membership.username)
         # back in the DHT when it lost its neighbours; a cut link said, waited out and followed by loading the state
         self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
                                        on_link_back=self._on_link_back)
-        try:
-            peer_gate = None
-            if self.authorizer is not None:
-                self._binding_keeper = BindingKeeper(self.dht, self.authorizer, config.swarm.run_id)
-                peer_gate = PeerGate(self.dht, config.swarm.run_id, self.authorizer.server_public_key.to_bytes())
-            self.join_line = join_instructions(self.dht, config)
-            self.model = initial_model(config.model, config.swarm.run_id)
-            if data_seed is None:
-                data_seed = peer_data_seed(self.dht.peer_id.to_bytes(), config.data.seed)
-            tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
-            if tokenizer.vocab_size > config.model.text_vocab_size:
-                raise ValueError(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens "
-                                 f"but the model reads {config.model.text_vocab_size}: set model.text_vocab_size")
-            self.stream = ShardStream(data_shards or config.data.shards, config.model.text_length,
-                                      config.model.image_length, tokenizer=tokenizer,
-                                      shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
-                                      codebook_size=config.model.codebook_size)
-            self.optimizer = make_optimizer(self.model, self.dht, config.swarm.run_id, config.optimizer,
-                                            client_mode=config.swarm.client_mode, verbose=verbose,
-                                            peer_gate=peer_gate)
-            # this peer's signed record for the monitor (collab_kit.swarm.metrics), refreshed every global epoch
-            self.metrics = MetricsPublisher(self.dht, config.swarm.run_id,
-                                            username=self.authorizer.username if self.authorizer else None)
-        except BaseException:
-            if self._binding_keeper is not None:
-                self._binding_keeper.stop()
-            self._watchdog.stop()
-            self.dht.shutdown()
-            raise
         self._closed = False
         self._stop_requested = threading.Event()
         self._non_finite_streak = 0
         self._failed_loads = 0  # steps in a row that found this peer behind and could not get the swarm's state
         self._lone_watch = LoneTrainingWatch()
+
+    @classmethod
+    def from_config(cls, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
+                    num_threads: Optional[int] = None, verbose: bool = False, authorizer=None,
+                    model: Optional[TextToImageTransformer] = None,
+                    optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer) -> "Volunteer":
+        """Join the run and build every part of a volunteer from its configuration.
+
+        :param config: the run's configuration (a preset from collab_kit.config.get_preset, possibly changed)
+        :param data_shards: folder or glob of parquet shards; defaults to ``config.data.shards``
+        :param data_seed: the order in which this peer reads the data; default: derived from its peer id
+        :param num_threads: torch CPU threads for this peer (None leaves torch's default)
+        :param verbose: log every stage of hivemind's global steps
+        :param authorizer: a HubAuthorizer that has joined already (default: log in, in an authorized run)
+        :param model: the model to train (default: the run's initial model)
+        :param optimizer_factory: builds the optimizer, called as ``make_optimizer`` is
+        :raises collab_kit.errors.CollabKitError: the run refused this peer, no initial peer answered, or the data
+          and the model do not fit (each message says what to change)
+        """
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        membership = SwarmMembership(config, authorizer=authorizer)
+        try:
+            config = membership.config
+            if model is None:
+                model = initial_model(config.model, config.swarm.run_id)
+            if data_seed is None:
+                data_seed = peer_data_seed(membership.dht.peer_id.to_bytes(), config.data.seed)
+            stream = peer_stream(config, data_shards, data_seed)
+            optimizer = optimizer_factory(model, membership.dht, config.swarm.run_id, config.optimizer,
+                                          client_mode=config.swarm.client_mode, verbose=verbose,
+                                          peer_gate=membership.peer_gate)
+            return cls(config, membership, model, stream, optimizer)
+        except BaseException:
+            membership.close()
+            raise
 
     def request_stop(self):
         """Ask ``train`` to stop after the current step (safe to call from a signal handler or a thread)."""
@@ -642,11 +647,9 @@ class Volunteer:
         self._closed = True
         try:
             self._watchdog.stop()
-            if self._binding_keeper is not None:
-                self._binding_keeper.stop()
             self.optimizer.shutdown()
         finally:
-            self.dht.shutdown()
+            self.membership.close()
 
     def __enter__(self) -> "Volunteer":
         return self

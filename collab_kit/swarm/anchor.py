@@ -46,7 +46,8 @@ from hivemind.utils import get_dht_time
 from collab_kit.config import RunConfig
 from collab_kit.errors import CollabKitError
 from collab_kit.model.transformer import initial_model
-from collab_kit.swarm.optimizer import ANCHOR_ROLE, CollaborativeOptimizer, SwarmProgressTracker, make_optimizer
+from collab_kit.swarm.averagers import ANCHOR_ROLE
+from collab_kit.swarm.optimizer import CollaborativeOptimizer, SwarmProgressTracker, make_optimizer
 
 logger = logging.getLogger(__name__)
 

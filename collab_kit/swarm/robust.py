@@ -16,7 +16,7 @@ flattened gradients: it receives that span from every sender, cut into parts (pi
 of at most ``part_size_bytes`` after compression, 2^19 bytes by default), and reduces each part
 across senders in ``TensorPartReducer``. ``CenteredClipReducer`` is that reducer with CenteredClip
 in place of the weighted mean; ``CenteredClipAveragerMixin`` makes an averager's all-reduce use it.
-Parts arrive decompressed (8-bit or fp16, collab_kit.swarm.optimizer.gradient_compression); weights are the
+Parts arrive decompressed (8-bit or fp16, collab_kit.swarm.lamb.gradient_compression); weights are the
 senders' sample counts, as for the mean.
 
 Choices:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List, Optional
+from typing import Callable, List, Mapping, Optional
 
 from collab_kit.cli import auth_server, dashboard, demo, join, model_info, monitor, preprocess, reachability, toy
 from collab_kit.cli.common import handle_stop_signals
@@ -45,7 +45,14 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, handlers: Optional[Mapping[str, Callable[[argparse.Namespace], int]]] = None
+         ) -> int:
+    """``collab-kit``: parse ``argv`` (default: the process's arguments), set up logging and signals, run the command.
+
+    :param handlers: command name -> the function that runs it, in place of the command's own ``run`` (a test peer
+      that joins with parts of its own: ``{"join": partial(join.run, make_volunteer=...)}``)
+    :returns: the exit status: 0, 2 for a problem the user can fix (said in one line), 130 when interrupted
+    """
     parser = make_parser()
     # `collab-kit toy train-vqgan OPTIONS...`: the training script parses its own options (argparse's REMAINDER
     # would not take options that come first)
@@ -61,8 +68,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in args.debug_logger:
         logging.getLogger(name).setLevel(logging.DEBUG)
     handle_stop_signals()
+    handler = (handlers or {}).get(args.command, args.handler)
     try:
-        return args.handler(args)
+        return handler(args)
     except (CollabKitError, ValueError, FileNotFoundError) as e:  # what the user can fix: one line, no traceback
         print(f"collab-kit {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
