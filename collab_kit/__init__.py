@@ -28,11 +28,12 @@ __version__ = "0.1.0"
 # the heavy names (torch, hivemind, transformers) load on first use: `import collab_kit` stays fast
 __getattr__, _lazy_names = lazy_exports(__name__, {
     "roles.volunteer": ["Volunteer"],
-    "roles.monitor": ["Monitor", "MonitorSettings"],
+    "roles.monitor": ["Monitor"],
+    "roles.monitor_settings": ["MonitorSettings"],
     "roles.services": ["*module*"],
     "model.transformer": ["TextToImageTransformer"],
     "model.checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint"],
-    "model.vqgan": ["load_vqgan"],
+    "model.vqgan_files": ["load_vqgan"],
     "model.clip_rank": ["ClipRanker"],
     "swarm.optimizer": ["make_optimizer"],
     "swarm.dht": ["start_dht"],

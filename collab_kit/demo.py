@@ -279,9 +279,11 @@ def draw_toy_samples(checkpoint: str, prompts: Sequence[str], path: Optional[str
 
 def plot_losses(losses: Dict[int, Dict[str, float]], path: str) -> str:
     """Each volunteer's mean loss per global epoch, and their mean, as a PNG."""
+    # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib.pyplot as plt
 
     figure, ax = plt.subplots(figsize=(7, 4))

@@ -27,7 +27,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hub_server import REPO_ROOT, StandInHub
 
 from collab_kit.auth.tokens import public_key_from_text, token_from_json, token_problem
-from collab_kit.auth.server import JOIN_PATH, AuthServerSettings, JoinLedger
+from collab_kit.auth.client import JOIN_PATH
+from collab_kit.auth.ledger import JoinLedger
+from collab_kit.auth.server_settings import AuthServerSettings
 from collab_kit.addresses import ADDRESS_EXAMPLE
 
 ORG = "training-transformers-together"

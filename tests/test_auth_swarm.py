@@ -11,7 +11,7 @@ import pytest
 from hub_server import StandInHub
 from test_auth_server import ORG, AuthServerProcess
 
-from collab_kit.auth.server import JoinLedger
+from collab_kit.auth.ledger import JoinLedger
 from collab_kit.roles.processes import PeerProcess
 from collab_kit.roles.run_history import RunHistory
 

@@ -8,7 +8,8 @@ from collab_kit.config import get_preset
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
 from collab_kit.images.generate import draw_images, encode_prompt, generate_images, prompt_sheet
 from collab_kit.model.transformer import TextToImageTransformer
-from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil, save_vqgan
+from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil
+from collab_kit.model.vqgan_files import save_vqgan
 
 
 @pytest.fixture(scope="module")

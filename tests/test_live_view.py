@@ -1,6 +1,6 @@
 """collab_kit.notebook.live_view: the join notebook's figure, drawn from real epoch records."""
 from collab_kit.notebook.live_view import LiveView
-from collab_kit.roles.volunteer import EpochRecord
+from collab_kit.roles.records import EpochRecord
 
 
 def records():
@@ -58,7 +58,7 @@ def test_epochs_and_peers_have_whole_ticks_and_every_axis_its_label():
 
 
 def test_a_lone_peer_is_drawn_alone():
-    from collab_kit.roles.volunteer import EpochRecord
+    from collab_kit.roles.records import EpochRecord
 
     view = LiveView(target_batch_size=256)
     for epoch in range(5):
@@ -73,7 +73,7 @@ def test_the_training_plot_has_whole_epoch_ticks_and_units():
     import matplotlib
 
     matplotlib.use("Agg")
-    from collab_kit.roles.volunteer import TrainingHistory
+    from collab_kit.roles.records import TrainingHistory
 
     history = TrainingHistory()
     history.epochs = records()[:2]

@@ -6,7 +6,7 @@ from collab_kit.notebook.dashboard import averaging_html, load
 from collab_kit.notebook.live_view import LiveView
 from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 from collab_kit.roles.run_history import RunHistory
-from collab_kit.roles.volunteer import LONE_AFTER_EPOCHS, EpochRecord, LoneTrainingWatch
+from collab_kit.roles.records import LONE_AFTER_EPOCHS, EpochRecord, LoneTrainingWatch
 
 
 def epoch(number, averaged, training_peers=3, problem=None, anchors=0):

@@ -165,7 +165,8 @@ def test_a_username_is_credited_only_when_the_binding_proves_it():
 
 def test_wandb_without_the_package_is_a_clear_error_before_anything_starts(tmp_path, monkeypatch):
     from collab_kit.cli import make_parser
-    from collab_kit.roles.monitor import Monitor, MonitorError, MonitorSettings
+    from collab_kit.roles.monitor import Monitor
+    from collab_kit.roles.monitor_settings import MonitorError, MonitorSettings
 
     try:
         import wandb  # noqa: F401

@@ -20,7 +20,8 @@ from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: 
 
 from collab_kit import cli
 from collab_kit.roles import services
-from collab_kit.auth.server import AuthServerSettings, JoinLedger
+from collab_kit.auth.ledger import JoinLedger
+from collab_kit.auth.server_settings import AuthServerSettings
 from collab_kit.config import get_preset
 from collab_kit.roles.processes import group_is_empty
 from collab_kit.roles.run_history import RunHistory
@@ -190,7 +191,7 @@ def test_services_stop_when_the_interpreter_exits(tmp_path):
     """A notebook kernel that is shut down or restarted leaves no service running (atexit)."""
     code = textwrap.dedent(f"""
         from collab_kit.roles import services
-        from collab_kit.auth.server import AuthServerSettings
+        from collab_kit.auth.server_settings import AuthServerSettings
 
         settings = AuthServerSettings(organization="{ORG}", database_path={str(tmp_path / "a.sqlite3")!r},
                                       hub_endpoint="http://127.0.0.1:9")

@@ -26,7 +26,8 @@ from collab_kit.data.tokenizers import ByteCaptionTokenizer
 from collab_kit.data.preprocess import (ASPECT_RATIO, MISSING_CAPTION, MISSING_IMAGE, NSFW, SHORT_CAPTION,
                                         UNREADABLE_IMAGE, PushError, drop_reason, preprocess)
 from collab_kit.data.sources import SOURCE_FORMATS, read_pairs
-from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor, save_vqgan
+from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor
+from collab_kit.model.vqgan_files import save_vqgan
 
 SIDE = 16  # the tiny VQGAN's image_size
 

@@ -9,7 +9,8 @@ from collab_kit.data import synthetic
 from collab_kit.toy.vqgan import (HELD_OUT_COUNT, HELD_OUT_SEED, METRICS_NAME, TOY_VQGAN_CONFIG, TOY_VQGAN_DIR,
                                   ToyVQGANMissing, evaluate_toy_vqgan, load_toy_vqgan, main, scenes_to_tensor,
                                   toy_vqgan_metrics, training_scenes)
-from collab_kit.model.vqgan import CHECKPOINT_NAME, CONFIG_NAME, load_vqgan
+from collab_kit.model.vqgan import CHECKPOINT_NAME, CONFIG_NAME
+from collab_kit.model.vqgan_files import load_vqgan
 
 PSNR_FLOOR_DB = 25.0  # what the shipped model must state at least: flat-coloured pictures come back sharp
 PSNR_SLACK_DB = 0.5  # 64 held-out pictures measured here against the 256 of the stated figure

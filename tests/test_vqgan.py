@@ -15,8 +15,9 @@ import torch
 import yaml
 from PIL import Image
 
-from collab_kit.model.vqgan import (CHECKPOINT_NAME, CONFIG_NAME, GUMBEL_TARGET, PAPER_VQGAN_CONFIG, TINY_VQGAN_CONFIG,
-                              VQ_TARGET, build_vqgan, images_to_pil, load_vqgan, pil_to_tensor, save_vqgan)
+from collab_kit.model.vqgan import (CHECKPOINT_NAME, CONFIG_NAME, GUMBEL_TARGET, PAPER_VQGAN_CONFIG,
+                                    TINY_VQGAN_CONFIG, VQ_TARGET, build_vqgan, images_to_pil, pil_to_tensor)
+from collab_kit.model.vqgan_files import load_vqgan, save_vqgan
 
 TINY_VQ_CONFIG = dict(copy.deepcopy(TINY_VQGAN_CONFIG), target=VQ_TARGET)
 CONFIGS = {"gumbel": TINY_VQGAN_CONFIG, "vq": TINY_VQ_CONFIG}
@@ -322,7 +323,8 @@ def test_load_from_a_hub_repository(hub_server, tmp_path):
 
     output = hub_server.run_python(f"""
         import json, torch
-        from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, load_vqgan
+        from collab_kit.model.vqgan import TINY_VQGAN_CONFIG
+        from collab_kit.model.vqgan_files import load_vqgan
         x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
         model = load_vqgan("collab/tiny-vqgan")
         torch.save(model.decode(model.encode(x)), {str(tmp_path / "decoded.pt")!r})

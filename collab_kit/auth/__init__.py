@@ -4,7 +4,8 @@
 - ``client``: a volunteer's side: the Hugging Face login, asking the server for a token (``HubAuthorizer``, which
   hivemind's DHT carries on every message), refreshing it.
 - ``server``: ``collab-kit auth-server``: checks a Hugging Face user token with the Hub, signs access tokens, keeps a
-  ledger of joins, and stands up to slow and abusive clients.
+  ledger of joins (``ledger``), and stands up to slow and abusive clients (``guards``); ``server_settings``: what it is
+  set to.
 
 What peers do with their tokens in the swarm (bindings in the DHT, the averagers' gate) is collab_kit.swarm.bindings.
 """
@@ -13,5 +14,7 @@ from collab_kit.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "tokens": ["issue_token", "token_problem", "binding_problem", "MalformedToken"],
     "client": ["login", "HubAuthorizer", "AuthorizationError", "request_access"],
-    "server": ["AuthServerSettings", "create_app", "serve"],
+    "server_settings": ["AuthServerSettings"],
+    "ledger": ["JoinLedger"],
+    "server": ["create_app", "serve"],
 })

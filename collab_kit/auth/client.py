@@ -25,6 +25,8 @@ from typing import List, Optional
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+import requests
+import huggingface_hub
 
 from collab_kit.auth.tokens import (MalformedToken, public_key_from_text, public_key_to_text, seconds_left,
                                     token_from_json, token_problem)
@@ -62,7 +64,6 @@ def request_access(auth_server: str, hf_token: str, peer_public_key: RSAPublicKe
     :param hf_token: the volunteer's Hugging Face user token
     :raises AuthorizationError: with the server's own message (401 log in, 403 join the organization, 429 wait)
     """
-    import requests
 
     url = auth_server.rstrip("/") + JOIN_PATH
     try:
@@ -174,6 +175,7 @@ class HubAuthorizer(TokenAuthorizerBase):
 def in_notebook() -> bool:
     """True in Jupyter, Colab or Kaggle (a kernel that can show widgets), False in a terminal or a script."""
     try:
+        # lazy: IPython is there only where a notebook runs
         from IPython import get_ipython
     except ImportError:
         return False
@@ -189,7 +191,6 @@ def login(token: Optional[str] = None) -> Optional[str]:
 
     :raises AuthorizationError: outside a notebook when no token can be found (says where to make one)
     """
-    import huggingface_hub
 
     token = token or os.environ.get("HF_TOKEN") or huggingface_hub.get_token()
     if token:

@@ -58,6 +58,9 @@ restarts. The server's RSA key (``key_path``, by default beside the database) is
 issued before a restart still verify after it.
 
 Tokens travel in plain text over HTTP: expose the server through an HTTPS reverse proxy, not directly.
+
+Its settings are collab_kit.auth.server_settings, its ledger collab_kit.auth.ledger, and its guards against
+slow clients collab_kit.auth.guards.
 """
 from __future__ import annotations
 
@@ -69,280 +72,28 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import re
-import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Optional
 
-import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from cryptography.hazmat.primitives import serialization
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from collab_kit.auth.tokens import (DEFAULT_TOKEN_LIFETIME, MalformedToken, issue_token, load_or_create_private_key,
-                                    public_key_to_text, read_public_key, token_to_json)
-from collab_kit.addresses import parse_initial_peers
+from collab_kit.auth.guards import guarded_protocol_class
+from collab_kit.auth.ledger import JoinLedger
+from collab_kit.auth.server_settings import (AuthServerSettings, DEFAULT_PORT, JOIN_PATH, MAX_PEER_KEY_BITS,
+                                             MIN_PEER_KEY_BITS, RATE_WINDOW_SECONDS, _JSON_TYPES, _TOKEN, is_hub_name)
+from collab_kit.auth.tokens import (MalformedToken, issue_token, load_or_create_private_key, public_key_to_text,
+                                    read_public_key, token_to_json)
+
 
 logger = logging.getLogger(__name__)
-
-JOIN_PATH = "/api/experiments/join"
-DEFAULT_PORT = 8555
-DEFAULT_DATABASE = "auth_server.sqlite3"
-RATE_WINDOW_SECONDS = 60.0
-# a peer key is hivemind's RSAPrivateKey (2048 bits); far smaller keys are forgeable, far larger ones only slow
-# every peer that verifies them
-MIN_PEER_KEY_BITS, MAX_PEER_KEY_BITS = 2048, 8192
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*", re.ASCII)  # a Hugging Face user or organization name
-_TOKEN = re.compile(r"^[\x21-\x7e]{1,1024}$")  # printable ASCII without spaces: what can travel in a header
-_JSON_TYPES = ("", "application/json")
-
-
-def _default_hub_endpoint() -> str:
-    # read when the settings are made, not when this module is imported: huggingface_hub reads HF_ENDPOINT once, at
-    # its own import, and the endpoint must also be settable without it
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT
-
-
-@dataclass
-class AuthServerSettings:
-    """What one run's authentication server accepts and where it keeps its state.
-
-    :param organization: the Hugging Face organization whose members may join (its name, e.g. ``my-org``)
-    :param allowlist: usernames that may join without being members
-    :param run_id: the run's id, sent to peers (``SwarmConfig.run_id``)
-    :param database_path: the SQLite file of joins and per-user stats (created if missing)
-    :param key_path: the server's RSA private key (DER), made the first time; by default beside the database
-    :param token_lifetime: how long an access token is valid; peers come back for a new one before it expires
-    :param joins_per_minute: joins one user may make in any minute; more are answered 429
-    :param coordinator_addresses: multiaddrs of the run's first peers, sent to peers to join through
-    :param hub_endpoint: the Hub that says whose a token is; by default huggingface_hub's (``HF_ENDPOINT``)
-    :param hub_timeout: seconds to wait for the Hub's whoami before answering 503
-    :param max_body_bytes: a larger request body is refused (413) before it is parsed
-    :param accepted_auth_types: whoami's ``auth.type`` values accepted (``access_token``: the tokens made at
-      huggingface.co/settings/tokens). A token from an OAuth app acting for a user (``app_token_as_user``;
-      huggingface_hub's browser login is such an app) is refused unless added here
-    :param max_pending_hub_checks: Hub checks under way at once; past it a join is answered 503 at once
-    :param request_deadline: seconds a connection has to deliver a whole request (headers and body) from its first
-      byte; a client that sends part of a request and stalls is answered 408 and closed then, so that slow or
-      stalled clients cannot hold every connection
-    :param connections_per_client: connections one client address may hold open at once; more are closed as they
-      open (0: no cap). Behind a reverse proxy every connection comes from the proxy's address: there the proxy caps
-      per client, and this cap bounds what the proxy may hold
-    """
-
-    organization: Optional[str] = None
-    allowlist: Sequence[str] = ()
-    run_id: str = "collab_kit"
-    database_path: str = DEFAULT_DATABASE
-    key_path: Optional[str] = None
-    token_lifetime: datetime.timedelta = DEFAULT_TOKEN_LIFETIME
-    joins_per_minute: int = 10
-    coordinator_addresses: Sequence[str] = ()
-    hub_endpoint: str = field(default_factory=_default_hub_endpoint)
-    hub_timeout: float = 10.0
-    max_body_bytes: int = 64 * 1024
-    accepted_auth_types: Sequence[str] = ("access_token",)
-    max_pending_hub_checks: int = 32
-    request_deadline: float = 10.0
-    connections_per_client: int = 32
-
-    def __post_init__(self):
-        if isinstance(self.allowlist, str):  # one name, not its letters
-            self.allowlist = (self.allowlist,)
-        self.allowlist = tuple(self.allowlist)
-        if self.organization is not None:
-            _check_name("organization", self.organization)
-        for name in self.allowlist:
-            _check_name("allowlist", name)
-        if self.organization is None and not self.allowlist:
-            raise ValueError("nobody could join this run: give the organization whose members may join "
-                             "(--organization ORG) and/or the users who may (--allow USER)")
-        if not (isinstance(self.run_id, str) and self.run_id.replace("_", "").replace("-", "").isalnum()):
-            raise ValueError(f"run_id={self.run_id!r} is not allowed: use letters, digits, '_' and '-' only "
-                             f"(the run id the peers use)")
-        if not isinstance(self.database_path, str) or not self.database_path.strip():
-            raise ValueError(f"database_path={self.database_path!r} is not allowed: expected a file path")
-        if self.key_path is None:
-            stem = os.path.splitext(os.path.abspath(self.database_path))[0]
-            self.key_path = f"{stem}_key.der"
-        if not isinstance(self.token_lifetime, datetime.timedelta) or self.token_lifetime.total_seconds() <= 0:
-            raise ValueError(f"token_lifetime={self.token_lifetime!r} is not allowed: expected a positive "
-                             f"datetime.timedelta (e.g. one hour)")
-        if not _positive_int(self.joins_per_minute):
-            raise ValueError(f"joins_per_minute={self.joins_per_minute!r} is not allowed: expected a positive "
-                             f"integer (a peer joins once per token lifetime; allow a few restarts)")
-        if isinstance(self.coordinator_addresses, str):
-            self.coordinator_addresses = (self.coordinator_addresses,)
-
-        try:
-            self.coordinator_addresses = tuple(parse_initial_peers(list(self.coordinator_addresses)))
-        except ValueError as e:
-            raise ValueError(f"coordinator_addresses: {e}") from None
-        if not (isinstance(self.hub_endpoint, str) and re.match(r"^https?://[^/\s]+", self.hub_endpoint)):
-            raise ValueError(f"hub_endpoint={self.hub_endpoint!r} is not allowed: expected the Hub's URL, "
-                             f"e.g. https://huggingface.co")
-        self.hub_endpoint = self.hub_endpoint.rstrip("/")
-        if not (isinstance(self.hub_timeout, (int, float)) and not isinstance(self.hub_timeout, bool)
-                and self.hub_timeout > 0):
-            raise ValueError(f"hub_timeout={self.hub_timeout!r} is not allowed: expected positive seconds")
-        if not (isinstance(self.request_deadline, (int, float)) and not isinstance(self.request_deadline, bool)
-                and 0 < self.request_deadline < float("inf")):
-            raise ValueError(f"request_deadline={self.request_deadline!r} is not allowed: expected positive seconds "
-                             f"(a join's request is under a kilobyte: a few seconds are plenty)")
-        if not (isinstance(self.connections_per_client, int) and not isinstance(self.connections_per_client, bool)
-                and self.connections_per_client >= 0):
-            raise ValueError(f"connections_per_client={self.connections_per_client!r} is not allowed: expected a "
-                             f"count (0: no cap)")
-        if not _positive_int(self.max_body_bytes) or self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes={self.max_body_bytes!r} is not allowed: expected at least 1024 "
-                             f"(a join's body is about 500 bytes)")
-        self.accepted_auth_types = tuple(self.accepted_auth_types)
-        if not self.accepted_auth_types:
-            raise ValueError("accepted_auth_types is empty: no token could join; the Hub's user access tokens "
-                             "are 'access_token'")
-        if not _positive_int(self.max_pending_hub_checks):
-            raise ValueError(f"max_pending_hub_checks={self.max_pending_hub_checks!r} is not allowed: expected a "
-                             f"positive integer")
-
-    @property
-    def who_may_join(self) -> str:
-        """In words, for the listening line: ``organization ORG``, ``organization ORG + 2 allowed``, ..."""
-        parts = [f"organization {self.organization}"] if self.organization else []
-        if self.allowlist:
-            parts.append(f"{len(self.allowlist)} allowed user{'s' if len(self.allowlist) > 1 else ''}")
-        return " + ".join(parts)
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def is_hub_name(name) -> bool:
-    """Whether ``name`` is what the Hub allows for a user or an organization: ASCII letters, digits, '-', '_' and
-    '.', starting with a letter or digit, at most 96 characters."""
-    return isinstance(name, str) and len(name) <= 96 and _NAME.fullmatch(name) is not None
-
-
-def _check_name(what: str, name) -> None:
-    if not is_hub_name(name):
-        hint = ""
-        if isinstance(name, str) and "/" in name:
-            hint = f" (give the name alone: {name.rstrip('/').rsplit('/', 1)[-1]!r}, not a URL)"
-        raise ValueError(f"{what}: {name!r} is not a Hugging Face user or organization name{hint}; names are "
-                         f"letters, digits, '-', '_' and '.'")
-
-
-# ---------------------------------------------------------------------------------------------
-# the ledger: joins and per-user stats in SQLite
-
-
-@dataclass
-class UserStats:
-    """One user's record: when first and last seen (Unix seconds, UTC) and how many joins."""
-
-    username: str
-    first_seen: float
-    last_seen: float
-    joins: int
-
-
-class JoinLedger:
-    """Every join and per-user stats in a SQLite file; safe to use from several threads.
-
-    :param path: the database file, created (with its folder) if missing
-    """
-
-    SCHEMA_VERSION = 1
-
-    def __init__(self, path: str):
-        self.path = path
-        folder = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-            # one connection shared under a lock: the server's threads take turns, each write is one transaction
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA busy_timeout = 5000")
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > self.SCHEMA_VERSION:
-                raise ValueError(f"{path} was written by a newer collab_kit (schema {version}): upgrade collab_kit "
-                                 f"or give another --db")
-            self._db.executescript("""
-                CREATE TABLE IF NOT EXISTS joins (
-                    id INTEGER PRIMARY KEY,
-                    username TEXT NOT NULL,
-                    peer_public_key TEXT NOT NULL,  -- base64 of the OpenSSH bytes, as the peer sent it
-                    issued_at REAL NOT NULL,        -- Unix seconds
-                    expires_at TEXT NOT NULL        -- the token's expiration_time (ISO 8601, UTC)
-                );
-                CREATE INDEX IF NOT EXISTS joins_by_user ON joins (username, issued_at);
-                CREATE TABLE IF NOT EXISTS users (
-                    username TEXT PRIMARY KEY,
-                    first_seen REAL NOT NULL,
-                    last_seen REAL NOT NULL,
-                    joins INTEGER NOT NULL
-                );
-            """)
-            self._db.execute(f"PRAGMA user_version = {self.SCHEMA_VERSION}")
-        except sqlite3.Error as e:
-            raise ValueError(f"cannot use {path} as the auth server's database ({e}): give --db a writable "
-                             f"file path") from None
-        self._lock = threading.Lock()
-
-    def joins_since(self, username: str, since: float) -> List[float]:
-        """When ``username`` joined at or after ``since`` (Unix seconds), oldest first."""
-        with self._lock:
-            rows = self._db.execute("SELECT issued_at FROM joins WHERE username = ? AND issued_at >= ? "
-                                    "ORDER BY issued_at", (username, since)).fetchall()
-        return [row[0] for row in rows]
-
-    def record_join(self, username: str, peer_public_key: bytes, issued_at: float, expires_at: str) -> None:
-        with self._lock:
-            with self._transaction():
-                self._db.execute("INSERT INTO joins (username, peer_public_key, issued_at, expires_at) "
-                                 "VALUES (?, ?, ?, ?)",
-                                 (username, base64.b64encode(peer_public_key).decode(), issued_at, expires_at))
-                self._db.execute("INSERT INTO users (username, first_seen, last_seen, joins) VALUES (?, ?, ?, 1) "
-                                 "ON CONFLICT (username) DO UPDATE SET last_seen = excluded.last_seen, "
-                                 "joins = joins + 1", (username, issued_at, issued_at))
-
-    def user_stats(self, username: str) -> Optional[UserStats]:
-        with self._lock:
-            row = self._db.execute("SELECT username, first_seen, last_seen, joins FROM users WHERE username = ?",
-                                   (username,)).fetchone()
-        return UserStats(*row) if row else None
-
-    def all_users(self) -> List[UserStats]:
-        """Every user who joined, the most joins first."""
-        with self._lock:
-            rows = self._db.execute("SELECT username, first_seen, last_seen, joins FROM users "
-                                    "ORDER BY joins DESC, username").fetchall()
-        return [UserStats(*row) for row in rows]
-
-    def count_joins(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM joins").fetchone()[0]
-
-    @contextlib.contextmanager
-    def _transaction(self):
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    def close(self):
-        with self._lock:
-            self._db.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +115,6 @@ class AuthServer:
     """
 
     def __init__(self, settings: AuthServerSettings):
-        from huggingface_hub import HfApi
 
         self.settings = settings
         try:
@@ -446,7 +196,6 @@ class AuthServer:
     def whoami(self, token: str) -> dict:
         """The Hub's whoami-v2 of ``token``; blocking. :raises Refusal: 401 for an unknown token, 503 for a Hub that
         cannot answer."""
-        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
         try:
             answer = self.hub.whoami(token=token)
@@ -567,7 +316,6 @@ def _json_type(value) -> str:
 
 
 def _rsa_key_bits(key_bytes: bytes) -> int:
-    from cryptography.hazmat.primitives import serialization
 
     return serialization.load_ssh_public_key(key_bytes).key_size  # read_public_key has checked it is RSA
 
@@ -641,80 +389,6 @@ def create_app(settings: AuthServerSettings) -> FastAPI:
 
     return app
 
-
-def _request_timeout_answer(deadline: float) -> bytes:
-    body = json.dumps({"detail": f"the request did not arrive whole within {deadline:g} s; send it again, "
-                                 f"at once"}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def guarded_protocol_class(request_deadline: float, connections_per_client: int) -> type:
-    """uvicorn's h11 protocol with what it lacks against slow and idle clients, for one server: a deadline for each
-    whole request, and a cap on connections per client address (see ``AuthServerSettings``).
-
-    uvicorn waits forever for a request that stops halfway, and its ``limit_concurrency`` counts such connections:
-    one client holding a few hundred half-sent requests would have every other join answered 503.
-    """
-    open_connections: Dict[str, int] = {}  # client address -> connections open now
-    refused: Dict[str, int] = {}  # client address -> connections closed for the cap (for the log)
-
-    class GuardedH11Protocol(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._deadline_timer = None
-            self._address = self.client[0] if self.client else None
-            if self._address is not None:
-                open_connections[self._address] = open_connections.get(self._address, 0) + 1
-                if connections_per_client and open_connections[self._address] > connections_per_client:
-                    refused[self._address] = refused.get(self._address, 0) + 1
-                    if refused[self._address] % 100 == 1:  # one line per hundred, not one per connection
-                        logger.warning(f"{self._address} holds {connections_per_client} connections already: "
-                                       f"closing its new ones ({refused[self._address]} so far)")
-                    transport.close()
-                    return
-            self._arm_deadline()  # a connection that never sends a byte is closed at the deadline too
-
-        def data_received(self, data: bytes) -> None:
-            if self._deadline_timer is None and self.conn.their_state is h11.IDLE:
-                self._arm_deadline()  # the first bytes of a new request on a kept-alive connection
-            super().data_received(data)
-            if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
-                self._disarm_deadline()  # the whole request is in
-
-        def connection_lost(self, exc) -> None:
-            self._disarm_deadline()
-            if self._address is not None:
-                left = open_connections.get(self._address, 1) - 1
-                if left > 0:
-                    open_connections[self._address] = left
-                else:
-                    open_connections.pop(self._address, None)
-                    refused.pop(self._address, None)
-            super().connection_lost(exc)
-
-        def _arm_deadline(self) -> None:
-            self._deadline_timer = self.loop.call_later(request_deadline, self._deadline_passed)
-
-        def _disarm_deadline(self) -> None:
-            if getattr(self, "_deadline_timer", None) is not None:
-                self._deadline_timer.cancel()
-                self._deadline_timer = None
-
-        def _deadline_passed(self) -> None:
-            self._deadline_timer = None
-            if self.transport.is_closing() or self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
-                return
-            logger.info(f"closed a connection from {self._address}: its request did not arrive whole within "
-                        f"{request_deadline:g} s")
-            answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
-            if not answering:  # (the cycle of a kept-alive connection's last request is over)
-                self.transport.write(_request_timeout_answer(request_deadline))
-            self.transport.close()
-
-    return GuardedH11Protocol
-
-
 def listening_line(settings: AuthServerSettings, host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     return f"auth server for run {settings.run_id} ({settings.who_may_join}) listening on http://{shown}:{port}"
@@ -751,4 +425,3 @@ def serve(settings: AuthServerSettings, host: str = "127.0.0.1", port: int = DEF
     if not server.started:  # uvicorn logs why (the port is taken, ...) and returns
         raise ValueError(f"the auth server could not listen on {host}:{port} (see the error above): "
                          f"pick another --port or --host")
-

@@ -49,7 +49,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: the libraries the command needs (torch, hivemind) load when it runs: `collab-kit --help` answers at once
-    from collab_kit.auth.server import AuthServerSettings, serve
+    from collab_kit.auth.server import serve
+    from collab_kit.auth.server_settings import AuthServerSettings
 
     if not (args.token_lifetime > 0 and math.isfinite(args.token_lifetime)):
         raise CommandError(f"--token-lifetime {args.token_lifetime:g}: expected a positive number of minutes")

@@ -50,7 +50,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: the libraries the command needs (torch, hivemind) load when it runs: `collab-kit --help` answers at once
-    from collab_kit.roles.monitor import Monitor, MonitorSettings
+    from collab_kit.roles.monitor import Monitor
+    from collab_kit.roles.monitor_settings import MonitorSettings
 
     config = build_config(args)
     settings = MonitorSettings(

@@ -23,16 +23,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: the toy world's models load torch and taming-transformers; `collab-kit --help` answers at once
-    if args.toy_command == "train-vqgan":
-        from collab_kit.toy.vqgan import main as train
+    from collab_kit.toy import clip, dataset, vqgan
 
-        return train(args.options) or 0
-    if args.toy_command == "train-clip":
-        from collab_kit.toy.clip import main as train
-
-        return train(args.options) or 0
-    from collab_kit.toy.dataset import prepare_toy_dataset
-
-    shards = prepare_toy_dataset(args.samples, seed=args.seed, cache_dir=args.cache_dir, progress=not args.no_progress)
+    if args.toy_command in ("train-vqgan", "train-clip"):
+        # each training script parses its own options
+        return (vqgan if args.toy_command == "train-vqgan" else clip).main(args.options) or 0
+    shards = dataset.prepare_toy_dataset(args.samples, seed=args.seed, cache_dir=args.cache_dir,
+                                         progress=not args.no_progress)
     print(f"toy dataset: {shards}", flush=True)
     return 0

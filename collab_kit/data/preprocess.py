@@ -41,11 +41,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
+from huggingface_hub import HfApi
+from huggingface_hub.utils import validate_repo_id
 
 from collab_kit.data.shards import SHARD_FORMAT, shard_metadata, write_shard
 from collab_kit.data.sources import ImageLike, Pair, image_header_size, open_source, open_image
 from collab_kit.errors import CollabKitError
-from collab_kit.model.vqgan import VQGAN, load_vqgan, pil_to_tensor
+from collab_kit.model.vqgan import VQGAN, pil_to_tensor
+from collab_kit.model.vqgan_files import load_vqgan
 from collab_kit.units import format_bytes
 
 
@@ -317,7 +320,7 @@ def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batc
       ``datasets`` dataset (see ``read_pairs``)
     :param output: the folder of shards (created if missing); shards already there are kept and skipped
     :param vqgan: a ``collab_kit.model.vqgan.VQGAN``, or where to load one: a checkpoint file, a folder or a Hub repo id
-      (``collab_kit.model.vqgan.load_vqgan``)
+      (``collab_kit.model.vqgan_files.load_vqgan``)
     :param rows_per_shard: samples per shard (the last shard holds the rest)
     :param batch_size: images per VQGAN forward pass
     :param push_to_hub: a Hub dataset repository ``user/name`` to upload the shards to (created if missing);
@@ -426,8 +429,6 @@ def _first_line(error: Exception) -> str:
 
 
 def _create_dataset_repo(repo_id: str, private: Optional[bool], token: Optional[str]):
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import validate_repo_id
 
     validate_repo_id(repo_id)  # a ValueError that names what is wrong with it
     try:
@@ -449,7 +450,6 @@ def push_shards(folder: str, repo_id: str, *, private: Optional[bool] = None, to
     :param private: make the repository private if it is created
     :param token: the Hub token (default: the one saved by ``hf auth login``)
     """
-    from huggingface_hub import HfApi
 
     if not glob.glob(os.path.join(folder, SHARD_GLOB)):
         raise FileNotFoundError(f"no shards ({SHARD_GLOB}) in {folder!r} to push")

@@ -31,6 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import pyarrow.parquet as pq
 from PIL import Image
+import fsspec
 
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
@@ -68,7 +69,6 @@ def open_image(image: ImageLike) -> Image.Image:
         return Image.open(io.BytesIO(bytes(image)))
     if isinstance(image, (str, os.PathLike)):
         if "://" in os.fspath(image):  # an image file in a remote dataset (hf://...)
-            import fsspec
 
             with fsspec.open(os.fspath(image), "rb") as f:
                 return Image.open(io.BytesIO(f.read()))
@@ -133,6 +133,7 @@ def open_source(source, source_format, captions_file, image_column, caption_colu
     if kind == "parquet":
         files = _files(source, (".parquet",), "parquet")
         return _parquet_pairs(files, source, **columns)
+    # lazy: datasets takes seconds to import; only these sources need it
     import datasets
 
     if kind == "disk":
@@ -388,6 +389,7 @@ def _parquet_pairs(files: Sequence[str], source: str, image_column, caption_colu
 
 def _dataset_pairs(dataset, image_column, caption_column, nsfw_column) -> Iterator[Pair]:
     """Rows of a ``datasets`` Dataset / IterableDataset (row number = source id), images left undecoded."""
+    # lazy: datasets takes seconds to import; only these sources need it
     import datasets
 
     names = list(dataset.column_names or [])

@@ -23,7 +23,8 @@ from collab_kit.data.tokenizers import caption_tokenizer, tokenizer_for_vocabula
 from collab_kit.model.checkpoint import load_checkpoint
 from collab_kit.model.clip_rank import ClipRanker
 from collab_kit.model.sampling import PAPER_TOP_K, generate_image_codes
-from collab_kit.model.vqgan import images_to_pil, load_vqgan
+from collab_kit.model.vqgan import images_to_pil
+from collab_kit.model.vqgan_files import load_vqgan
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
     :param n: images to sample (the paper: 128)
     :param keep: images CLIP keeps, best first (the paper: 4)
     :param model: a TextToImageTransformer, or a checkpoint location (local folder or Hub repo id)
-    :param vqgan: a collab_kit.model.vqgan.VQGAN, or its location (see collab_kit.model.vqgan.load_vqgan)
+    :param vqgan: a collab_kit.model.vqgan.VQGAN, or its location (see collab_kit.model.vqgan_files.load_vqgan)
     :param ranker: a collab_kit.model.clip_rank.ClipRanker, a CLIP model name or folder, or None to keep the
       first ``keep`` images unranked
     :param tokenizer: the model's caption tokenizer (default: collab_kit.data.tokenizers.tokenizer_for_vocabulary)

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from PIL import Image
+from tqdm.auto import tqdm
 
 from collab_kit.config import RunConfig, SettingFileMissing, SettingProblem
 from collab_kit.data.tokenizers import caption_tokenizer
@@ -36,7 +37,8 @@ from collab_kit.images.generate import check_vqgan_fits, generate_images, prompt
 from collab_kit.model.checkpoint import load_checkpoint
 from collab_kit.model.clip_rank import DEFAULT_CLIP, ClipRanker
 from collab_kit.model.sampling import PAPER_TOP_K, TOY_TOP_K
-from collab_kit.model.vqgan import PAPER_VQGAN_CONFIG, load_vqgan, untrained_vqgan
+from collab_kit.model.vqgan import PAPER_VQGAN_CONFIG, untrained_vqgan
+from collab_kit.model.vqgan_files import load_vqgan
 from collab_kit.toy.clip import load_toy_clip
 from collab_kit.toy.vqgan import load_toy_vqgan
 
@@ -109,7 +111,7 @@ def load_for_inference(location: str, revision: Optional[str] = None, *, vqgan=N
       checkpoints (the newest that loads), or a Hub model repository id such as ``user/dalle-run``
     :param revision: the Hub revision (branch, tag or commit); None for the latest. Ignored for folders
     :param vqgan: None for the checkpoint's own (see the module's docstring), or a VQGAN location
-      (``collab_kit.model.vqgan.load_vqgan``: folder, file or Hub repo id) or a built VQGAN
+      (``collab_kit.model.vqgan_files.load_vqgan``: folder, file or Hub repo id) or a built VQGAN
     :param clip: None for the checkpoint's own (toy CLIP, or OpenAI's ViT-B/32), a CLIP name or folder
       (``ClipRanker.from_pretrained``), a built ClipRanker, or ``"none"`` / False to rank nothing
     :param device: ``"auto"`` (the GPU if there is one), ``"cpu"``, ``"cuda"``, ...
@@ -152,7 +154,7 @@ def _load_vqgan(vqgan, toy_world: bool, side: int, codebook: int, device: torch.
     if codebook == paper["n_embed"]:
         raise ValueError(f"this checkpoint draws {side}x{side} codes of {codebook}, as the paper's run: pass VQGAN "
                          f"(vqgan=) the VQGAN its data was encoded with, taming's vqgan_gumbel_f8 (a folder, file or "
-                         f"Hub repo id; see collab_kit.model.vqgan.load_vqgan)")
+                         f"Hub repo id; see collab_kit.model.vqgan_files.load_vqgan)")
     logger.warning(f"no VQGAN given for a model of {side}x{side} codes of {codebook}: decoding with an untrained "
                    f"VQGAN of that grid (the kit's synthetic data was encoded by none); pass vqgan= for real pictures")
     return untrained_vqgan(side, codebook).to(device)
@@ -239,7 +241,6 @@ def draw_prompts(pieces: InferencePieces, prompts: Sequence[str], n: int = 32, k
     :param scale: enlarge the pictures on the sheet this many times; None: to about 128 pixels
     :param progress: progress bars
     """
-    from tqdm.auto import tqdm
 
     if isinstance(prompts, str):
         prompts = [prompts]

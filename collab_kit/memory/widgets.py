@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import html
 import io
 from typing import Mapping, Optional
 
@@ -32,6 +33,7 @@ def plot_estimates(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: Op
     if not estimates:
         raise ValueError("plot_estimates needs at least one estimate")
     if ax is None:
+        # lazy: matplotlib takes a second to import; only a plot needs it
         import matplotlib.pyplot as plt
 
         _, ax = plt.subplots(figsize=(1.8 * len(estimates) + 3, 4.5))
@@ -63,6 +65,7 @@ def plot_estimates(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: Op
 
 def figure_png(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: Optional[int] = None, **kwargs) -> bytes:
     """``plot_estimates`` rendered to PNG bytes, without pyplot (for widgets and pages)."""
+    # lazy: matplotlib takes a second to import; only a plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -84,6 +87,7 @@ class MemoryCalculator:
     def __init__(self, model: str = "gpt2-large", optimizer: str = "8bit", micro_batch: int = 1,
                  seq_len: Optional[int] = None, checkpointing: bool = True, offload: bool = False,
                  shared_groups: Optional[int] = None, precision: str = "mixed", gpu_memory_gib: float = 16):
+        # lazy: ipywidgets is needed by the widget only
         import ipywidgets as widgets
 
         if model not in known_models():
@@ -142,7 +146,6 @@ class MemoryCalculator:
         """Recompute the estimate and the recommendation; redraw the table and the chart."""
         if getattr(self, "_updating", False):
             return
-        import html
 
         settings = dict(optimizer=self.optimizer.value, precision=self.precision.value,
                         seq_len=None if self.seq_len.disabled else self.seq_len.value,

@@ -6,7 +6,8 @@
 - ``reversible``: reversible residual layers, which keep only each layer's input for the backward pass.
 - ``sampling``: drawing image codes one at a time (top-k, top-p) with a cache of keys and values.
 - ``checkpoint``: saving and loading a model with its run configuration (folder, Hub), and rotating checkpoints.
-- ``vqgan``: taming-transformers' VQGAN as the image codec (load from a folder, a file or the Hub; encode, decode).
+- ``vqgan``: taming-transformers' VQGAN as the image codec (encode, decode); ``vqgan_files``: loading it from a
+  folder, a file or the Hub, and saving it.
 - ``clip_rank``: ranking drawn images by CLIP's similarity to the prompt.
 """
 from collab_kit.lazy import lazy_exports
@@ -18,6 +19,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "sampling": ["generate_image_codes", "PAPER_TOP_K", "PAPER_TOP_P", "TOY_TOP_K"],
     "checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "list_checkpoints",
                    "rotate_checkpoints"],
-    "vqgan": ["VQGAN", "load_vqgan", "save_vqgan", "build_vqgan", "untrained_vqgan", "images_to_pil", "pil_to_tensor"],
+    "vqgan": ["VQGAN", "build_vqgan", "untrained_vqgan", "images_to_pil", "pil_to_tensor"],
+    "vqgan_files": ["load_vqgan", "save_vqgan"],
     "clip_rank": ["ClipRanker", "DEFAULT_CLIP"],
 })

@@ -29,6 +29,8 @@ from typing import List, Optional, Tuple
 
 import safetensors.torch
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
 from collab_kit.config import RunConfig
 from collab_kit.model.transformer import TextToImageTransformer
@@ -81,8 +83,6 @@ def resolve_checkpoint(location: str, revision: Optional[str] = None) -> str:
     elif os.path.exists(location):
         raise ValueError(f"{location!r} is a file: pass the folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}")
     elif location.count("/") == 1 and not location.startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
         try:
             folder = snapshot_download(location, revision=revision, allow_patterns=[WEIGHTS_NAME, CONFIG_NAME])

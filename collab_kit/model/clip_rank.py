@@ -22,6 +22,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer
+import numpy as np
+from PIL import Image
+from tokenizers import pre_tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +208,6 @@ def _one_image(image, device: torch.device) -> torch.Tensor:
             raise ValueError(f"each image of a list must be [3, height, width] with 3 channels, "
                              f"got shape {list(image.shape)}")
         return _as_unit_float(image[None].to(device))
-    import numpy as np
-    from PIL import Image
 
     if not isinstance(image, Image.Image):
         raise TypeError(f"a list of images must hold PIL images or [3, height, width] tensors, "
@@ -223,7 +224,6 @@ def tiny_tokenizer(max_length: int = 32) -> CLIPTokenizer:
 
     :param max_length: the longest token sequence (the text encoder's positions)
     """
-    from tokenizers import pre_tokenizers
 
     symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: i for i, symbol in enumerate(symbols)}

@@ -24,11 +24,15 @@ import io
 import logging
 import os
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
+import matplotlib.dates as mdates
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
 from collab_kit.config import SettingFileMissing, SettingProblem
-from collab_kit.roles.run_history import RunHistory
 
 if TYPE_CHECKING:  # loaded on first use: run_history loads hivemind (seconds), which a missing file need not wait for
     from collab_kit.swarm.metrics import SwarmSnapshot
@@ -116,6 +120,9 @@ def load(db_path: Optional[str] = None) -> DashboardData:
         raise SettingFileMissing(f"no monitor database at {db_path!r}: the monitor writes it while it watches a run; "
                                  f"start `collab-kit monitor --db {db_path}`, or pass the file it writes")
 
+    # lazy: run_history loads hivemind (seconds), which a missing file need not wait for
+    from collab_kit.roles.run_history import RunHistory
+
     try:
         history = RunHistory(db_path, read_only=True)
     except sqlite3.Error as e:
@@ -187,8 +194,6 @@ def _times(points: Sequence[SwarmSnapshot]) -> list:
 
 
 def _time_axis(ax) -> None:
-    import matplotlib.dates as mdates
-
     locator = mdates.AutoDateLocator(tz=datetime.timezone.utc)
     ax.xaxis.set_major_locator(locator)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=datetime.timezone.utc))
@@ -209,7 +214,6 @@ def plot_loss(ax, series: Sequence[SwarmSnapshot], x: str = "time"):
     :param series: RunHistory.series()
     :param x: "time" or "epoch"
     """
-    from matplotlib.ticker import MaxNLocator
 
     if x not in LOSS_X:
         raise ValueError(f"x={x!r}: expected one of {LOSS_X}")
@@ -231,7 +235,6 @@ def plot_loss(ax, series: Sequence[SwarmSnapshot], x: str = "time"):
 
 def plot_alive_peers(ax, series: Sequence[SwarmSnapshot]):
     """How many training peers had a live metrics record at each poll."""
-    from matplotlib.ticker import MaxNLocator
 
     ax.set_title("alive peers")
     if not series:
@@ -267,8 +270,6 @@ PLOTS = {"loss": plot_loss, "alive_peers": plot_alive_peers, "throughput": plot_
 
 def dashboard_figure(series: Sequence[SwarmSnapshot], loss_x: str = "time"):
     """The three plots, one under the other, in one matplotlib Figure."""
-    from matplotlib.figure import Figure
-
     figure = Figure(figsize=(PLOT_SIZE[0] * 1.25, PLOT_SIZE[1] * 3), dpi=PLOT_DPI, layout="constrained")
     loss_ax, peers_ax, throughput_ax = figure.subplots(3, 1)
     plot_loss(loss_ax, series, x=loss_x)
@@ -286,8 +287,6 @@ def figure_png(figure) -> bytes:
 
 def plot_png(kind: str, series: Sequence[SwarmSnapshot], loss_x: str = "time") -> bytes:
     """One plot ("loss", "alive_peers" or "throughput") as a PNG of PLOT_SIZE."""
-    from matplotlib.figure import Figure
-
     figure = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI, layout="constrained")
     ax = figure.subplots()
     if kind == "loss":
@@ -406,7 +405,6 @@ def render_page(data: DashboardData, title: str = DEFAULT_TITLE, loss_x: str = "
     :param generated_at: the time to print as the page's (default: now)
     :param max_contributors: leaderboard rows shown (the rest are counted)
     """
-    import time
 
     generated_at = time.time() if generated_at is None else generated_at
     parts = [f"<h1>{_e(title)}</h1>",
@@ -462,6 +460,7 @@ def show_plots(source=DEFAULT_DB_PATH, loss_x: str = "time") -> None:
 
     :param source: a database path or the DashboardData that load() returned
     """
+    # lazy: IPython is there only where a notebook runs
     from IPython.display import Image, display
 
     data = _data(source)
@@ -473,6 +472,7 @@ def show_plots(source=DEFAULT_DB_PATH, loss_x: str = "time") -> None:
 
 def show_leaderboard(source=DEFAULT_DB_PATH, limit: Optional[int] = 50) -> None:
     """Display the leaderboard (and the checkpoints) as HTML tables in a notebook."""
+    # lazy: IPython is there only where a notebook runs
     from IPython.display import HTML, display
 
     data = _data(source)

@@ -14,8 +14,11 @@ import io
 import logging
 from typing import List, Optional
 
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
 from collab_kit.auth.client import in_notebook
-from collab_kit.roles.volunteer import LONE_AFTER_EPOCHS
+from collab_kit.roles.records import LONE_AFTER_EPOCHS
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +35,8 @@ class LiveView:
                  display: Optional[bool] = None):
         self.target_batch_size = target_batch_size
         self.title = title
-        self.records: List = []  # collab_kit.roles.volunteer.EpochRecord
-        self.warnings: List = []  # collab_kit.roles.volunteer.LoneWarning
+        self.records: List = []  # collab_kit.roles.records.EpochRecord
+        self.warnings: List = []  # collab_kit.roles.records.LoneWarning
         if display is None:
             display = in_notebook()
         self._display = display
@@ -69,9 +72,6 @@ class LiveView:
 
     def figure(self):
         """The three panels as a matplotlib Figure (not shown)."""
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-
         figure = Figure(figsize=(11, 3.2), layout="constrained")
         loss_ax, peers_ax, share_ax = figure.subplots(1, 3)
         epochs = [record.epoch for record in self.records]
@@ -124,6 +124,7 @@ class LiveView:
         if not self._display:
             return
         try:
+            # lazy: IPython is there only where a notebook runs
             from IPython.display import Image, display
 
             if self._handle is None:

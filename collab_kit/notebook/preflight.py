@@ -30,8 +30,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+import psutil
+import torch
+
 from collab_kit import memory
 from collab_kit.config import RunConfig, SwarmConfig
+from collab_kit.quiet import import_bitsandbytes
 from collab_kit.swarm.dht import resolve_reachability
 from collab_kit.swarm.reachability import ReachabilityVerdict
 from collab_kit.units import GiB, format_bytes
@@ -84,8 +88,6 @@ class MachineFacts:
 
 def gather_facts(disk_path: str = ".") -> MachineFacts:
     """Read this machine: the GPU through torch.cuda, memory through psutil, the disk holding ``disk_path``."""
-    import psutil
-    import torch
 
     gpu_name = gpu_memory = None
     if torch.cuda.is_available():
@@ -155,11 +157,9 @@ def check_bitsandbytes(device: str, needed: bool = True) -> Finding:
 
     :param needed: the run's optimizer steps on this device (a failure is then a problem, else a note)
     """
-    import torch
 
     try:
-        import bitsandbytes as bnb
-
+        bnb = import_bitsandbytes()  # a broken install fails here, which is what this check is for
         weight = torch.linspace(-1, 1, 8192, device=device).reshape(64, 128).requires_grad_()
         reference = weight.detach().clone().requires_grad_()
         quantized_adam, adam = bnb.optim.Adam8bit([weight], lr=1e-2), torch.optim.Adam([reference], lr=1e-2)

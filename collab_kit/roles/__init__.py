@@ -2,8 +2,9 @@
 
 - ``volunteer``: ``Volunteer``, a training peer: joins, loads the swarm's state, trains, averages, recovers from a
   non-finite step, reports its epochs (the notebooks' and ``collab-kit join``'s peer).
-- ``monitor``: ``Monitor``, the swarm's first peer: polls metrics, keeps the run history, saves checkpoints, runs
-  the anchor for peers behind NAT.
+- ``records``: what a volunteer reports: epoch records, state loads, lone-training warnings, the history.
+- ``monitor``: ``Monitor``, the swarm's first peer: polls metrics, keeps the run history, runs the anchor for peers
+  behind NAT; ``monitor_settings``: what it keeps and how often; ``checkpointer``: its checkpoints.
 - ``run_history``: the monitor's SQLite database: loss, peers, throughput, the contributors' leaderboard.
 - ``processes``: a peer as a child process that reports events (``PeerProcess``), for the demo, services and tests.
 - ``services``: a maintainer's one-call start of the monitor, the auth server and volunteers, with join lines.
@@ -11,8 +12,11 @@
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "volunteer": ["Volunteer", "NonFiniteTrainingError", "TrainingHistory", "EpochRecord", "LONE_AFTER_EPOCHS"],
-    "monitor": ["Monitor", "MonitorSettings", "MonitorError"],
+    "volunteer": ["Volunteer", "NonFiniteTrainingError", "peer_stream"],
+    "monitor": ["Monitor"],
+    "monitor_settings": ["MonitorSettings", "MonitorError"],
+    "checkpointer": ["Checkpointer"],
+    "records": ["EpochRecord", "RestoreRecord", "TrainingHistory", "LoneWarning", "LONE_AFTER_EPOCHS"],
     "run_history": ["RunHistory"],
     "processes": ["PeerProcess", "PeerFailed", "emit_event"],
     "services": ["start_monitor", "start_auth_server", "start_volunteer_process", "stop_all", "running_services",

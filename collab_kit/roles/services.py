@@ -1,7 +1,7 @@
 """A run's services, started from Python: the authentication server, the monitor, volunteers on this machine.
 
     from collab_kit import get_preset, services
-    from collab_kit.auth.server import AuthServerSettings
+    from collab_kit.auth.server_settings import AuthServerSettings
 
     auth = services.start_auth_server(AuthServerSettings(organization="my-org", run_id="my_run"))
     config = get_preset("small", swarm=dict(run_id="my_run", host="0.0.0.0", auth_server=auth.url))
@@ -33,10 +33,10 @@ import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
 from collab_kit.auth.client import login
-from collab_kit.auth.server import AuthServerSettings
+from collab_kit.auth.server_settings import AuthServerSettings
 from collab_kit.config import PRESETS, RunConfig, command_line_literal, get_preset
 from collab_kit.errors import CollabKitError
-from collab_kit.roles.monitor import MonitorSettings
+from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.roles.processes import PeerFailed, PeerProcess, group_is_empty
 from collab_kit.swarm.dht import join_command as swarm_join_command
 
@@ -360,7 +360,7 @@ def start_auth_server(settings, host: str = "127.0.0.1", port: int = 8555, log_p
     token, the server asks the Hub whose token it is and signs an access token for the peer's key (see
     collab_kit.auth.server). ``service.url`` is its address from this machine: the peers' ``swarm.auth_server``.
 
-    :param settings: a collab_kit.auth.server.AuthServerSettings (who may join, the run id, its database, the Hub)
+    :param settings: a collab_kit.auth.server_settings.AuthServerSettings (who may join, the run id, its database, the Hub)
     :param host: the address to listen on: 127.0.0.1 behind an HTTPS reverse proxy on this machine, 0.0.0.0 to be
       reached directly (tokens then travel unencrypted: on a network you trust only)
     :param port: the port to listen on; 0 for any free one
@@ -384,7 +384,7 @@ def start_monitor(config: RunConfig, settings=None, hf_token: Optional[str] = No
 
     :param config: the run's configuration, the volunteers' own (get_preset(...)): its swarm section says where
       the monitor listens and, with ``auth_server``, makes the run authorized
-    :param settings: a collab_kit.roles.monitor.MonitorSettings (default: MonitorSettings())
+    :param settings: a collab_kit.roles.monitor_settings.MonitorSettings (default: MonitorSettings())
     :param hf_token: the Hugging Face token the monitor joins an authorized run with (default: this user's login)
     :param log_path: where its output goes (default: a file in a temporary folder)
     :param timeout: seconds to wait until it is reachable (it loads torch and hivemind, and builds the model)

@@ -9,6 +9,7 @@
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
 - ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT.
+- ``membership``: joining a run the same way for every peer (token, client mode, DHT, binding), and leaving it.
 - ``bindings``: peer ids bound to access tokens in the DHT, and the gate the averagers ask in an authorized run.
 - ``metrics``: each peer's signed metrics record, and what the monitor reads of them.
 """
@@ -23,6 +24,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "averagers": ["compose_averager"],
     "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],
     "anchor": ["Anchor", "AnchorError"],
+    "membership": ["SwarmMembership", "authorize"],
     "bindings": ["PeerGate", "BindingKeeper", "publish_peer_binding", "authorized_averager_class"],
     "metrics": ["MetricsPublisher", "PeerMetrics", "SwarmSnapshot", "read_metrics", "summarize"],
 })

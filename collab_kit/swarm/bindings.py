@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import AsyncIterator, Dict, Optional, Tuple
 
@@ -18,6 +19,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.timed_storage import get_dht_time
 
 from collab_kit.auth.client import HubAuthorizer
 from collab_kit.auth.tokens import MalformedToken, binding_problem, seconds_left, sign_peer_binding
@@ -36,7 +38,6 @@ def binding_record(authorizer: HubAuthorizer, peer_id: bytes) -> dict:
 
 def publish_peer_binding(dht, authorizer: HubAuthorizer, run_id: str) -> bool:
     """Store this peer's binding under the run's key (subkey: its peer id) until its token expires."""
-    from hivemind.utils.timed_storage import get_dht_time
 
     peer_id = dht.peer_id.to_bytes()
     expiration = get_dht_time() + max(1.0, seconds_left(authorizer.access_token))
@@ -161,7 +162,6 @@ class BindingKeeper:
     """
 
     def __init__(self, dht, authorizer: HubAuthorizer, run_id: str, check_every: float = 10.0):
-        import threading
 
         self.dht, self.authorizer, self.run_id, self.check_every = dht, authorizer, run_id, check_every
         self.published_token: Optional[AccessToken] = None

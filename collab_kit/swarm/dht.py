@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import socket
 import threading
@@ -25,6 +26,7 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
+import psutil
 
 from collab_kit.addresses import parse_initial_peers
 
@@ -103,9 +105,6 @@ class SwarmConnectionError(CollabKitError, RuntimeError):
 
 
 def _has_public_interface_address() -> bool:
-    import ipaddress
-
-    import psutil
 
     return any(entry.family == socket.AF_INET and ipaddress.ip_address(entry.address).is_global
                for entries in psutil.net_if_addrs().values() for entry in entries)

@@ -13,11 +13,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Iterable, List, Optional
 
-import bitsandbytes as bnb
 import torch
 from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
 
 from collab_kit.config import OptimizerConfig
+from collab_kit.quiet import import_bitsandbytes
+
+bnb = import_bitsandbytes()  # bitsandbytes, without its warning of 4-bit kernels the kit never uses
 
 
 class LAMB8bit(bnb.optim.AdamW8bit):

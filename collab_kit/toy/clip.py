@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import CLIPConfig, CLIPModel
+from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
 
 from collab_kit.data import synthetic
 from collab_kit.data.tokenizers import ToyTokenizer
@@ -80,8 +82,7 @@ def toy_clip_tokenizer():
     The same ids as ``ToyTokenizer``; calling it appends ``[EOS]`` (CLIP's text encoder pools there) and
     pads with ``[PAD]``. It saves to and loads from ``tokenizer.json`` like any transformers tokenizer.
     """
-    from tokenizers import Tokenizer
-    from tokenizers.processors import TemplateProcessing
+    # lazy: transformers takes seconds to import; only this needs it
     from transformers import PreTrainedTokenizerFast
 
     words = ToyTokenizer()

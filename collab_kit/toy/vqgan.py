@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 from collab_kit.data import synthetic
 from collab_kit.errors import CollabKitError
-from collab_kit.model.vqgan import (CHECKPOINT_NAME, CONFIG_NAME, VQ_TARGET, VQGAN, build_vqgan, images_to_pil,
-                                    load_vqgan, save_vqgan)
+from collab_kit.model.vqgan import CHECKPOINT_NAME, CONFIG_NAME, VQ_TARGET, VQGAN, build_vqgan, images_to_pil
+from collab_kit.model.vqgan_files import load_vqgan, save_vqgan
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,7 @@ def initialize_for_training(model: VQGAN) -> VQGAN:
     every residual block (each block starts as the identity, as in Goyal et al. 2017) let the
     colours through from the first steps. Only the initial weights change, not the network.
     """
+    # lazy: taming-transformers' blocks load only when this model is built
     from taming.modules.diffusionmodules.model import ResnetBlock
 
     with torch.no_grad():

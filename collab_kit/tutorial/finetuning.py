@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, List, Optional, Union
 
 import torch
+from tqdm.auto import tqdm
 
 from collab_kit import memory
 from collab_kit.config import SettingProblem
 from collab_kit.model.transformer import count_parameters  # distinct parameters: a tied embedding counts once
+from collab_kit.quiet import import_bitsandbytes
 from collab_kit.tutorial.text_stream import GPT2_CONTEXT, block_batches
 from collab_kit.units import GiB, MiB, format_bytes
 
@@ -80,6 +82,7 @@ def load_gpt2(name_or_config="gpt2-large", gradient_checkpointing: bool = True, 
     :param seed: the initialization's seed for a model built from a config
     :returns: a ``GPT2LMHeadModel`` in training mode, fp32 weights, ``use_cache`` off
     """
+    # lazy: transformers takes seconds to import; only this needs it
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if isinstance(name_or_config, (dict, GPT2Config)):
@@ -132,8 +135,7 @@ def make_adam(model: torch.nn.Module, bits: int = 8, lr: float = 1e-5, betas=(0.
     """
     parameters = [p for p in model.parameters() if p.requires_grad]
     if bits == 8:
-        import bitsandbytes as bnb
-
+        bnb = import_bitsandbytes()
         return bnb.optim.AdamW8bit(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                    min_8bit_size=memory.BNB_MIN_8BIT_SIZE)
     if bits == 32:
@@ -225,7 +227,6 @@ def finetune(model: torch.nn.Module, blocks: Iterable[torch.Tensor], optimizer: 
     :raises ValueError: if the blocks are longer than the model's context
     :raises RuntimeError: if the blocks run out before ``steps`` steps
     """
-    from tqdm.auto import tqdm
 
     if steps < 1 or accumulation < 1:
         raise ValueError(f"steps={steps} and accumulation={accumulation} must both be at least 1")
@@ -419,6 +420,7 @@ def memory_table(rows: List[OptimizerMemory]) -> str:
 
 def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
     """A bar chart of the optimizers' state bytes (and GPU peaks, where measured); returns the axes."""
+    # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -446,6 +448,7 @@ def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
 
 def plot_losses(losses: List[float], ax=None, smooth: int = 0):
     """The training loss per step (and its running mean over ``smooth`` steps when > 1); returns the axes."""
+    # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib.pyplot as plt
 
     if ax is None:

