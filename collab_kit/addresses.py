@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from hivemind.utils.multiaddr import Multiaddr
-
 from collab_kit.errors import CollabKitError
 
 
@@ -26,8 +24,12 @@ def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> List[str]:
     :param initial_peers: multiaddrs, a list or one string with several separated by spaces or commas
     :raises BadPeerAddress: for an address that is not a full multiaddr, saying what one looks like
     """
-    if initial_peers is None:
+    if not initial_peers:
         return []
+    # lazy: the parser is hivemind's, and importing hivemind takes seconds: a preset names no peers to check, and
+    # `collab-kit --help` parses none
+    from hivemind.utils.multiaddr import Multiaddr
+
     if isinstance(initial_peers, str):
         initial_peers = initial_peers.replace(",", " ").split()
     checked = []

@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from collab_kit.addresses import parse_initial_peers
 from collab_kit.errors import CollabKitError
 
 PRESETS = ("tiny", "small", "toy", "paper")
@@ -246,13 +247,7 @@ class SwarmConfig:
                  self.port)
         _require(isinstance(self.host, str) and len(self.host) > 0, "swarm.host",
                  "expected an IP address such as 127.0.0.1 or 0.0.0.0", self.host)
-        if self.initial_peers:
-            # lazy: the multiaddr parser is hivemind's, whose import takes seconds; a preset names no peers to check
-            from collab_kit.addresses import parse_initial_peers
-
-            self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
-        else:
-            self.initial_peers = ()
+        self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
         _require(self.client_mode in (None, True, False), "swarm.client_mode",
                  "expected true, false or none (none: found out when joining)", self.client_mode)
         _require(not (self.client_mode and not self.initial_peers), "swarm.client_mode",

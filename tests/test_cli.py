@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from collab_kit.cli import CommandError, parse_overrides
+from collab_kit.config import SettingProblem, parse_overrides
 
 
 def run_cli(*args, timeout=120):
@@ -50,7 +50,7 @@ def test_an_unreachable_peer_and_bad_settings_are_clear_errors(tmp_path):
 def test_overrides_parse_values_and_reject_bad_syntax():
     assert parse_overrides(["optimizer.target_batch_size=64", "swarm.run_id=abc", "optimizer.betas=(0.9, 0.95)"]) == {
         "optimizer": {"target_batch_size": 64, "betas": (0.9, 0.95)}, "swarm": {"run_id": "abc"}}
-    with pytest.raises(CommandError, match="SECTION.FIELD=VALUE"):
+    with pytest.raises(SettingProblem, match="SECTION.FIELD=VALUE"):
         parse_overrides(["target_batch_size=64"])
 
 
