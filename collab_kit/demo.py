@@ -33,7 +33,8 @@ from collab_kit.errors import CollabKitError
 from collab_kit.images.inference import draw_prompts, load_for_inference
 from collab_kit.model.vqgan import untrained_vqgan
 from collab_kit.notebook.dashboard import write_page
-from collab_kit.roles.processes import PeerFailed, PeerProcess
+from collab_kit.roles.monitor_settings import MonitorSettings
+from collab_kit.roles.services import Service, ServiceError, start_monitor, start_volunteer_process
 from collab_kit.toy.dataset import prepare_toy_dataset
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,6 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     run_id = f"demo_{os.getpid()}"
     address_file = os.path.join(workdir, "first_peer.addr")
     threads = max(1, (os.cpu_count() or 2) // num_volunteers)
-    settings = [argument for assignment in overrides for argument in ("--set", assignment)]
     checkpoint = os.path.join(output_dir if output_dir is not None else workdir, "model") if toy_world else None
     # the first peer is the run's monitor: its history (loss, peers, throughput, leaderboard) and the swarm's
     # checkpoints go beside the other outputs, and the dashboard page is drawn from that history at the end
@@ -152,40 +152,36 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     monitor_checkpoints = os.path.join(monitor_dir, "checkpoints")
     shutil.rmtree(monitor_checkpoints, ignore_errors=True)
 
-    peers: List[PeerProcess] = []
+    # every peer on this machine, in one run of its own; the peers start through collab_kit.roles.services, as a
+    # maintainer's would, with the command lines it builds from the configuration
+    config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, host="127.0.0.1", run_id=run_id))
+    monitor_settings = MonitorSettings(db_path=monitor_db, checkpoint_dir=monitor_checkpoints,
+                                       checkpoint_every=max(1, epochs // 3), keep_last=2, poll_every=2.0,
+                                       address_file=address_file)
+    services: List[Service] = []
     succeeded = False
     try:
         print(f"demo: starting the first peer and {num_volunteers} volunteers on 127.0.0.1 "
               f"(preset {preset}, logs in {workdir})", flush=True)
-        first = PeerProcess("first peer", ["monitor", "--preset", preset, "--run-id", run_id, "--host", "127.0.0.1",
-                                           "--address-file", address_file, "--events", "--poll-every", "2",
-                                           "--db", monitor_db, "--checkpoints", monitor_checkpoints,
-                                           "--checkpoint-every", str(max(1, epochs // 3)), "--keep", "2",
-                                           *settings],
-                            os.path.join(workdir, "first_peer.log"))
-        peers.append(first)
         try:
-            ready = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")
-        except PeerFailed as e:
+            services.append(start_monitor(config, monitor_settings, log_path=os.path.join(workdir, "first_peer.log"),
+                                          timeout=60))
+        except ServiceError as e:
             raise DemoFailed(f"the first peer did not start: {e}") from None
-        addresses = ready["addresses"]
-
-        volunteers = []
-        for index in range(num_volunteers):
-            saves = ["--save-checkpoint", checkpoint] if checkpoint and index == 0 else []
-            volunteers.append(PeerProcess(
-                f"volunteer {index + 1}",
-                ["join", "--preset", preset, "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers",
-                 *addresses, "--data", shards, "--max-epochs", str(epochs), "--threads", str(threads),
-                 "--wait-for-peers", str(num_volunteers), "--events", "--no-progress", *saves, *settings],
-                os.path.join(workdir, f"volunteer_{index + 1}.log")))
-        peers.extend(volunteers)
-        for volunteer in volunteers:
+        volunteer_config = dataclasses.replace(config, swarm=dataclasses.replace(
+            config.swarm, initial_peers=tuple(services[0].addresses)))
+        for index in range(num_volunteers):  # all started at once, then waited for
+            services.append(start_volunteer_process(
+                volunteer_config, data_shards=shards, max_epochs=epochs, wait_for_peers=num_volunteers,
+                threads=threads, name=f"volunteer {index + 1}",
+                log_path=os.path.join(workdir, f"volunteer_{index + 1}.log"),
+                save_checkpoint=checkpoint if index == 0 else None, wait=False))
+        for service in services[1:]:
             try:
-                volunteer.wait_for(lambda e: e["type"] == "ready", timeout=max(1.0, deadline - time.monotonic()),
-                                   what="that it joined the swarm")
-            except PeerFailed as e:
+                service.wait_until_ready(timeout=max(1.0, deadline - time.monotonic()))
+            except ServiceError as e:
                 raise DemoFailed(f"a volunteer could not join the first peer: {e}") from None
+        volunteers = [service.process for service in services[1:]]
         print(f"demo: {num_volunteers} volunteers joined; training {epochs} global epochs", flush=True)
 
         losses: Dict[int, Dict[str, float]] = defaultdict(dict)
@@ -222,8 +218,8 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
         if num_volunteers > 1 and averaged_rounds == 0:
             raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
                              f"meet in the swarm. Logs in {workdir}")
-        for peer in reversed(peers):  # the swarm's work is done: free the cores for drawing
-            peer.kill()
+        for service in reversed(services):  # the swarm's work is done: free the cores for drawing
+            service.stop(grace=5.0)
         if output_dir is not None:
             result.outputs["loss"] = plot_losses(losses, os.path.join(output_dir, "loss.png"))
             result.outputs["dashboard"] = write_dashboard(monitor_db, os.path.join(output_dir, "dashboard.html"))
@@ -241,8 +237,8 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
         succeeded = True
         return result
     finally:
-        for peer in reversed(peers):
-            peer.kill()
+        for service in reversed(services):
+            service.stop(grace=5.0)
         if succeeded and own_workdir and not keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -50,7 +50,7 @@ class PeerProcess:
     def __init__(self, name: str, args: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None,
                  command: Sequence[str] = (sys.executable, "-m", "collab_kit.cli"), stdin=subprocess.DEVNULL,
                  cwd: Optional[str] = None):
-        self.name, self.log_path = name, log_path
+        self.name, self.log_path, self.args = name, log_path, list(args)
         self.events: List[dict] = []  # every event read so far, in order
         self._cursor = 0  # events before this index were returned by new_events()
         self._queue: "queue.Queue[dict]" = queue.Queue()

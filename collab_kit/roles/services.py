@@ -140,6 +140,35 @@ class Service:
         except PeerFailed as e:
             raise ServiceError(f"{e}\n{_hint(self.log_tail(40))}".rstrip()) from None
 
+    def wait_until_ready(self, timeout: float) -> dict:
+        """Wait for the command's "ready" event (the start functions do, unless told not to); stop it if it does not
+        come.
+
+        :raises ServiceError: it ended first or was not ready in time; the message holds its own error, what to do,
+          and the last lines of its log
+        """
+        if self.ready:
+            return self.ready
+        try:
+            self.ready = self.process.wait_for(lambda e: e["type"] == "ready", timeout, what="that it is ready")
+        except PeerFailed:
+            tail = self.log_tail(40)
+            self.stop(grace=5.0)
+            code = self.process.process.poll()
+            reason = f"it exited with code {code}" if code is not None else f"it was not ready within {timeout:g} s"
+            # the command's own one-line error (collab-kit COMMAND: error: ...), else the last line that reports one
+            command = self.process.args[0] if self.process.args else ""
+            errors = [line.split("error:", 1)[1].strip() for line in tail.splitlines()
+                      if f"collab-kit {command}: error:" in line]
+            errors = errors or [line.strip() for line in tail.splitlines() if "error" in line.lower()]
+            if errors:
+                reason = f"{reason}: {errors[-1]}"
+            message = [f"the {self.kind} did not start: {reason}", _hint(tail),
+                       f"The last lines of its log ({self.log_path}):", tail.rstrip()]
+            raise ServiceError("\n".join(part for part in message if part)) from None
+        logger.info(f"{self.name} is ready (pid {self.pid}, log {self.log_path})")
+        return self.ready
+
     def stop(self, grace: float = 10.0) -> None:
         """End the command and everything it started: SIGTERM to its process group, SIGKILL after ``grace`` s.
 
@@ -312,31 +341,16 @@ def _hint(log: str) -> str:
 
 
 def _start(kind: str, name: str, arguments: List[str], log_path: Optional[str], env: Dict[str, str],
-           timeout: float, service_class=Service) -> Service:
-    """Start ``collab-kit ARGUMENTS --events`` and wait for its "ready" event; stop it if it does not come."""
+           timeout: float, service_class=Service, wait: bool = True) -> Service:
+    """Start ``collab-kit ARGUMENTS --events`` and (with ``wait``) wait for its "ready" event."""
     log_path = log_path or _default_log_path(name)
     _make_parent(log_path)
     process = PeerProcess(name, [*arguments, "--events"], log_path, env=env)
     service = service_class(kind, process, ready={})
     with _running_lock:
         _running[service.pid] = service  # from now on, an exit of the interpreter stops it
-    try:
-        service.ready = process.wait_for(lambda e: e["type"] == "ready", timeout, what="that it is ready")
-    except PeerFailed:
-        tail = process.log_tail(40)
-        service.stop(grace=5.0)
-        code = process.process.poll()
-        reason = f"it exited with code {code}" if code is not None else f"it was not ready within {timeout:g} s"
-        # the command's own one-line error (collab-kit COMMAND: error: ...), else the last line that reports one
-        errors = [line.split("error:", 1)[1].strip() for line in tail.splitlines()
-                  if f"collab-kit {arguments[0]}: error:" in line]
-        errors = errors or [line.strip() for line in tail.splitlines() if "error" in line.lower()]
-        if errors:
-            reason = f"{reason}: {errors[-1]}"
-        message = [f"the {kind} did not start: {reason}", _hint(tail), f"The last lines of its log ({log_path}):",
-                   tail.rstrip()]
-        raise ServiceError("\n".join(part for part in message if part)) from None
-    logger.info(f"{name} is ready (pid {service.pid}, log {log_path})")
+    if wait:
+        service.wait_until_ready(timeout)
     return service
 
 
@@ -405,7 +419,8 @@ def start_monitor(config: RunConfig, settings=None, hf_token: Optional[str] = No
 def start_volunteer_process(config: RunConfig, data_shards: Optional[str] = None, max_epochs: Optional[int] = None,
                             wait_for_peers: int = 1, threads: Optional[int] = None, hf_token: Optional[str] = None,
                             name: str = "volunteer", log_path: Optional[str] = None,
-                            timeout: float = 180.0) -> Service:
+                            timeout: float = 180.0, save_checkpoint: Optional[str] = None,
+                            wait: bool = True) -> Service:
     """Start a volunteer on this machine (``collab-kit join``) and wait until it is in the swarm.
 
     Its events (``service.events``) report each global epoch ("epoch") and the end of training ("done"):
@@ -418,6 +433,9 @@ def start_volunteer_process(config: RunConfig, data_shards: Optional[str] = None
     :param threads: torch CPU threads (default: torch's choice)
     :param hf_token: its Hugging Face token in an authorized run (default: this user's login)
     :param name: its name in messages and in its log's name
+    :param save_checkpoint: a folder where it saves the model when training ends (a checkpoint generate_images reads)
+    :param wait: wait until it is in the swarm (False: return at once; ``service.wait_until_ready(timeout)`` later,
+      so that several volunteers start together)
     :raises ServiceError: it did not join (the message says why)
     """
     arguments = ["join", *config_arguments(config), "--wait-for-peers", str(wait_for_peers), "--no-progress"]
@@ -429,4 +447,6 @@ def start_volunteer_process(config: RunConfig, data_shards: Optional[str] = None
         arguments += ["--max-epochs", str(max_epochs)]
     if threads is not None:
         arguments += ["--threads", str(threads)]
-    return _start("volunteer", name, arguments, log_path, _token_environment(config, hf_token), timeout)
+    if save_checkpoint:
+        arguments += ["--save-checkpoint", save_checkpoint]
+    return _start("volunteer", name, arguments, log_path, _token_environment(config, hf_token), timeout, wait=wait)
