@@ -18,14 +18,14 @@ import pytest
 import torch
 from PIL import Image
 
-from collab_kit.cli import PREPROCESS_SOURCE_FORMATS
+from collab_kit.cli import make_parser
 from collab_kit.data.codec import decode_codes
 from collab_kit.data.shards import shard_metadata
 from collab_kit.data.stream import ShardStream
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
 from collab_kit.data.preprocess import (ASPECT_RATIO, MISSING_CAPTION, MISSING_IMAGE, NSFW, SHORT_CAPTION,
                                         UNREADABLE_IMAGE, PushError, drop_reason, preprocess)
-from collab_kit.data.sources import SOURCE_FORMATS, read_pairs
+from collab_kit.data.sources import SOURCE_FORMATS, PairSource, read_pairs
 from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor
 from collab_kit.model.vqgan_files import save_vqgan
 
@@ -158,7 +158,7 @@ def test_the_paper_filters_drop_what_they_should_and_count_it(tmp_path, vqgan):
     assert drop_reason("fine", "", (10, 10)) is None and drop_reason("fine", None, (201, 100)) == ASPECT_RATIO
 
     # the first N pairs only (the paper took LAION's first 100M)
-    report = preprocess(str(tmp_path / "laion.parquet"), str(tmp_path / "first3"), vqgan, max_samples=3,
+    report = preprocess(PairSource(str(tmp_path / "laion.parquet"), max_samples=3), str(tmp_path / "first3"), vqgan,
                         progress=False)
     assert report.pairs == 3 and report.kept == 2 and report.dropped == {SHORT_CAPTION: 1}
 
@@ -247,7 +247,11 @@ def test_captions_files_tsv_and_csv(tmp_path):
     (folder / "captions.csv").write_text('a.png,"a red, round thing"\nb.jpg,plain\n')
     assert [(p.source_id, p.caption) for p in read_pairs(str(folder))] == [
         ("a.png", "a red, round thing"), ("b.jpg", "plain")]
-    assert SOURCE_FORMATS == PREPROCESS_SOURCE_FORMATS  # the CLI spells them out, to start without torch
+    # the command line offers every format the reader knows (its module imports no torch: --help stays quick)
+    assert make_parser().parse_args(["preprocess", "x", "--output", "o", "--vqgan", "v", "--format", "disk"]).format \
+        == "disk"
+    assert {action.dest: action.choices for action in make_parser()._subparsers._group_actions[0].choices[
+        "preprocess"]._actions}["format"] == SOURCE_FORMATS
 
     # two captions files, an image named twice, a line that is not JSON: errors that say where
     (folder / "captions.jsonl").write_text('{"file": "a.png", "caption": "x y z"}\n')

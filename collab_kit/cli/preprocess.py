@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from collab_kit.cli.common import CommandError
-from collab_kit.data.sources import SOURCE_FORMATS
+from collab_kit.data.sources import SOURCE_FORMATS, PairSource
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -43,12 +43,12 @@ def run(args: argparse.Namespace) -> int:
     from collab_kit.data.preprocess import PushError, preprocess
 
     try:
-        report = preprocess(args.source, args.output, args.vqgan, rows_per_shard=args.rows_per_shard,
+        source = PairSource(args.source, format=args.format, captions_file=args.captions,
+                            image_column=args.image_column, caption_column=args.caption_column,
+                            nsfw_column=args.nsfw_column, split=args.split, max_samples=args.max_samples)
+        report = preprocess(source, args.output, args.vqgan, rows_per_shard=args.rows_per_shard,
                             batch_size=args.batch_size, push_to_hub=args.push_to_hub, private=args.private or None,
-                            source_format=args.format, captions_file=args.captions, image_column=args.image_column,
-                            caption_column=args.caption_column, nsfw_column=args.nsfw_column, split=args.split,
-                            max_samples=args.max_samples, device=args.device, num_workers=args.workers,
-                            progress=not args.no_progress)
+                            device=args.device, num_workers=args.workers, progress=not args.no_progress)
     except PushError as e:
         if e.report is not None:  # the shards are written: say so before the error
             print(e.report.summary(), flush=True)

@@ -45,7 +45,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.utils import validate_repo_id
 
 from collab_kit.data.shards import SHARD_FORMAT, shard_metadata, write_shard
-from collab_kit.data.sources import ImageLike, Pair, image_header_size, open_source, open_image
+from collab_kit.data.sources import ImageLike, Pair, PairSource, image_header_size, open_image
 from collab_kit.errors import CollabKitError
 from collab_kit.model.vqgan import VQGAN, pil_to_tensor
 from collab_kit.model.vqgan_files import load_vqgan
@@ -307,17 +307,15 @@ def _encode_shard(stream: _Lookahead, vqgan, rows_per_shard: int, batch_size: in
 
 def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batch_size: int = 32,
                push_to_hub: Optional[str] = None, private: Optional[bool] = None, token: Optional[str] = None,
-               source_format: Optional[str] = None, captions_file: Optional[str] = None,
-               image_column: Optional[str] = None, caption_column: Optional[str] = None,
-               nsfw_column: Optional[str] = None, split: str = "train", max_samples: Optional[int] = None,
                device=None, num_workers: Optional[int] = None, progress: bool = True,
                on_shard_written: Optional[Callable[[str], None]] = None) -> PreprocessReport:
     """Filter ``source``'s image-caption pairs, encode the images with ``vqgan`` and write parquet shards.
 
     See the module's docstring for the sources, the filters and how a second run resumes.
 
-    :param source: a folder of images, a WebDataset .tar, parquet files, a saved dataset, a Hub dataset id or a
-      ``datasets`` dataset (see ``read_pairs``)
+    :param source: a ``collab_kit.data.sources.PairSource`` (the location and how to read it), or just the location:
+      a folder of images, a WebDataset .tar, parquet files, a saved dataset, a Hub dataset id or a ``datasets``
+      dataset
     :param output: the folder of shards (created if missing); shards already there are kept and skipped
     :param vqgan: a ``collab_kit.model.vqgan.VQGAN``, or where to load one: a checkpoint file, a folder or a Hub repo id
       (``collab_kit.model.vqgan_files.load_vqgan``)
@@ -327,89 +325,47 @@ def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batc
       by default the shards stay in ``output`` only
     :param private: make the repository private if it is created (default: the Hub's default)
     :param token: the Hub token (default: the one saved by ``hf auth login``)
-    :param source_format: how to read ``source`` (one of ``SOURCE_FORMATS``); found from it by default
-    :param captions_file: for a folder of images: its captions file, if not the folder's own
-    :param image_column: the column of images (parquet and datasets; default: image, jpg, ...)
-    :param caption_column: the column of captions (default: caption, text, TEXT, txt)
-    :param nsfw_column: the column or JSON field of NSFW labels (default: NSFW or nsfw, if there is one)
-    :param split: the split of a Hub or saved dataset
-    :param max_samples: read at most this many pairs from the source (the paper used LAION's first 100M)
     :param device: where the VQGAN runs (default: the given model's device; CUDA for a loaded one if available)
     :param num_workers: threads that decode and crop images (default: up to 8)
     :param progress: show a progress bar
     :param on_shard_written: called with each shard's path once it is written
     :returns: a ``PreprocessReport``; ``report.summary()`` says it in a few lines
     """
+    source = source if isinstance(source, PairSource) else PairSource(source)
     if rows_per_shard < 1 or batch_size < 1:
         raise ValueError(f"rows_per_shard and batch_size must be at least 1, got {rows_per_shard} and {batch_size}")
-    if max_samples is not None and max_samples < 0:
-        raise ValueError(f"max_samples must be at least 0, got {max_samples}")
     output = os.fspath(output)
     if os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"--output {output!r} is a file: expected a folder for the shards")
-    pairs, total = open_source(source, source_format, captions_file, image_column, caption_column, nsfw_column,
-                                split)
-    if isinstance(vqgan, VQGAN):
-        if device is not None:
-            vqgan = vqgan.to(device)
-        device = vqgan.codebook.device
-    else:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        vqgan = load_vqgan(vqgan, map_location=device)
-    vqgan.eval()
+    pairs, total = source.open()
+    vqgan, device = _ready_vqgan(vqgan, device)
     existing = _existing_shards(output, vqgan.codebook_size, vqgan.grid_size)
     if push_to_hub:  # a typo in the name or a missing login is better found now than after hours of encoding
         _create_dataset_repo(push_to_hub, private, token)
     os.makedirs(output, exist_ok=True)
 
     report = PreprocessReport(output=output)
-    if total is not None and max_samples is not None:
-        total = min(total, max_samples)
+    if total is not None and source.max_samples is not None:
+        total = min(total, source.max_samples)
     bar = tqdm(total=total, unit="pair", desc="preprocess", disable=not progress, dynamic_ncols=True)
-    stream = _Lookahead(_screen(pairs, report, max_samples, bar))
+    stream = _Lookahead(_screen(pairs, report, source.max_samples, bar))
     pool = concurrent.futures.ThreadPoolExecutor(num_workers or min(8, os.cpu_count() or 1),
                                                  thread_name_prefix="preprocess-decode")
-    index = 0
     try:
-        while stream.peek() is not None:
-            path = shard_path(output, index)
-            if index in existing:
-                ids = _source_ids(path)
-                _skip_shard(stream, path, ids, report, vqgan.image_size)
-                if len(ids) != rows_per_shard and stream.peek() is not None:
-                    logger.warning(f"{path} holds {len(ids)} samples where rows_per_shard={rows_per_shard}: it was "
-                                   f"written with another --rows-per-shard (the shards still hold every sample once)")
-                report.shards_skipped.append(path)
-                report.kept += len(ids)
-            else:
-                # a shard written earlier further on: this one must end where that one starts
-                stop_at = _source_ids(existing[index + 1])[0] if index + 1 in existing else None
-                captions, codes, sizes, ids = _encode_shard(stream, vqgan, rows_per_shard, batch_size, stop_at,
-                                                            pool, report, device)
-                if not ids:
-                    index += 1
-                    continue
-                write_shard(path, captions, codes, codebook_size=vqgan.codebook_size, image_side=vqgan.grid_size,
-                            sizes=sizes, source_ids=ids)
-                report.shards_written.append(path)
-                report.bytes_written += os.path.getsize(path)
-                report.kept += len(ids)
-                if on_shard_written is not None:
-                    on_shard_written(path)
-            bar.set_postfix(kept=report.kept, shards=index + 1, refresh=False)
-            index += 1
+        shards_seen = _write_shards(stream, existing, output, vqgan, rows_per_shard, batch_size, pool, report, device,
+                                    bar, on_shard_written)
     finally:
         pool.shutdown(wait=True)
         bar.close()
-    stale = sorted(path for shard_index, path in existing.items() if shard_index >= index)
+    stale = sorted(path for shard_index, path in existing.items() if shard_index >= shards_seen)
     if stale:
         logger.warning(f"{output} holds {len(stale)} shard(s) past the end of this input (from {stale[0]} on): "
                        f"delete them if they are not part of this dataset")
     report.bytes_total = sum(os.path.getsize(path) for path in report.shards)
     if report.kept == 0:
         dropped = ", ".join(f"{reason} {count}" for reason, count in report.dropped.items()) or "none"
-        raise ValueError(f"no pair of {source!r} passed the filters ({report.pairs} read; dropped: {dropped}): "
-                         f"nothing to write")
+        raise ValueError(f"no pair of {source.describe()} passed the filters ({report.pairs} read; dropped: "
+                         f"{dropped}): nothing to write")
     logger.info(report.summary())
     if push_to_hub:
         try:
@@ -421,6 +377,54 @@ def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batc
                             f"again)", report) from e
         report.pushed_to = push_to_hub
     return report
+
+
+def _ready_vqgan(vqgan, device) -> Tuple[VQGAN, torch.device]:
+    """The VQGAN in eval mode on its device: a built one (moved to ``device`` if given), or one loaded there."""
+    if isinstance(vqgan, VQGAN):
+        if device is not None:
+            vqgan = vqgan.to(device)
+        device = vqgan.codebook.device
+    else:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        vqgan = load_vqgan(vqgan, map_location=device)
+    return vqgan.eval(), device
+
+
+def _write_shards(stream: _Lookahead, existing: Dict[int, str], output: str, vqgan: VQGAN, rows_per_shard: int,
+                  batch_size: int, pool, report: PreprocessReport, device, bar,
+                  on_shard_written: Optional[Callable[[str], None]]) -> int:
+    """Shard after shard until the stream ends: a shard already written is skipped (its pairs read, not encoded), a
+    missing one encoded and written. Returns how many shard places the input took."""
+    index = 0
+    while stream.peek() is not None:
+        path = shard_path(output, index)
+        if index in existing:
+            ids = _source_ids(path)
+            _skip_shard(stream, path, ids, report, vqgan.image_size)
+            if len(ids) != rows_per_shard and stream.peek() is not None:
+                logger.warning(f"{path} holds {len(ids)} samples where rows_per_shard={rows_per_shard}: it was "
+                               f"written with another --rows-per-shard (the shards still hold every sample once)")
+            report.shards_skipped.append(path)
+            report.kept += len(ids)
+        else:
+            # a shard written earlier further on: this one must end where that one starts
+            stop_at = _source_ids(existing[index + 1])[0] if index + 1 in existing else None
+            captions, codes, sizes, ids = _encode_shard(stream, vqgan, rows_per_shard, batch_size, stop_at, pool,
+                                                        report, device)
+            if not ids:
+                index += 1
+                continue
+            write_shard(path, captions, codes, codebook_size=vqgan.codebook_size, image_side=vqgan.grid_size,
+                        sizes=sizes, source_ids=ids)
+            report.shards_written.append(path)
+            report.bytes_written += os.path.getsize(path)
+            report.kept += len(ids)
+            if on_shard_written is not None:
+                on_shard_written(path)
+        bar.set_postfix(kept=report.kept, shards=index + 1, refresh=False)
+        index += 1
+    return index
 
 
 def _first_line(error: Exception) -> str:

@@ -88,38 +88,70 @@ def image_header_size(image: ImageLike) -> Tuple[int, int]:
 # sources
 
 
-def read_pairs(source, *, source_format: Optional[str] = None, captions_file: Optional[str] = None,
-               image_column: Optional[str] = None, caption_column: Optional[str] = None,
-               nsfw_column: Optional[str] = None, split: str = "train") -> Iterator[Pair]:
-    """The image-caption pairs of ``source``, in a fixed order, unfiltered. See the module's docstring.
+@dataclass(frozen=True)
+class PairSource:
+    """Where image-caption pairs come from and how to read them: ``collab-kit preprocess``'s source options.
 
-    The source is checked before this returns (a missing folder, a folder without images, a captions file that
-    names a missing image, an unknown column: ``FileNotFoundError`` / ``ValueError`` saying what to do).
-
-    :param source: a folder, a ``.tar`` / ``.parquet`` file, a Hub dataset id, or a ``datasets`` dataset
-    :param source_format: one of ``SOURCE_FORMATS``; by default found from ``source``
+    :param location: a folder, a ``.tar`` / ``.parquet`` file, a Hub dataset id, or a ``datasets`` dataset
+    :param format: one of ``SOURCE_FORMATS``; by default found from ``location``
     :param captions_file: for a folder: the captions file to use (default: the folder's ``captions.jsonl``,
       ``.tsv`` or ``.csv``, else sidecar ``.txt`` files)
     :param image_column: the image column (default: the first of ``IMAGE_COLUMNS`` there is)
     :param caption_column: the caption column (default: the first of ``CAPTION_COLUMNS``)
     :param nsfw_column: the NSFW label column (default: the first of ``NSFW_COLUMNS``, if any)
     :param split: the split of a Hub or saved dataset
+    :param max_samples: read at most this many pairs (the paper used LAION's first 100M); None: all
     """
-    pairs, _ = open_source(source, source_format, captions_file, image_column, caption_column, nsfw_column, split)
+
+    location: object
+    format: Optional[str] = None
+    captions_file: Optional[str] = None
+    image_column: Optional[str] = None
+    caption_column: Optional[str] = None
+    nsfw_column: Optional[str] = None
+    split: str = "train"
+    max_samples: Optional[int] = None
+
+    def __post_init__(self):
+        if self.format is not None and self.format not in SOURCE_FORMATS:
+            raise ValueError(f"unknown source format {self.format!r}: expected one of {', '.join(SOURCE_FORMATS)}")
+        if self.max_samples is not None and self.max_samples < 0:
+            raise ValueError(f"max_samples must be at least 0, got {self.max_samples}")
+
+    def describe(self) -> str:
+        return repr(self.location) if isinstance(self.location, (str, os.PathLike)) else type(self.location).__name__
+
+    def open(self) -> Tuple[Iterator[Pair], Optional[int]]:
+        """(the pairs, how many there are if known without reading them all); checked as ``read_pairs`` says."""
+        return open_source(self)
+
+
+def read_pairs(source, **options) -> Iterator[Pair]:
+    """The image-caption pairs of ``source``, in a fixed order, unfiltered. See the module's docstring.
+
+    The source is checked before this returns (a missing folder, a folder without images, a captions file that
+    names a missing image, an unknown column: ``FileNotFoundError`` / ``ValueError`` saying what to do).
+
+    :param source: a ``PairSource``, or its location (a folder, a ``.tar`` / ``.parquet`` file, a Hub dataset id, or a
+      ``datasets`` dataset)
+    :param options: the other fields of ``PairSource`` (``format``, ``captions_file``, ``caption_column``, ...)
+    """
+    source = source if isinstance(source, PairSource) else PairSource(source, **options)
+    pairs, _ = source.open()
     return pairs
 
 
-def open_source(source, source_format, captions_file, image_column, caption_column, nsfw_column,
-                 split) -> Tuple[Iterator[Pair], Optional[int]]:
-    """(the pairs, how many there are if known without reading them all)."""
-    columns = dict(image_column=image_column, caption_column=caption_column, nsfw_column=nsfw_column)
+def open_source(source: PairSource) -> Tuple[Iterator[Pair], Optional[int]]:
+    """(the pairs of ``source``, how many there are if known without reading them all)."""
+    source_format, captions_file, nsfw_column, split = source.format, source.captions_file, source.nsfw_column, \
+        source.split
+    columns = dict(image_column=source.image_column, caption_column=source.caption_column, nsfw_column=nsfw_column)
+    source = source.location
     if not isinstance(source, (str, os.PathLike)):  # a datasets Dataset / IterableDataset
         if not hasattr(source, "column_names") or not hasattr(source, "__iter__"):
             raise TypeError(f"expected a path, a Hub dataset id or a datasets dataset, got {type(source).__name__}")
         return _dataset_pairs(source, **columns), _length(source)
     source = os.fspath(source)
-    if source_format is not None and source_format not in SOURCE_FORMATS:
-        raise ValueError(f"unknown source format {source_format!r}: expected one of {', '.join(SOURCE_FORMATS)}")
     kind = source_format or _detect_format(source)
     if kind != "hub" and not os.path.exists(source):
         raise FileNotFoundError(f"no such folder or file: {source!r}")
