@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from collab_kit.config import get_preset, parse_overrides
 from collab_kit.data.preprocess import preprocess
@@ -34,6 +34,7 @@ from collab_kit.images.inference import draw_prompts, load_for_inference
 from collab_kit.model.vqgan import untrained_vqgan
 from collab_kit.notebook.dashboard import write_page
 from collab_kit.roles.monitor_settings import MonitorSettings
+from collab_kit.roles.processes import PeerProcess
 from collab_kit.roles.services import Service, ServiceError, start_monitor, start_volunteer_process
 from collab_kit.toy.dataset import prepare_toy_dataset
 
@@ -129,6 +130,9 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
                          f"epochs={epochs})")
     timeout = timeout if timeout is not None else (480.0 if preset == "toy" else 270.0)
     config = get_preset(preset, **parse_overrides(overrides))
+    # every peer on this machine, in one run of its own
+    config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, host="127.0.0.1",
+                                                                   run_id=f"demo_{os.getpid()}"))
     toy_world = config.data.tokenizer == "toy"
     own_workdir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="collab_kit_demo_")
@@ -138,31 +142,62 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     shards = prepare_demo_data(workdir, num_samples, config)
     started = time.monotonic()
     deadline = started + timeout
-    run_id = f"demo_{os.getpid()}"
-    address_file = os.path.join(workdir, "first_peer.addr")
-    threads = max(1, (os.cpu_count() or 2) // num_volunteers)
     checkpoint = os.path.join(output_dir if output_dir is not None else workdir, "model") if toy_world else None
     # the first peer is the run's monitor: its history (loss, peers, throughput, leaderboard) and the swarm's
     # checkpoints go beside the other outputs, and the dashboard page is drawn from that history at the end
-    monitor_dir = output_dir if output_dir is not None else workdir
-    monitor_db = os.path.join(monitor_dir, "monitor.sqlite")
-    for stale in (monitor_db, monitor_db + "-wal", monitor_db + "-shm"):  # a new run gets a new history
-        if os.path.exists(stale):
-            os.remove(stale)
-    monitor_checkpoints = os.path.join(monitor_dir, "checkpoints")
-    shutil.rmtree(monitor_checkpoints, ignore_errors=True)
+    monitor_settings = _fresh_monitor_settings(output_dir if output_dir is not None else workdir, workdir, epochs)
 
-    # every peer on this machine, in one run of its own; the peers start through collab_kit.roles.services, as a
-    # maintainer's would, with the command lines it builds from the configuration
-    config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, host="127.0.0.1", run_id=run_id))
-    monitor_settings = MonitorSettings(db_path=monitor_db, checkpoint_dir=monitor_checkpoints,
-                                       checkpoint_every=max(1, epochs // 3), keep_last=2, poll_every=2.0,
-                                       address_file=address_file)
     services: List[Service] = []
     succeeded = False
     try:
         print(f"demo: starting the first peer and {num_volunteers} volunteers on 127.0.0.1 "
               f"(preset {preset}, logs in {workdir})", flush=True)
+        services = _start_peers(config, monitor_settings, num_volunteers, epochs, shards, checkpoint, workdir,
+                                deadline)
+        volunteers = [service.process for service in services[1:]]
+        print(f"demo: {num_volunteers} volunteers joined; training {epochs} global epochs", flush=True)
+        losses, finished = _follow_training(volunteers, epochs, deadline, timeout, workdir)
+        result = _result(losses, finished, num_volunteers, time.monotonic() - started, workdir)
+        for service in reversed(services):  # the swarm's work is done: free the cores for drawing
+            service.stop(grace=5.0)
+        if output_dir is not None:
+            result.outputs["loss"] = plot_losses(losses, os.path.join(output_dir, "loss.png"))
+            result.outputs["dashboard"] = write_dashboard(monitor_settings.db_path,
+                                                          os.path.join(output_dir, "dashboard.html"))
+        if toy_world:
+            _draw_from_checkpoint(result, checkpoint, output_dir, prompts, draws_per_prompt, keep,
+                                  volunteers[0].log_path)
+        for name, path in result.outputs.items():
+            print(f"demo: wrote {name}: {path}", flush=True)
+        succeeded = True
+        return result
+    finally:
+        for service in reversed(services):
+            service.stop(grace=5.0)
+        if succeeded and own_workdir and not keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _fresh_monitor_settings(folder: str, workdir: str, epochs: int) -> MonitorSettings:
+    """The demo's monitor: a new history and checkpoint series in ``folder`` (a new run gets a new history), its
+    join addresses also in ``workdir``, a checkpoint every third of the run, a poll every 2 s."""
+    monitor_db = os.path.join(folder, "monitor.sqlite")
+    for stale in (monitor_db, monitor_db + "-wal", monitor_db + "-shm"):
+        if os.path.exists(stale):
+            os.remove(stale)
+    checkpoints = os.path.join(folder, "checkpoints")
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    return MonitorSettings(db_path=monitor_db, checkpoint_dir=checkpoints, checkpoint_every=max(1, epochs // 3),
+                           keep_last=2, poll_every=2.0, address_file=os.path.join(workdir, "first_peer.addr"))
+
+
+def _start_peers(config, monitor_settings: MonitorSettings, num_volunteers: int, epochs: int, shards: str,
+                 checkpoint: Optional[str], workdir: str, deadline: float) -> List[Service]:
+    """The first peer, then the volunteers (all started at once, then waited for), through collab_kit.roles.services
+    as a maintainer's would be, with the command lines it builds from the configuration. Returns them, first peer
+    first; on a failure, stops what started and says which part failed."""
+    services: List[Service] = []
+    try:
         try:
             services.append(start_monitor(config, monitor_settings, log_path=os.path.join(workdir, "first_peer.log"),
                                           timeout=60))
@@ -170,7 +205,8 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
             raise DemoFailed(f"the first peer did not start: {e}") from None
         volunteer_config = dataclasses.replace(config, swarm=dataclasses.replace(
             config.swarm, initial_peers=tuple(services[0].addresses)))
-        for index in range(num_volunteers):  # all started at once, then waited for
+        threads = max(1, (os.cpu_count() or 2) // num_volunteers)
+        for index in range(num_volunteers):
             services.append(start_volunteer_process(
                 volunteer_config, data_shards=shards, max_epochs=epochs, wait_for_peers=num_volunteers,
                 threads=threads, name=f"volunteer {index + 1}",
@@ -181,66 +217,71 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
                 service.wait_until_ready(timeout=max(1.0, deadline - time.monotonic()))
             except ServiceError as e:
                 raise DemoFailed(f"a volunteer could not join the first peer: {e}") from None
-        volunteers = [service.process for service in services[1:]]
-        print(f"demo: {num_volunteers} volunteers joined; training {epochs} global epochs", flush=True)
-
-        losses: Dict[int, Dict[str, float]] = defaultdict(dict)
-        finished: Dict[str, dict] = {}
-        while len(finished) < len(volunteers):
-            if time.monotonic() > deadline:
-                raise DemoFailed(f"the run did not finish within {timeout:.0f} s; logs in {workdir}")
-            for volunteer in volunteers:
-                exited = volunteer.process.poll() is not None  # before reading, so no last event is missed
-                for event in volunteer.new_events(timeout=0.2):
-                    if event["type"] == "done":
-                        finished[volunteer.name] = event
-                    elif event["type"] == "epoch":
-                        _show_epoch(losses, event, volunteer.name, len(volunteers), epochs)
-                if exited and volunteer.name not in finished:
-                    raise DemoFailed(f"{volunteer.name} stopped before the end (exit code "
-                                     f"{volunteer.process.returncode}); last lines of {volunteer.log_path}:\n"
-                                     f"{volunteer.log_tail()}")
-        for volunteer in volunteers:
-            code = volunteer.wait_exit(timeout=max(5.0, deadline - time.monotonic()))
-            if code != 0:
-                raise DemoFailed(f"{volunteer.name} exited with code {code}; see {volunteer.log_path}")
-
-        complete = [epoch for epoch in sorted(losses) if len(losses[epoch]) == len(volunteers)]
-        if not complete:
-            raise DemoFailed(f"no global epoch was completed by every volunteer; logs in {workdir}")
-        averaged_rounds = min(event["averaged_rounds"] for event in finished.values())
-        first_epoch, last_epoch = complete[0], complete[-1]
-        result = DemoResult(
-            peers=num_volunteers, epochs=max(event["final_epoch"] for event in finished.values()),
-            loss_first=sum(losses[first_epoch].values()) / len(volunteers),
-            loss_last=sum(losses[last_epoch].values()) / len(volunteers),
-            averaged_rounds=averaged_rounds, seconds=time.monotonic() - started)
-        if num_volunteers > 1 and averaged_rounds == 0:
-            raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
-                             f"meet in the swarm. Logs in {workdir}")
-        for service in reversed(services):  # the swarm's work is done: free the cores for drawing
-            service.stop(grace=5.0)
-        if output_dir is not None:
-            result.outputs["loss"] = plot_losses(losses, os.path.join(output_dir, "loss.png"))
-            result.outputs["dashboard"] = write_dashboard(monitor_db, os.path.join(output_dir, "dashboard.html"))
-        if toy_world:
-            if not os.path.exists(os.path.join(checkpoint, "model.safetensors")):
-                raise DemoFailed(f"volunteer 1 finished but left no checkpoint in {checkpoint}; see "
-                                 f"{volunteers[0].log_path}")
-            result.outputs["model"] = checkpoint
-            samples = os.path.join(output_dir, "samples.png") if output_dir is not None else None
-            result.color_match = draw_toy_samples(checkpoint, prompts, samples, n=draws_per_prompt, keep=keep)
-            if samples is not None:
-                result.outputs["samples"] = samples
-        for name, path in result.outputs.items():
-            print(f"demo: wrote {name}: {path}", flush=True)
-        succeeded = True
-        return result
-    finally:
+    except BaseException:
         for service in reversed(services):
             service.stop(grace=5.0)
-        if succeeded and own_workdir and not keep_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return services
+
+
+def _follow_training(volunteers: List[PeerProcess], epochs: int, deadline: float, timeout: float,
+                     workdir: str) -> Tuple[Dict[int, Dict[str, float]], Dict[str, dict]]:
+    """Show each volunteer's epochs as they end, until every one says it is done; returns (each global epoch's loss by
+    volunteer, each volunteer's "done" event). A volunteer that stops early or a run past ``deadline`` fails the
+    demo, with where to look."""
+    losses: Dict[int, Dict[str, float]] = defaultdict(dict)
+    finished: Dict[str, dict] = {}
+    while len(finished) < len(volunteers):
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"the run did not finish within {timeout:.0f} s; logs in {workdir}")
+        for volunteer in volunteers:
+            exited = volunteer.process.poll() is not None  # before reading, so no last event is missed
+            for event in volunteer.new_events(timeout=0.2):
+                if event["type"] == "done":
+                    finished[volunteer.name] = event
+                elif event["type"] == "epoch":
+                    _show_epoch(losses, event, volunteer.name, len(volunteers), epochs)
+            if exited and volunteer.name not in finished:
+                raise DemoFailed(f"{volunteer.name} stopped before the end (exit code "
+                                 f"{volunteer.process.returncode}); last lines of {volunteer.log_path}:\n"
+                                 f"{volunteer.log_tail()}")
+    for volunteer in volunteers:
+        code = volunteer.wait_exit(timeout=max(5.0, deadline - time.monotonic()))
+        if code != 0:
+            raise DemoFailed(f"{volunteer.name} exited with code {code}; see {volunteer.log_path}")
+    return losses, finished
+
+
+def _result(losses: Dict[int, Dict[str, float]], finished: Dict[str, dict], num_volunteers: int, seconds: float,
+            workdir: str) -> DemoResult:
+    """What the run showed: the loss of the first and last global epochs every volunteer completed, and how many
+    rounds they averaged; a run in which they never averaged is no collaborative run, and fails the demo."""
+    complete = [epoch for epoch in sorted(losses) if len(losses[epoch]) == num_volunteers]
+    if not complete:
+        raise DemoFailed(f"no global epoch was completed by every volunteer; logs in {workdir}")
+    averaged_rounds = min(event["averaged_rounds"] for event in finished.values())
+    first_epoch, last_epoch = complete[0], complete[-1]
+    result = DemoResult(
+        peers=num_volunteers, epochs=max(event["final_epoch"] for event in finished.values()),
+        loss_first=sum(losses[first_epoch].values()) / num_volunteers,
+        loss_last=sum(losses[last_epoch].values()) / num_volunteers,
+        averaged_rounds=averaged_rounds, seconds=seconds)
+    if num_volunteers > 1 and averaged_rounds == 0:
+        raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
+                         f"meet in the swarm. Logs in {workdir}")
+    return result
+
+
+def _draw_from_checkpoint(result: DemoResult, checkpoint: str, output_dir: Optional[str], prompts: Sequence[str],
+                          draws_per_prompt: int, keep: int, log_path: str) -> None:
+    """The toy world's end: the checkpoint volunteer 1 saved draws the prompts (samples.png) and is scored."""
+    if not os.path.exists(os.path.join(checkpoint, "model.safetensors")):
+        raise DemoFailed(f"volunteer 1 finished but left no checkpoint in {checkpoint}; see {log_path}")
+    result.outputs["model"] = checkpoint
+    samples = os.path.join(output_dir, "samples.png") if output_dir is not None else None
+    result.color_match = draw_toy_samples(checkpoint, prompts, samples, n=draws_per_prompt, keep=keep)
+    if samples is not None:
+        result.outputs["samples"] = samples
 
 
 def write_dashboard(monitor_db: str, path: str) -> str:

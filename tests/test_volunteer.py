@@ -9,7 +9,8 @@ import torch
 
 from collab_kit.config import get_preset
 from collab_kit.model.transformer import TextToImageTransformer, initial_model
-from collab_kit.roles.volunteer import NonFiniteTrainingError, Volunteer, peer_stream
+from collab_kit.data.stream import peer_stream
+from collab_kit.roles.volunteer import NonFiniteTrainingError, Volunteer
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import read_metrics
 from collab_kit.swarm.optimizer import make_optimizer

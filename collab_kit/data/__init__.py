@@ -19,7 +19,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "tokenizers": ["caption_tokenizer", "tokenizer_for_vocabulary", "ByteCaptionTokenizer", "ToyTokenizer",
                    "PretrainedCaptionTokenizer"],
     "shards": ["write_shard", "shard_metadata", "list_shards", "is_hub_dataset", "SHARD_FORMAT"],
-    "stream": ["ShardStream", "batches", "peer_data_seed", "SkippedSamples", "shard_misfit"],
+    "stream": ["ShardStream", "batches", "peer_stream", "peer_data_seed", "SkippedSamples", "shard_misfit"],
     "sources": ["read_pairs", "Pair", "SOURCE_FORMATS"],
     "preprocess": ["PreprocessReport", "PushError", "push_shards", "DROP_REASONS"],
     "synthetic": ["make_synthetic_shards", "make_synthetic_images", "write_captioned_images", "Scene", "scenes",

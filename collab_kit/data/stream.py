@@ -18,9 +18,10 @@ import pyarrow.parquet as pq
 import torch
 from huggingface_hub import HfFileSystem
 
+from collab_kit.config import RunConfig, SettingProblem
 from collab_kit.data.codec import decode_codes
 from collab_kit.data.shards import SHARD_FORMAT, list_shards
-from collab_kit.data.tokenizers import ByteCaptionTokenizer
+from collab_kit.data.tokenizers import ByteCaptionTokenizer, caption_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -277,3 +278,17 @@ def batches(stream: ShardStream, batch_size: int) -> Iterator[Dict[str, torch.Te
         if len(pending) == batch_size:
             yield {key: torch.stack([s[key] for s in pending]) for key in pending[0]}
             pending = []
+
+
+def peer_stream(config: RunConfig, data_shards: Optional[str] = None, data_seed: int = 0) -> ShardStream:
+    """The stream of samples a peer trains on: the run's shards in this peer's order, tokenized as the run says.
+
+    :raises SettingProblem: the caption tokenizer has more tokens than the model reads
+    """
+    tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
+    if tokenizer.vocab_size > config.model.text_vocab_size:
+        raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the "
+                             f"model reads {config.model.text_vocab_size}: set model.text_vocab_size")
+    return ShardStream(data_shards or config.data.shards, config.model.text_length, config.model.image_length,
+                       tokenizer=tokenizer, shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
+                       codebook_size=config.model.codebook_size)

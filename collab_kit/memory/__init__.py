@@ -5,6 +5,7 @@
     memory.recommend_settings("paper", 16 * memory.GiB)
 
 - ``catalogue``: models known by name (BERT, T5, GPT-2, GPT-3, GPT-J, DALL-E) as dimensions.
+- ``architecture``: what a model is made of (tensors, dimensions), whatever it was given as.
 - ``estimator``: ``estimate`` and ``compare``: weights, gradients, optimizer state (exact) and activations
   (a per-layer formula) of a named shape, a preset, a config or any torch module.
 - ``recommend``: ``recommend_settings``, the largest micro-batch that fits, with or without checkpointing.

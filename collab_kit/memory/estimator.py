@@ -31,16 +31,12 @@ collab_kit.memory.widgets.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 
-from collab_kit.config import PRESETS, ModelConfig, RunConfig, get_preset
-from collab_kit.memory.catalogue import CATALOGUE, FEED_FORWARD_TENSORS, ModelShape, known_models
-from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.memory.architecture import Architecture, numel, resolve_model
+from collab_kit.memory.catalogue import FEED_FORWARD_TENSORS
 from collab_kit.units import format_bytes
 
 
@@ -59,140 +55,6 @@ BNB_QMAP_VALUES = 256
 
 # a PCIe 3.0 x16 link moves about 12 GB/s in practice (16 GB/s on paper); PCIe 4.0 about twice that
 DEFAULT_PCIE_GB_PER_S = 12.0
-
-# ---------------------------------------------------------------------------------------------
-# what a model is made of, whatever it was given as
-
-
-@dataclass
-class _Architecture:
-    """The parameter tensors of a model and the dimensions its activations depend on (None: unknown)."""
-
-    label: str
-    tensors: List[Tuple[Tuple[int, ...], Optional[str]]]  # trainable: (shape, block it belongs to or None)
-    frozen: int = 0  # parameters without gradients
-    layers: Optional[int] = None
-    hidden: Optional[int] = None
-    heads: Optional[int] = None
-    attention_width: Optional[int] = None
-    ffn: Optional[int] = None
-    vocab: Optional[int] = None
-    seq_len: Optional[int] = None  # the default sequence length
-    max_seq_len: Optional[int] = None  # learned positions: no longer sequence possible
-    fixed_seq_len: bool = False  # the kit's model: the sequence is its caption and image, nothing else
-    logits_per_sample: Optional[int] = None  # overrides seq_len * vocab (the kit's two vocabularies)
-    cross_attention_layers: int = 0  # decoder layers of an encoder-decoder model attend twice
-    activation: str = "gelu"  # a key of FEED_FORWARD_TENSORS
-    dropout: bool = True  # dropout masks (1 byte per element) are kept for backward
-    reversible: bool = False  # activations are rebuilt in backward whatever `checkpointing` says
-    shareable: bool = False  # shared_groups can be applied (a ModelShape)
-    shape: Optional[ModelShape] = None
-
-    @property
-    def knows_activations(self) -> bool:
-        return None not in (self.layers, self.hidden, self.heads, self.ffn, self.seq_len)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-def _from_shape(shape: ModelShape, label: str, shared_groups: Optional[int]) -> _Architecture:
-    return _Architecture(
-        label=label, tensors=shape._tensors(shared_groups), layers=shape.layers, hidden=shape.hidden,
-        heads=shape.heads, attention_width=shape.attention_width, ffn=shape.ffn, vocab=shape.vocab,
-        seq_len=shape.seq_len, max_seq_len=shape.seq_len if shape.learned_positions else None,
-        cross_attention_layers=shape.layers // 2 if shape.kind == "encoder-decoder" else 0,
-        activation=shape.activation, shareable=True, shape=shape)
-
-
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"
-
-
-def _from_module(module: torch.nn.Module, label: str) -> _Architecture:
-    """Every distinct parameter of ``module``; a parameter under a numbered child (``h.3.``) belongs to that block."""
-    tensors, frozen = [], 0
-    for name, param in module.named_parameters():  # tied or shared tensors are listed once
-        if param.requires_grad:
-            match = _BLOCK.match(name)
-            tensors.append((tuple(param.shape), match.group(1) if match else None))
-        else:
-            frozen += param.numel()
-    arch = _Architecture(label=label, tensors=tensors, frozen=frozen)
-    config = getattr(module, "config", None)
-    if isinstance(module, TextToImageTransformer):
-        _describe_kit(arch, module.config)
-    elif config is not None and all(hasattr(config, k) for k in ("num_hidden_layers", "hidden_size",
-                                                                  "num_attention_heads", "vocab_size")):
-        # a transformers model (GPT-2, BERT, ...): its config names the dimensions
-        h = config.hidden_size
-        positions = getattr(config, "max_position_embeddings", None)
-        arch.layers, arch.hidden, arch.heads = config.num_hidden_layers, h, config.num_attention_heads
-        arch.attention_width, arch.vocab = h, config.vocab_size
-        arch.ffn = getattr(config, "n_inner", None) or getattr(config, "intermediate_size", None) or 4 * h
-        arch.seq_len = arch.max_seq_len = positions
-        name = getattr(config, "activation_function", None) or getattr(config, "hidden_act", None)
-        arch.activation = name if name in ("gelu_new", "relu") else "gelu"
-        arch.dropout = any((getattr(config, k, 0) or 0) > 0
-                           for k in ("resid_pdrop", "hidden_dropout_prob", "dropout", "dropout_rate"))
-    return arch
-
-
-def _describe_kit(arch: _Architecture, config) -> None:
-    """The dimensions of the kit's TextToImageTransformer (collab_kit.model.transformer) for ``config`` (a ModelConfig)."""
-    arch.layers, arch.hidden, arch.heads = config.num_layers, config.hidden_size, config.num_heads
-    arch.attention_width, arch.ffn = config.hidden_size, config.ffn_multiplier * config.hidden_size
-    arch.seq_len, arch.fixed_seq_len = config.sequence_length, True
-    arch.vocab = config.text_vocab_size + config.codebook_size
-    # caption positions predict caption tokens, image positions predict codes (collab_kit.model.transformer.forward)
-    arch.logits_per_sample = ((config.text_length - 1) * config.text_vocab_size
-                              + config.image_length * config.codebook_size)
-    arch.activation, arch.dropout, arch.reversible = "geglu", False, config.reversible
-
-
-_KIT_CACHE: Dict[str, _Architecture] = {}
-
-
-def _from_kit_config(config, label: str) -> _Architecture:
-    """Build the kit's model on the meta device (no memory, even for the paper preset) and count its tensors."""
-    key = repr(config)
-    if key not in _KIT_CACHE:
-        with torch.device("meta"):
-            model = TextToImageTransformer(config)
-        _KIT_CACHE[key] = _from_module(model, label)
-    return dataclasses.replace(_KIT_CACHE[key], label=label)
-
-
-def resolve_model(model, shared_groups: Optional[int]) -> Tuple[_Architecture, dict]:
-    """``model`` as an _Architecture, plus defaults it implies (a RunConfig's offload and min_8bit_size)."""
-    defaults: dict = {}
-    label = None
-    if isinstance(model, RunConfig):
-        defaults = dict(offload=model.optimizer.offload_optimizer, min_8bit_size=model.optimizer.min_8bit_size)
-        label, model = f"{model.preset} preset", model.model
-    if isinstance(model, str):
-        if model in CATALOGUE:
-            arch = _from_shape(CATALOGUE[model], model, shared_groups)
-        elif model in PRESETS:
-            arch = _from_kit_config(get_preset(model).model, f"{model} preset")
-        else:
-            raise ValueError(f"unknown model {model!r}: choose one of {', '.join(known_models())}, "
-                             f"or pass a ModelShape, a RunConfig or a torch module")
-    elif isinstance(model, ModelShape):
-        arch = _from_shape(model, "custom shape", shared_groups)
-    elif isinstance(model, ModelConfig):
-        arch = _from_kit_config(model, label or "custom ModelConfig")
-    elif isinstance(model, torch.nn.Module):
-        arch = _from_module(model, type(model).__name__)
-    else:
-        raise TypeError(f"model={model!r}: expected a name ({', '.join(known_models())}), a ModelShape, "
-                        f"a ModelConfig, a RunConfig or a torch.nn.Module")
-    if shared_groups is not None and not arch.shareable:
-        raise ValueError(f"shared_groups applies to catalogue names and ModelShapes; {arch.label} already has "
-                         f"the parameters it has (the kit's model shares layers when its ModelConfig sets "
-                         f"share_layer_groups=True)")
-    return arch, defaults
-
 
 # ---------------------------------------------------------------------------------------------
 # the estimate
@@ -288,7 +150,7 @@ def optimizer_bytes_for(shapes: Sequence[Tuple[int, ...]], optimizer: str,
         raise ValueError(f"optimizer={optimizer!r} is not allowed: choose one of {', '.join(OPTIMIZERS)}")
     total, any_8bit = 0, False
     for shape in shapes:
-        n = _numel(shape)
+        n = numel(shape)
         if optimizer == "32bit":  # torch.optim.Adam: exp_avg, exp_avg_sq in fp32, a float32 step tensor
             total += 8 * n + 4
         elif optimizer == "16bit":  # torch.optim.Adam on 16-bit parameters: 16-bit statistics, fp32 step
@@ -301,7 +163,7 @@ def optimizer_bytes_for(shapes: Sequence[Tuple[int, ...]], optimizer: str,
                 total += 2 * n + 2 * 4 * (-(-n // BNB_BLOCKSIZE))  # two uint8 statistics + their fp32 absmax
         else:  # factorized: transformers' Adafactor (beta1=None): row and column second moments, fp32 RMS
             if len(shape) >= 2:
-                rows, columns = _numel(shape[:-1]), _numel(shape[:-2]) * shape[-1]
+                rows, columns = numel(shape[:-1]), numel(shape[:-2]) * shape[-1]
                 total += 4 * (rows + columns) + 4
             else:
                 total += 4 * n + 4
@@ -310,7 +172,7 @@ def optimizer_bytes_for(shapes: Sequence[Tuple[int, ...]], optimizer: str,
     return total
 
 
-def _activation_bytes(arch: _Architecture, micro_batch: int, seq_len: int, checkpointing: bool,
+def _activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, checkpointing: bool,
                       precision: str, attention: str) -> Tuple[int, int]:
     """(activations, the part of them that is autocast's weight copies) for one micro-batch; see ``estimate``."""
     s, b = seq_len, micro_batch
@@ -351,7 +213,7 @@ def _activation_bytes(arch: _Architecture, micro_batch: int, seq_len: int, check
         # layers) too, every copy is alive at the end of the forward pass (benchmarks/memory_estimates.py
         # measures it); a recomputed layer casts its weights again in backward, once the cache is gone.
         # A shared (tied) matrix is cast once.
-        copies = 2 * sum(_numel(shape) for shape, _ in arch.tensors if len(shape) >= 2)
+        copies = 2 * sum(numel(shape) for shape, _ in arch.tensors if len(shape) >= 2)
     return stored + ends + copies, copies
 
 
@@ -419,18 +281,7 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
     Short-lived buffers (the gradient flowing between layers, matmul workspaces) are not counted.
     A torch module without a config naming its dimensions gets no activation estimate (0, with a note).
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is not allowed: choose one of {', '.join(OPTIMIZERS)}")
-    precision = normalize_precision(precision)
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention={attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
-    check_positive_int("micro_batch", micro_batch)
-    if seq_len is not None:
-        check_positive_int("seq_len", seq_len, "a positive number of tokens, or None for the model's own")
-    if not isinstance(pcie_gb_per_s, (int, float)) or isinstance(pcie_gb_per_s, bool) or not pcie_gb_per_s > 0:
-        raise ValueError(f"pcie_gb_per_s={pcie_gb_per_s!r} is not allowed: expected a positive number of GB/s")
-    if offload is not None and not isinstance(offload, bool):
-        raise ValueError(f"offload={offload!r} is not allowed: expected True, False or None")
+    precision = _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_gb_per_s, offload)
     arch, defaults = resolve_model(model, shared_groups)
     if min_8bit_size is None:
         min_8bit_size = defaults.get("min_8bit_size", BNB_MIN_8BIT_SIZE)
@@ -442,7 +293,24 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
                      attention=attention, min_8bit_size=min_8bit_size, pcie_gb_per_s=pcie_gb_per_s)
 
 
-def _estimate(arch: _Architecture, *, optimizer, offload, checkpointing, shared_groups, micro_batch, seq_len,
+def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_gb_per_s, offload) -> str:
+    """``estimate``'s options checked, each error naming the option and what it takes; returns the precision's
+    canonical name."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not allowed: choose one of {', '.join(OPTIMIZERS)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r} is not allowed: choose one of {', '.join(ATTENTIONS)}")
+    check_positive_int("micro_batch", micro_batch)
+    if seq_len is not None:
+        check_positive_int("seq_len", seq_len, "a positive number of tokens, or None for the model's own")
+    if not isinstance(pcie_gb_per_s, (int, float)) or isinstance(pcie_gb_per_s, bool) or not pcie_gb_per_s > 0:
+        raise ValueError(f"pcie_gb_per_s={pcie_gb_per_s!r} is not allowed: expected a positive number of GB/s")
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"offload={offload!r} is not allowed: expected True, False or None")
+    return normalize_precision(precision)
+
+
+def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_groups, micro_batch, seq_len,
               precision, attention, min_8bit_size, pcie_gb_per_s) -> MemoryEstimate:
     notes: List[str] = []
     if seq_len is None:
@@ -454,7 +322,7 @@ def _estimate(arch: _Architecture, *, optimizer, offload, checkpointing, shared_
         raise ValueError(f"seq_len={seq_len} is not allowed: {arch.label} learns {arch.max_seq_len} positions, "
                          f"so its sequences have at most {arch.max_seq_len} tokens")
     shapes = [shape for shape, _ in arch.tensors]
-    trainable = sum(_numel(shape) for shape in shapes)
+    trainable = sum(numel(shape) for shape in shapes)
     parameters = trainable + arch.frozen
     per_parameter = 2 if precision == "16bit" else 4
     weights, gradients = per_parameter * parameters, per_parameter * trainable

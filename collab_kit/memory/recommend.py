@@ -6,7 +6,7 @@ chose, what it left out and, when nothing fits, which setting would make it fit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from collab_kit.memory.estimator import MemoryEstimate, check_positive_int, estimate
 from collab_kit.units import format_bytes
@@ -71,22 +71,11 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
     def at(micro_batch: int, checkpointing: bool, **changes) -> MemoryEstimate:
         return estimate(model, micro_batch=micro_batch, checkpointing=checkpointing, **{**settings, **changes})
 
-    def largest(checkpointing: bool) -> int:
-        """The largest micro-batch in [1, max_micro_batch] that fits (memory grows with it), 0 if none."""
-        low, high = 0, max_micro_batch
-        while low < high:
-            middle = (low + high + 1) // 2
-            if at(middle, checkpointing).gpu_bytes <= budget:
-                low = middle
-            else:
-                high = middle - 1
-        return low
-
     if checkpointing not in (None, True, False):
         raise ValueError(f"checkpointing={checkpointing!r} is not allowed: expected True, False or None (choose)")
     where = f"{format_bytes(budget)} budget ({headroom:.0%} of {format_bytes(gpu_memory_bytes)})"
-    plain = 0 if checkpointing is True else largest(False)
-    checkpointed = 0 if checkpointing is False else largest(True)
+    plain = 0 if checkpointing is True else _largest_that_fits(at, False, budget, max_micro_batch)
+    checkpointed = 0 if checkpointing is False else _largest_that_fits(at, True, budget, max_micro_batch)
     if plain and (checkpointing is False or plain >= min(min_micro_batch, checkpointed)):
         chosen = at(plain, False)
         reason = f"micro-batch {plain} without checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
@@ -97,12 +86,36 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
         return Recommendation(plain, False, chosen, True, reason, int(gpu_memory_bytes), budget)
     if checkpointed:
         chosen = at(checkpointed, True)
-        reason = f"micro-batch {checkpointed} with gradient checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
+        reason = (f"micro-batch {checkpointed} with gradient checkpointing: {format_bytes(chosen.gpu_bytes)} of the "
+                  f"{where}")
         if checkpointing is None:
             reason += f" (without it, only {plain} would fit)" if plain else " (without it, not one sample fits)"
         return Recommendation(checkpointed, True, chosen, True, reason, int(gpu_memory_bytes), budget)
 
     smallest = at(1, checkpointing is not False)
+    how = "with" if smallest.checkpointing else "without"
+    reason = (f"does not fit: micro-batch 1 {how} checkpointing needs {format_bytes(smallest.gpu_bytes)} on the GPU, "
+              f"more than the {where}; {_what_would_fit(at, smallest, budget)}")
+    return Recommendation(1, smallest.checkpointing, smallest, False, reason, int(gpu_memory_bytes), budget)
+
+
+def _largest_that_fits(at: Callable[..., MemoryEstimate], checkpointing: bool, budget: int,
+                       max_micro_batch: int) -> int:
+    """The largest micro-batch in [1, max_micro_batch] whose estimate ``at(micro_batch, checkpointing)`` fits the
+    budget (memory grows with it: a binary search), 0 if none."""
+    low, high = 0, max_micro_batch
+    while low < high:
+        middle = (low + high + 1) // 2
+        if at(middle, checkpointing).gpu_bytes <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _what_would_fit(at: Callable[..., MemoryEstimate], smallest: MemoryEstimate, budget: int) -> str:
+    """Advice for a model of which not one sample fits: the changes of optimizer and offloading that would fit, each
+    with what it takes, then what else to try."""
     current = dict(optimizer=smallest.optimizer, offload=smallest.offload)
     fixes, tried = [], [current]
     for name, changes in (("the 8-bit optimizer (optimizer='8bit')", dict(optimizer="8bit")),
@@ -115,8 +128,5 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
         if option.gpu_bytes <= budget:
             fixes.append(f"{name}: {format_bytes(option.gpu_bytes)}")
     advice = ("it would fit with " + "; or ".join(fixes) + ". Otherwise try " if fixes else "try ")
-    advice += "a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more memory"
-    how = "with" if smallest.checkpointing else "without"
-    reason = (f"does not fit: micro-batch 1 {how} checkpointing needs {format_bytes(smallest.gpu_bytes)} on the GPU, "
-              f"more than the {where}; {advice}")
-    return Recommendation(1, smallest.checkpointing, smallest, False, reason, int(gpu_memory_bytes), budget)
+    return advice + ("a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more "
+                     "memory")

@@ -6,9 +6,9 @@ import html
 import io
 from typing import Mapping, Optional
 
+from collab_kit.memory.architecture import resolve_model
 from collab_kit.memory.catalogue import known_models
-from collab_kit.memory.estimator import (MemoryEstimate, OPTIMIZERS, normalize_precision, resolve_model, compare,
-                                         estimate)
+from collab_kit.memory.estimator import MemoryEstimate, OPTIMIZERS, normalize_precision, compare, estimate
 from collab_kit.memory.recommend import Recommendation, recommend_settings
 from collab_kit.units import GiB
 

@@ -12,7 +12,7 @@
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "volunteer": ["Volunteer", "NonFiniteTrainingError", "peer_stream"],
+    "volunteer": ["Volunteer", "NonFiniteTrainingError"],
     "monitor": ["Monitor"],
     "monitor_settings": ["MonitorSettings", "MonitorError"],
     "checkpointer": ["Checkpointer"],

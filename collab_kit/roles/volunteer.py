@@ -24,9 +24,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from tqdm.auto import tqdm
 
-from collab_kit.config import RunConfig, SettingProblem
-from collab_kit.data.stream import ShardStream, batches, peer_data_seed
-from collab_kit.data.tokenizers import caption_tokenizer
+from collab_kit.config import RunConfig
+from collab_kit.data.stream import ShardStream, batches, peer_data_seed, peer_stream
 from collab_kit.errors import CollabKitError
 from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.model.transformer import TextToImageTransformer, initial_model, non_finite_parameters
@@ -48,20 +47,6 @@ STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
 class NonFiniteTrainingError(CollabKitError, RuntimeError):
     """Training cannot go on: the model is not finite and no peer could give its state, or every step stays nan."""
-
-def peer_stream(config: RunConfig, data_shards: Optional[str] = None, data_seed: int = 0) -> ShardStream:
-    """The stream of samples a peer trains on: the run's shards in this peer's order, tokenized as the run says.
-
-    :raises SettingProblem: the caption tokenizer has more tokens than the model reads
-    """
-    tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
-    if tokenizer.vocab_size > config.model.text_vocab_size:
-        raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the "
-                             f"model reads {config.model.text_vocab_size}: set model.text_vocab_size")
-    return ShardStream(data_shards or config.data.shards, config.model.text_length, config.model.image_length,
-                       tokenizer=tokenizer, shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
-                       codebook_size=config.model.codebook_size)
-
 
 class Volunteer:
     """One peer of a collaborative run: trains its model with the swarm, step by step, and reports each epoch.
@@ -258,7 +243,6 @@ class Volunteer:
         """The training loop proper: one local step per batch until a limit is reached."""
         epoch_losses: List[float] = []
         epoch_start = time.perf_counter()
-        batch_size = self.config.optimizer.batch_size_per_step
         self.model.train()
         def limit_reached() -> bool:
             return ((max_epochs is not None and self.local_epoch >= max_epochs)
@@ -295,33 +279,9 @@ class Volunteer:
             epoch_losses.append(loss.item())
 
             if self.local_epoch != epoch_before:
-                optimizer = self.optimizer
-                averaged = optimizer.averaged_rounds > rounds_before
-                # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own;
-                # a round of the swarm's next epoch ended that one (this peer's losses went into its gradients)
-                in_round = averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1)
-                record = EpochRecord(
-                    epoch=optimizer.last_round_epoch if in_round else epoch_before,
-                    loss=sum(epoch_losses) / len(epoch_losses), local_steps=len(epoch_losses),
-                    samples=len(epoch_losses) * batch_size, averaged=averaged,
-                    group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
-                    seconds=time.perf_counter() - epoch_start,
-                    anchors=optimizer.last_anchors_in_group if in_round else 0,
-                    training_peers=max(1, optimizer.tracker.training_peers),
-                    problem=optimizer.last_round_problem if in_round else "this peer was behind the swarm")
-                history.epochs.append(record)
+                record = self._epoch_record(epoch_before, rounds_before, epoch_losses, time.perf_counter() - epoch_start)
                 epoch_losses, epoch_start = [], time.perf_counter()
-                warning = self._lone_watch.observe(record, bool(self.config.swarm.client_mode),
-                                                   optimizer.tracker.anchor_peers, self.config.optimizer.averaging_timeout,
-                                                   self.config.optimizer.matchmaking_time)
-                if warning is not None:
-                    logger.warning(str(warning))
-                    history.lone_warnings.append(warning)
-                    if on_lone is not None:
-                        on_lone(warning)
-                self._publish_metrics(record)
-                if on_epoch is not None:
-                    on_epoch(record)
+                self._report_epoch(record, history, on_epoch, on_lone)
                 if max_epochs is not None:
                     bar.update(self.local_epoch - epoch_before)
                 # a global step changed the parameters: once per epoch, check them (a nan in a row of the
@@ -335,6 +295,40 @@ class Volunteer:
             bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
                             samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
                             refresh=False)
+
+    def _epoch_record(self, epoch_before: int, rounds_before: int, losses: List[float], seconds: float) -> EpochRecord:
+        """What this peer saw of the global epoch its last step ended: its loss, samples, and the round that ended it."""
+        optimizer = self.optimizer
+        averaged = optimizer.averaged_rounds > rounds_before
+        # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own; a round of
+        # the swarm's next epoch ended that one (this peer's losses went into its gradients)
+        in_round = averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1)
+        return EpochRecord(
+            epoch=optimizer.last_round_epoch if in_round else epoch_before,
+            loss=sum(losses) / len(losses), local_steps=len(losses),
+            samples=len(losses) * self.config.optimizer.batch_size_per_step, averaged=averaged,
+            group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
+            seconds=seconds, anchors=optimizer.last_anchors_in_group if in_round else 0,
+            training_peers=max(1, optimizer.tracker.training_peers),
+            problem=optimizer.last_round_problem if in_round else "this peer was behind the swarm")
+
+    def _report_epoch(self, record: EpochRecord, history: TrainingHistory,
+                      on_epoch: Optional[Callable[[EpochRecord], None]],
+                      on_lone: Optional[Callable[[LoneWarning], None]]) -> None:
+        """Keep the epoch's record, say so when this peer trains alone while others train, publish its metrics."""
+        history.epochs.append(record)
+        warning = self._lone_watch.observe(record, bool(self.config.swarm.client_mode),
+                                           self.optimizer.tracker.anchor_peers,
+                                           self.config.optimizer.averaging_timeout,
+                                           self.config.optimizer.matchmaking_time)
+        if warning is not None:
+            logger.warning(str(warning))
+            history.lone_warnings.append(warning)
+            if on_lone is not None:
+                on_lone(warning)
+        self._publish_metrics(record)
+        if on_epoch is not None:
+            on_epoch(record)
 
     def _wait_for_link(self, history: TrainingHistory, on_link: Optional[Callable[[str], None]] = None) -> None:
         """Training waits while the link to the swarm is down: steps taken meanwhile could be averaged with nobody, and
