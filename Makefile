@@ -56,22 +56,28 @@ netlab:
 		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null; } || \
 		echo "could not install iproute2 and iptables: the network lab's tests will skip (install them as root)"
 
+# the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite
 test: $(STAMP) chromium netlab
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -ra --durations=15
 
 test-fast: $(STAMP) chromium netlab
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -ra -m "not slow"
 
 # every test of the files whose tests start peers, DHTs, kernels or services as processes or threads that wait on
 # each other (their fast tests too, not only the slow ones), REPEAT times in a row, stopping at the first failure: a
 # test that fails now and then shows here (`make soak REPEAT=5`; one repetition takes about as long as `make test`)
 REPEAT ?= 5
-PEER_TESTS := tests/test_swarm_training.py tests/test_faults.py tests/test_auth_swarm.py tests/test_network_lab.py \
-	tests/test_swarm_scaling_sim.py tests/test_monitor.py tests/test_demo.py tests/test_notebooks.py \
-	tests/test_notebook_run_your_own.py tests/test_notebooks_at_defaults.py tests/test_notebook_inference.py \
-	tests/test_notebook_memory.py tests/test_robust.py tests/test_swarm.py tests/test_optim.py tests/test_metrics.py \
-	tests/test_auth.py tests/test_auth_server.py tests/test_preflight.py tests/test_cli.py tests/test_dashboard.py \
-	tests/test_lm_tutorial.py tests/test_lone_training.py tests/test_hostile_data.py tests/test_preprocess.py
+PEER_TESTS := tests/roles/test_swarm_training.py tests/roles/test_faults.py tests/roles/test_auth_swarm.py \
+	tests/roles/test_monitor.py tests/roles/test_lone_training.py tests/roles/test_volunteer.py \
+	tests/netlab/test_network_lab.py tests/swarm/test_swarm_scaling_sim.py tests/swarm/test_robust.py \
+	tests/swarm/test_swarm.py tests/swarm/test_optim.py tests/swarm/test_metrics.py tests/cli/test_demo.py \
+	tests/cli/test_cli.py tests/notebooks/test_notebooks.py tests/notebooks/test_notebook_run_your_own.py \
+	tests/notebooks/test_notebooks_at_defaults.py tests/notebooks/test_notebook_inference.py \
+	tests/notebooks/test_notebook_memory.py tests/auth/test_auth.py tests/auth/test_auth_server.py \
+	tests/notebook/test_preflight.py tests/notebook/test_dashboard.py tests/tutorial/test_lm_tutorial.py \
+	tests/data/test_hostile_data.py tests/data/test_preprocess.py
 
 soak: $(STAMP) chromium netlab
 	@for run in $$(seq $(REPEAT)); do echo "== run $$run of $(REPEAT)"; \

@@ -1,6 +1,6 @@
 """Axial attention / dense masked attention: training throughput at the paper's sequence of 1280 positions.
 
-Both compute the same attention (tests/test_attention.py checks they agree): the dense side builds
+Both compute the same attention (tests/model/test_attention.py checks they agree): the dense side builds
 scores for all 1280 x 1280 pairs and masks most of them; the axial side groups the image by rows,
 columns or bands of rows and scores each group against the caption and itself.
 """

@@ -28,7 +28,7 @@ This CPU benchmark checks the byte formulas of `collab_kit.memory.estimator.esti
 measured by `benchmarks/memory_gpu.py` on a GPU (`python benchmarks/memory_gpu.py --out gpu.json`).
 Each GPT-2 size is built from its `collab_kit.memory.catalogue.CATALOGUE` shape with
 `collab_kit.tutorial.finetuning.load_gpt2(dict of GPT2Config fields, device="cpu")` (seed 0, random weights,
-dropout 0 as in `tests/test_memory.py`: on a CPU dropout keeps fp32 masks where CUDA keeps bytes;
+dropout 0 as in `tests/memory/test_memory.py`: on a CPU dropout keeps fp32 masks where CUDA keeps bytes;
 torch's SDPA attention), fed 1024 random tokens per sample under `torch.autocast("cpu", torch.bfloat16)`
 with fp32 parameters, and compared with `estimate(model, micro_batch=b, seq_len=1024,
 precision="mixed", checkpointing=...)`. Each setting is measured once: bytes are deterministic.
@@ -41,7 +41,7 @@ precision="mixed", checkpointing=...)`. Each setting is measured once: bytes are
   fp32 under autocast too, and this CPU (no bf16 instructions) runs bf16 products three times slower.
 - Activations, without checkpointing: every storage alive at the end of the forward pass (still inside
   autocast) that the forward created, parameters excluded, each storage once: what autograd saves for
-  backward (`torch.autograd.graph.saved_tensors_hooks`, as `tests/test_memory.py` counts it), autocast's
+  backward (`torch.autograd.graph.saved_tensors_hooks`, as `tests/memory/test_memory.py` counts it), autocast's
   cached 16-bit weight copies and the returned logits (tensors a `TorchDispatchMode` saw created, still
   alive); plus the fp32 gradient of the log-probabilities that backward starts from (its bytes, taken by a
   hook on the log-softmax's backward), which the estimate also counts.

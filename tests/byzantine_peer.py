@@ -13,7 +13,7 @@ Times -1000 turns the plain mean into gradient ascent.
 
 ``start_byzantine_peer`` starts it as a subprocess with the same handling as any test peer
 (collab_kit.roles.processes.PeerProcess: events, deadlines, kill of the whole process group);
-``run_poisoned_swarm`` runs it beside 3 honest peers (tests/test_robust.py, benchmarks/robust_aggregation.py).
+``run_poisoned_swarm`` runs it beside 3 honest peers (tests/swarm/test_robust.py, benchmarks/robust_aggregation.py).
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def start_peer(tmp_path):
 def first_peer(start_peer, tmp_path):
     """A running first peer (coordinator) for the tiny preset; returns (peer, its join addresses).
 
-    Its database goes to the test's folder; it saves no checkpoints (tests/test_monitor.py tests those).
+    Its database goes to the test's folder; it saves no checkpoints (tests/roles/test_monitor.py tests those).
     """
     def launch(run_id: str):
         peer = start_peer("first-peer", "monitor", "--preset", "tiny", "--run-id", run_id,

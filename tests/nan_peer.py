@@ -1,4 +1,4 @@
-"""A volunteer whose training goes nan, for the fault tests (tests/test_faults.py).
+"""A volunteer whose training goes nan, for the fault tests (tests/roles/test_faults.py).
 
 Run as ``python tests/nan_peer.py [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N]
 join OPTIONS...``: the same peer as ``collab-kit join OPTIONS...``, except that its first local training

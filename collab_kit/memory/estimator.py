@@ -18,7 +18,7 @@ Where the memory goes, and the paper's tricks against each part:
 - **activations**: what the forward pass keeps for backward; grows with the micro-batch, the
   sequence and the depth. Gradient checkpointing (or reversible layers) keeps only each layer's input.
 
-The byte counts of weights, gradients and optimizer state are exact: ``tests/test_memory.py`` checks
+The byte counts of weights, gradients and optimizer state are exact: ``tests/memory/test_memory.py`` checks
 them against the bytes torch and bitsandbytes allocate after a real step. Activations are an
 estimate from a per-layer formula, checked against what a CPU training step of GPT-2 small, medium and
 large keeps (``benchmarks/memory_estimates.py``); ``benchmarks/memory_gpu.py`` measures a GPU's peak.

@@ -7,7 +7,7 @@ import nbformat
 from collab_kit import memory
 from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "memory_calculator.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "memory_calculator.ipynb"
 PARAMETERS = ("MODEL", "OPTIMIZER", "PRECISION", "MICRO_BATCH", "SEQ_LEN", "CHECKPOINTING", "OFFLOAD", "SHARED_GROUPS",
               "GPU_MEMORY_GIB", "INTERACTIVE", "SUMMARY_PATH")
 

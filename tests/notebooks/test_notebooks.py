@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 JOIN = NOTEBOOKS / "join.ipynb"
 DASHBOARD = NOTEBOOKS / "dashboard.ipynb"
 
@@ -62,7 +62,7 @@ def test_every_notebook_has_a_test_that_runs_it(path):
     runners = [test for test in Path(__file__).parent.glob("test_*.py")
                if f'"{path.name}"' in (text := test.read_text()) and "execute_notebook(" in text]
     assert runners, (f"no test runs notebooks/{path.name}: add one that executes it with papermill and checks what "
-                     f"it shows (see tests/test_notebooks.py)")
+                     f"it shows (see tests/notebooks/test_notebooks.py)")
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from collab_kit.config import get_preset
 from collab_kit.roles.processes import group_is_empty
 from collab_kit.roles.run_history import RunHistory
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "run_your_own.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "run_your_own.ipynb"
 ORG = "my-org"
 PARAMETERS = ("RUN_ID", "PRESET", "OPTIMIZER_SETTINGS", "HOST", "MONITOR_PORT", "WITH_AUTH", "ORGANIZATION",
               "ALLOWLIST", "HUB_ENDPOINT", "AUTH_HOST", "AUTH_PORT", "AUTH_PUBLIC_URL", "TOKEN_LIFETIME_MINUTES",

@@ -1,5 +1,5 @@
 """Training alone while others train is said: the volunteer's watch, its metrics record, the monitor's history,
-the dashboard and the join notebook's live view (the swarm itself: tests/test_network_lab.py)."""
+the dashboard and the join notebook's live view (the swarm itself: tests/netlab/test_network_lab.py)."""
 import pytest
 
 from collab_kit.notebook.dashboard import averaging_html, load

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO_ROOT not in sys.path:  # `pytest` (not `python -m pytest`) does not put the repository on the path
     sys.path.insert(0, REPO_ROOT)
 

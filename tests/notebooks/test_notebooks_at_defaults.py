@@ -27,7 +27,7 @@ from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.config import get_preset
 from collab_kit.model.transformer import TextToImageTransformer
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.model.sampling import TOY_TOP_K
 from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "inference.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "inference.ipynb"
 PARAMETERS = ("CHECKPOINT", "REVISION", "VQGAN", "CLIP", "PROMPTS", "CANDIDATES", "KEEP", "TOP_K", "TOP_P",
               "TEMPERATURE", "SEED", "BATCH_SIZE", "DEVICE", "SHEET_PATH", "SUMMARY_PATH")
 PROMPTS = ["a large red circle in the center", "a small blue square at the top left"]

@@ -1,6 +1,6 @@
 """The volunteer's step loop, its recovery from non-finite steps and its metrics, in this process: a real DHT on
 127.0.0.1 and a real collaborative optimizer, a lone peer, the parts given to ``Volunteer`` (its seams) instead of
-built from the configuration. Each test takes seconds; what needs other peers is tests/test_faults.py."""
+built from the configuration. Each test takes seconds; what needs other peers is tests/roles/test_faults.py."""
 import math
 import time
 
