@@ -17,7 +17,7 @@ from collab_kit.images.generate import draw_images
 from collab_kit.images.inference import draw_prompts, load_for_inference
 from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.model.sampling import TOY_TOP_K
-from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
+from notebook_runs import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "inference.ipynb"
 PARAMETERS = ("CHECKPOINT", "REVISION", "VQGAN", "CLIP", "PROMPTS", "CANDIDATES", "KEEP", "TOP_K", "TOP_P",

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 
 from collab_kit import memory
-from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
+from notebook_runs import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "memory_calculator.ipynb"
 PARAMETERS = ("MODEL", "OPTIMIZER", "PRECISION", "MICRO_BATCH", "SEQ_LEN", "CHECKPOINTING", "OFFLOAD", "SHARED_GROUPS",

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from hub_server import StandInHub
-from test_notebooks import cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
+from notebook_runs import cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
 from collab_kit import cli
 from collab_kit.roles import services

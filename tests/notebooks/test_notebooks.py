@@ -3,22 +3,19 @@
 A notebook is tested with tiny parameters against real peers on 127.0.0.1; what it reports (a JSON
 summary written to SUMMARY_PATH, and its cell outputs) is checked, not just that it ran.
 """
-import ast
 import html
 import io
 import json
 import math
-import os
 import shlex
-import sys
 import threading
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from notebook_runs import NOTEBOOKS, cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 JOIN = NOTEBOOKS / "join.ipynb"
 DASHBOARD = NOTEBOOKS / "dashboard.ipynb"
 
@@ -31,13 +28,6 @@ DASHBOARD_PARAMETERS = ("DB_PATH", "LOSS_X", "PAGE_PATH", "TITLE")
 # the two peers' progress reports to meet in the DHT before either takes a step alone (as in
 # test_swarm_training.py)
 TARGET_BATCH_SIZE = 2048
-
-
-def parameter_names(notebook) -> set:
-    """Names assigned in the cell tagged ``parameters``."""
-    [cell] = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
-    return {target.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
-            for target in node.targets if isinstance(target, ast.Name)}
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
@@ -59,33 +49,10 @@ def test_committed_notebook_is_clean_and_parameterized(path):
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
 def test_every_notebook_has_a_test_that_runs_it(path):
     """A notebook nobody runs rots: some test file must name it and execute it through papermill."""
-    runners = [test for test in Path(__file__).parent.glob("test_*.py")
+    runners = [test for test in Path(__file__).parents[1].rglob("test_*.py")
                if f'"{path.name}"' in (text := test.read_text()) and "execute_notebook(" in text]
     assert runners, (f"no test runs notebooks/{path.name}: add one that executes it with papermill and checks what "
                      f"it shows (see tests/notebooks/test_notebooks.py)")
-
-
-@pytest.fixture
-def python3_kernel(monkeypatch):
-    """Make papermill's ``python3`` kernel the one of this interpreter's environment, not a user-wide one."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
-        [os.path.join(sys.prefix, "share", "jupyter"), *filter(None, [os.environ.get("JUPYTER_PATH")])]))
-    spec = KernelSpecManager().get_kernel_spec("python3")
-    if os.path.dirname(spec.argv[0]) != os.path.dirname(sys.executable):
-        pytest.fail(f"the 'python3' kernel runs {spec.argv[0]}, not this environment's Python ({sys.executable}): "
-                    f"run `{sys.executable} -m ipykernel install --sys-prefix --name python3`")
-    return "python3"
-
-
-def cell_texts(notebook) -> str:
-    texts = []
-    for cell in notebook.cells:
-        for output in cell.get("outputs", []):
-            texts.append(output.get("text", "") if output.output_type == "stream"
-                         else output.get("data", {}).get("text/plain", ""))
-    return "\n".join(texts)
 
 
 @pytest.mark.slow

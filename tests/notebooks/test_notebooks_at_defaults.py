@@ -21,7 +21,7 @@ from bs4 import BeautifulSoup
 from example_history import write_example_history
 from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a fixture)
 from nbconvert import HTMLExporter
-from test_notebooks import cell_texts, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
+from notebook_runs import cell_texts, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
 from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.config import get_preset

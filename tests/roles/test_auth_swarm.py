@@ -9,7 +9,7 @@ import time
 
 import pytest
 from hub_server import StandInHub
-from test_auth_server import ORG, AuthServerProcess
+from auth_server_process import ORG, AuthServerProcess
 
 from collab_kit.auth.ledger import JoinLedger
 from collab_kit.roles.processes import PeerProcess

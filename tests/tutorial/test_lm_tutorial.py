@@ -19,7 +19,7 @@ from collab_kit.tutorial.finetuning import (compare_optimizer_memory, finetune, 
 from collab_kit.memory.estimator import BNB_MIN_8BIT_SIZE
 from collab_kit.tutorial.text_stream import (block_batches, gpt2_tokenizer, iterate_texts, make_text_shards, pack_blocks,
                                     stream_texts)
-from test_notebooks import NOTEBOOKS, cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
+from notebook_runs import NOTEBOOKS, cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
 TUTORIAL = NOTEBOOKS / "tutorial_gpt2_8bit.ipynb"
 TUTORIAL_PARAMETERS = ("MODEL", "TINY_CONFIG", "DATA", "DATA_FILES", "OFFLINE_DATA", "SHUFFLE_BUFFER", "BLOCK_SIZE", "MICRO_BATCH",
