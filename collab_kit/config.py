@@ -6,7 +6,8 @@ ValueError that names the field and what is allowed, instead of deep inside torc
 Presets:
 - ``tiny``: unit and multi-process tests; a training step takes milliseconds on one CPU core.
 - ``small``: a CPU run on synthetic codes; several peers share two cores and still learn visibly.
-- ``toy``: the toy world (collab_kit.toy.world): its word captions, its VQGAN's 8x8 codes of 512; what ``make demo`` trains.
+- ``toy``: the toy world (the pictures of collab_kit.data.synthetic): its word captions, its VQGAN's 8x8 codes of 512;
+what ``make demo`` trains.
 - ``paper``: the values of the paper's run (section 3 of "Training Transformers Together").
 """
 from __future__ import annotations
@@ -156,7 +157,8 @@ class OptimizerConfig:
     # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
     next_chunk_timeout: Optional[float] = None
     # seconds a download of the swarm's state may take before it is given up and started again. A stalled download is
-    # noticed sooner (30 s without a part, collab_kit.swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow one, and
+    # noticed sooner (30 s without a part, collab_kit.swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow
+    # one, and
     # hivemind starts a given-up download from scratch, forever. The paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s.
     load_state_timeout: float = 1800.0
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds
@@ -322,7 +324,8 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
         raise SettingProblem(f"preset={name!r} is not allowed: choose one of {', '.join(PRESETS)}")
     unknown = set(overrides) - {"model", "optimizer", "swarm", "data"}
     if unknown:
-        raise SettingProblem(f"get_preset got unknown section(s) {sorted(unknown)}: use model=, optimizer=, swarm=, data=")
+        raise SettingProblem(f"get_preset got unknown section(s) {sorted(unknown)}: use model=, optimizer=, swarm=, "
+                             f"data=")
 
     if name == "paper":
         model, optimizer = ModelConfig(), OptimizerConfig()
@@ -380,8 +383,8 @@ def command_line_literal(section: str, name: str, value) -> str:
     except (ValueError, SyntaxError):
         same = False
     if not same:
-        raise SettingProblem(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a string, "
-                         f"a boolean, None or a tuple of these")
+        raise SettingProblem(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a "
+                             f"string, a boolean, None or a tuple of these")
     return text
 
 

@@ -2,7 +2,7 @@
 
 A first peer (the coordinator) and N volunteers start as separate processes on 127.0.0.1; the
 volunteers train the ``toy`` preset together for E global epochs on the toy world's dataset (shapes
-drawn by collab_kit.toy.world, encoded by the shipped toy VQGAN through ``preprocess`` once, then cached).
+drawn by collab_kit.data.synthetic, encoded by the shipped toy VQGAN through ``preprocess`` once, then cached).
 Then the trained model draws pictures for a fixed set of prompts through ``generate_images`` (toy
 VQGAN decode, toy CLIP rerank) and the demo writes, in ``demo_out/``:
 

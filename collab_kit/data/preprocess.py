@@ -19,7 +19,8 @@ last, when it is encoded, an image whose pixels do not decode (``unreadable_imag
 
 Each kept image is resized (its short side to the VQGAN's ``image_size``, bicubic) and center-cropped, encoded in
 batches, and written with its caption, original size and source id to ``shard-00000.parquet``,
-``shard-00001.parquet``, ... of ``rows_per_shard`` rows (the last one shorter) by ``collab_kit.data.shards.write_shard``.
+``shard-00001.parquet``, ... of ``rows_per_shard`` rows (the last one shorter) by
+``collab_kit.data.shards.write_shard``.
 
 Resumable and deterministic: the same input gives the same samples in the same shards, byte for byte. A second
 run skips the shards already there (it re-reads the pairs and their image headers to know where each shard
@@ -114,7 +115,8 @@ class PreprocessReport:
         dropped = ", ".join(f"{reason} {self.dropped[reason]}" for reason in DROP_REASONS if self.dropped.get(reason))
         lines = [f"preprocess: kept {self.kept} of {self.pairs} pairs" + (f" (dropped: {dropped})" if dropped else ""),
                  f"shards: {len(self.shards)} in {self.output} ({format_bytes(self.bytes_total)}): "
-                 f"{len(self.shards_written)} written ({self.encoded} images encoded, {format_bytes(self.bytes_written)}), "
+                 f"{len(self.shards_written)} written ({self.encoded} images encoded, "
+                 f"{format_bytes(self.bytes_written)}), "
                  f"{len(self.shards_skipped)} already there"]
         if self.pushed_to:
             lines.append(f"pushed to the Hub dataset {self.pushed_to}")

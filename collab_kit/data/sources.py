@@ -1,7 +1,8 @@
 """Where image-caption pairs come from: folders, WebDataset tars, parquet files, saved and Hub datasets.
 
 ``read_pairs`` yields each source's pairs (``Pair``) in a fixed order, before any filter; collab_kit.data.preprocess
-filters, encodes and shards them. Sources (``read_pairs``; the kind is found from the path, or given as ``source_format``):
+filters, encodes and shards them. Sources (``read_pairs``; the kind is found from the path, or given as
+``source_format``):
 
 - ``folder``: a folder of images (``.jpg .jpeg .png .webp .bmp``, subfolders included, in the order of their
   relative paths) with their captions in ONE of

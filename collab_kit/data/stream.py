@@ -287,8 +287,8 @@ def peer_stream(config: RunConfig, data_shards: Optional[str] = None, data_seed:
     """
     tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
     if tokenizer.vocab_size > config.model.text_vocab_size:
-        raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the "
-                             f"model reads {config.model.text_vocab_size}: set model.text_vocab_size")
+        raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+                             f"the model reads {config.model.text_vocab_size}: set model.text_vocab_size")
     return ShardStream(data_shards or config.data.shards, config.model.text_length, config.model.image_length,
                        tokenizer=tokenizer, shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
                        codebook_size=config.model.codebook_size)

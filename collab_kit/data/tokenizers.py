@@ -62,7 +62,8 @@ class PretrainedCaptionTokenizer:
 
 
 class ToyTokenizer:
-    """Word-level tokenizer of the picture world's captions (``tokenizers``' WordLevel model; collab_kit.data.synthetic).
+    """Word-level tokenizer of the picture world's captions (``tokenizers``' WordLevel model;
+    collab_kit.data.synthetic).
 
     Ids: 0 = pad, 1 = end of caption, 2 = unknown word, then the world's words in sorted order.
     ``encode(caption, length)`` / ``decode(ids)`` as ByteCaptionTokenizer.

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 def encode_prompt(prompt: str, tokenizer, config) -> List[int]:
     """A caption's token ids, cut or padded to ``config.text_length``.
 
-    :param tokenizer: a caption tokenizer with ``encode(caption, length)`` (collab_kit.data.tokenizers.caption_tokenizer)
+    :param tokenizer: a caption tokenizer with ``encode(caption, length)``
+      (collab_kit.data.tokenizers.caption_tokenizer)
     :param config: the model's ModelConfig
     """
     if not isinstance(prompt, str) or not prompt.strip():

@@ -96,12 +96,14 @@ def _from_module(module: torch.nn.Module, label: str) -> Architecture:
 
 
 def _describe_kit(arch: Architecture, config) -> None:
-    """The dimensions of the kit's TextToImageTransformer (collab_kit.model.transformer) for ``config`` (a ModelConfig)."""
+    """The dimensions of the kit's TextToImageTransformer (collab_kit.model.transformer) for ``config`` (a
+    ModelConfig)."""
     arch.layers, arch.hidden, arch.heads = config.num_layers, config.hidden_size, config.num_heads
     arch.attention_width, arch.ffn = config.hidden_size, config.ffn_multiplier * config.hidden_size
     arch.seq_len, arch.fixed_seq_len = config.sequence_length, True
     arch.vocab = config.text_vocab_size + config.codebook_size
-    # caption positions predict caption tokens, image positions predict codes (collab_kit.model.transformer.forward)
+    # caption positions predict caption tokens, image positions predict codes
+    # (collab_kit.model.transformer.TextToImageTransformer.forward)
     arch.logits_per_sample = ((config.text_length - 1) * config.text_vocab_size
                               + config.image_length * config.codebook_size)
     arch.activation, arch.dropout, arch.reversible = "geglu", False, config.reversible

@@ -244,7 +244,8 @@ def check_reachability(facts: MachineFacts, config: RunConfig, verdict: Optional
 
     :param verdict: what the swarm's peers found when they dialled this machine back (collab_kit.swarm.reachability);
       None, or one with no answer: judged by the address class
-    :param resolved: the swarm settings the check resolved along with ``verdict`` (collab_kit.swarm.dht.resolve_reachability)
+    :param resolved: the swarm settings the check resolved along with ``verdict``
+      (collab_kit.swarm.dht.resolve_reachability)
     """
     swarm = config.swarm
     if verdict is not None and verdict.reachable is not None and swarm.client_mode is None:

@@ -78,7 +78,8 @@ class Checkpointer:
     :param dht: the monitor's DHT
     :param settings: the monitor's settings (folder, K, N, push_to, backoff, download timeout)
     :param emit: called as ``emit(kind, **fields)`` for "checkpoint", "state_download_failed" and "push_failed"
-    :param anchor: the run's anchor in this process (collab_kit.swarm.anchor.Anchor), whose state is saved; None: download
+    :param anchor: the run's anchor in this process (collab_kit.swarm.anchor.Anchor), whose state is saved; None:
+      download
     """
 
     def __init__(self, config: RunConfig, dht: hivemind.DHT, settings: MonitorSettings,

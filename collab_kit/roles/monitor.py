@@ -22,7 +22,8 @@ access token; otherwise under its peer id.
 Every ``checkpoint_every`` global epochs, a background thread takes the swarm's parameters from the anchor
 (which holds them), or, without an anchor, downloads them from a training peer (a hivemind
 TrainingStateAverager with the volunteers' prefix and parameter layout, which neither serves its state
-nor joins averaging groups: the monitor never counts as a training peer), and writes them as ``<checkpoints>/epoch-000042/`` (collab_kit.model.checkpoint: staged, then
+nor joins averaging groups: the monitor never counts as a training peer), and writes them as
+``<checkpoints>/epoch-000042/`` (collab_kit.model.checkpoint: staged, then
 renamed into place), keeps the newest ``keep_last``, records them in the database, and optionally pushes
 them to a Hugging Face Hub model repository. A download that fails (no peer shares its state, a timeout,
 a state that does not fit) is logged and retried with exponential backoff; polling goes on meanwhile.
@@ -96,7 +97,8 @@ def monitor_validators(run_id: str) -> list:
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
     """Read the progress records that hivemind.Optimizer peers publish under ``<run_id>_progress``.
 
-    Anchors' records (no throughput: collab_kit.swarm.optimizer.is_anchor_record) set the epoch but are no training peers.
+    Anchors' records (no throughput: collab_kit.swarm.optimizer.is_anchor_record) set the epoch but are no training
+    peers.
 
     :param dht: a DHT started with ``record_validators=progress_validators(run_id)``
     """

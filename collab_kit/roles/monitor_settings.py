@@ -35,7 +35,8 @@ class MonitorSettings:
     :param backoff_max: ...up to this many seconds
     :param download_timeout: seconds one state download may take before it counts as failed
     :param address_file: also write the join addresses to this file (for scripts that start volunteers)
-    :param anchor: run the swarm's anchor (collab_kit.swarm.anchor) in this process: None (default) when this peer accepts
+    :param anchor: run the swarm's anchor (collab_kit.swarm.anchor) in this process: None (default) when this peer
+      accepts
       connections, True always (an error in client mode), False never
     """
 

@@ -55,7 +55,8 @@ _HINTS = (
     (("could not reach the run's authentication server",),
      "is the auth server running, and is swarm.auth_server its URL?"),
     (("no hugging face token", "log in to hugging face"),
-     "log in to Hugging Face first: set HF_TOKEN, run `hf auth login`, or collab_kit.auth.client.login() in a notebook"),
+     "log in to Hugging Face first: set HF_TOKEN, run `hf auth login`, or collab_kit.auth.client.login() in a "
+     "notebook"),
 )
 
 _running: Dict[int, "Service"] = {}  # pid -> every service started here and not stopped yet
@@ -355,7 +356,8 @@ def _start(kind: str, name: str, arguments: List[str], log_path: Optional[str], 
 
 
 def _token_environment(config: RunConfig, hf_token: Optional[str]) -> Dict[str, str]:
-    """HF_TOKEN for a peer of an authorized run: the given token, or this user's login (collab_kit.auth.client.login)."""
+    """HF_TOKEN for a peer of an authorized run: the given token, or this user's login
+    (collab_kit.auth.client.login)."""
     if not config.swarm.auth_server:
         return {}
     if not hf_token:
@@ -374,7 +376,8 @@ def start_auth_server(settings, host: str = "127.0.0.1", port: int = 8555, log_p
     token, the server asks the Hub whose token it is and signs an access token for the peer's key (see
     collab_kit.auth.server). ``service.url`` is its address from this machine: the peers' ``swarm.auth_server``.
 
-    :param settings: a collab_kit.auth.server_settings.AuthServerSettings (who may join, the run id, its database, the Hub)
+    :param settings: a collab_kit.auth.server_settings.AuthServerSettings (who may join, the run id, its database, the
+      Hub)
     :param host: the address to listen on: 127.0.0.1 behind an HTTPS reverse proxy on this machine, 0.0.0.0 to be
       reached directly (tokens then travel unencrypted: on a network you trust only)
     :param port: the port to listen on; 0 for any free one

@@ -279,7 +279,8 @@ class Volunteer:
             epoch_losses.append(loss.item())
 
             if self.local_epoch != epoch_before:
-                record = self._epoch_record(epoch_before, rounds_before, epoch_losses, time.perf_counter() - epoch_start)
+                seconds = time.perf_counter() - epoch_start
+                record = self._epoch_record(epoch_before, rounds_before, epoch_losses, seconds)
                 epoch_losses, epoch_start = [], time.perf_counter()
                 self._report_epoch(record, history, on_epoch, on_lone)
                 if max_epochs is not None:
@@ -297,7 +298,8 @@ class Volunteer:
                             refresh=False)
 
     def _epoch_record(self, epoch_before: int, rounds_before: int, losses: List[float], seconds: float) -> EpochRecord:
-        """What this peer saw of the global epoch its last step ended: its loss, samples, and the round that ended it."""
+        """What this peer saw of the global epoch its last step ended: its loss, samples, and the round that ended
+        it."""
         optimizer = self.optimizer
         averaged = optimizer.averaged_rounds > rounds_before
         # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own; a round of

@@ -64,7 +64,8 @@ def authorized_averager_class(base: type, peer_gate: Optional["PeerGate"] = None
     :param peer_gate: set as a class attribute, so that averagers hivemind builds and starts at once
       (``start=True``: their process forks inside ``__init__``) carry it into their process
     """
-    return compose_averager(base, AuthorizedAveragerMixin, qualname=f"Authorized{base.__qualname__}", peer_gate=peer_gate)
+    return compose_averager(base, AuthorizedAveragerMixin, qualname=f"Authorized{base.__qualname__}",
+                            peer_gate=peer_gate)
 
 
 class PeerGate:

@@ -360,7 +360,8 @@ class CenteredClipAveragerMixin:
 
 
 # a DecentralizedAverager, and hivemind's GradientAverager, that average with CenteredClip
-CenteredClipAverager = compose_averager(DecentralizedAverager, CenteredClipAveragerMixin, qualname="CenteredClipAverager")
+CenteredClipAverager = compose_averager(DecentralizedAverager, CenteredClipAveragerMixin,
+                                        qualname="CenteredClipAverager")
 CenteredClipGradientAverager = compose_averager(GradientAverager, CenteredClipAveragerMixin,
                                                 qualname="CenteredClipGradientAverager")
 

@@ -51,7 +51,8 @@ METRICS_FILE = "metrics.json"
 MAX_TEXT_LENGTH = 16  # the longest toy caption is 8 words + [EOS]
 HELD_OUT_SEED = 20211206  # the pictures measured, never trained on (training seeds start at TRAIN_SEED_BASE)
 HELD_OUT_COUNT = 512
-TRAIN_SEED_BASE = 1_000_000_000  # training pictures of step s with seed k: synthetic.scenes(..., TRAIN_SEED_BASE + k * 10**6 + s)
+# training pictures of step s with seed k: synthetic.scenes(..., TRAIN_SEED_BASE + k * 10**6 + s)
+TRAIN_SEED_BASE = 1_000_000_000
 NUM_CANDIDATES = 8  # captions a picture is matched against in the retrieval accuracy
 # the attributes a caption names, and the field of synthetic.Scene that holds each
 ATTRIBUTES = {"colour": ("color", tuple(synthetic.COLORS)), "shape": ("shape", tuple(synthetic.SHAPES)),
@@ -230,8 +231,8 @@ def evaluate_toy_clip(ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int
         raise ValueError(f"count={count} held-out pictures have {len(distinct)} distinct captions; the retrieval "
                          f"accuracy needs at least {NUM_CANDIDATES}: measure more pictures")
     # every caption that can be asked about: the world's 400, so each is embedded once
-    world = [synthetic.Scene(shape, color, size, position, "sand").caption for shape in synthetic.SHAPES for color in synthetic.COLORS
-             for size in synthetic.SIZES for position in synthetic.POSITIONS]
+    world = [synthetic.Scene(shape, color, size, position, "sand").caption for shape in synthetic.SHAPES
+             for color in synthetic.COLORS for size in synthetic.SIZES for position in synthetic.POSITIONS]
     text_index = {caption: i for i, caption in enumerate(world)}
     unknown = set(captions) - set(text_index)
     if unknown:

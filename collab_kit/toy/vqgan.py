@@ -129,7 +129,8 @@ def evaluate_toy_vqgan(model: VQGAN, count: int = HELD_OUT_COUNT, seed: int = HE
     """Reconstruct ``count`` held-out pictures, ``decode(encode(x))``, and measure them against ``x``.
 
     :param model: the VQGAN (put in eval mode for the measure, then back as it was)
-    :param count: how many pictures of ``synthetic.scenes(count, seed)``; the first ``n`` of them are those of a smaller count
+    :param count: how many pictures of ``synthetic.scenes(count, seed)``; the first ``n`` of them are those of a smaller
+      count
     :param seed: their seed (the held-out one by default)
     :param batch_size: pictures per forward pass
     :returns: ``psnr_db`` (mean over pictures of each one's PSNR), ``color_match`` (share of reconstructions

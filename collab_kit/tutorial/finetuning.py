@@ -298,7 +298,8 @@ class OptimizerMemory:
     :param peak_gpu_bytes: the most GPU memory allocated while building the model and taking the step,
         above what was allocated before (None on the CPU)
     :param error: why the measurement failed ("out of memory"), or None
-    :param estimated_state_bytes: what ``collab_kit.memory.estimator.estimate`` predicts for the state, from the model alone
+    :param estimated_state_bytes: what ``collab_kit.memory.estimator.estimate`` predicts for the state, from the model
+      alone
     :param estimated_peak_bytes: what it predicts for the step's peak (weights, gradients, state, activations)
     """
 
