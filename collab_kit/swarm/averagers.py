@@ -36,8 +36,8 @@ def compose_averager(base: type, *mixins: type, behind: Sequence[type] = (), qua
     Its ``__name__``, which hivemind names the RPCs after, is ``base``'s RPC name with the ``rpc_name_prefix`` of each
     mixin that sets one in front (a mixin that changes what a round computes); a mixin that only watches or guards
     keeps the name, so its peers still average with peers without it. Each composed class collects its own RPC
-    handlers: hivemind caches them in class attributes, and a class that inherited its base's cache would answer with
-    the base's methods, past the mixins' overrides.
+    handlers: hivemind caches them in class attributes, and a class that inherited its base's cache would miss an RPC
+    a mixin adds.
 
     :param behind: classes placed after ``base`` in the method resolution order (they are its ``super()``)
     :param qualname: the class's name in tracebacks and reprs (default: the mixins' names and ``base``'s)
