@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -280,17 +280,7 @@ def train_toy_vqgan(output_folder: Union[str, os.PathLike], steps: int = DEFAULT
                 # on encoder outputs instead, so that every code is in use from the first step
                 _restart_codes(codebook.data, torch.ones(model.codebook_size, dtype=torch.bool),
                                z.detach().permute(0, 2, 3, 1).reshape(-1, z.shape[1]), generator)
-            z_q, codebook_loss, (_, _, indices) = model.quantize(z)
-            y = model.decoder(model.post_quant_conv(z_q))
-            reconstruction_loss = (y - x).abs().mean() + (y - x).pow(2).mean()
-            loss = reconstruction_loss + codebook_loss
-
-            for group in optimizer.param_groups:
-                group["lr"] = _learning_rate(step, steps, lr, warmup)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
+            loss, y, indices = _optimize_on(model, optimizer, x, z, _learning_rate(step, steps, lr, warmup))
             usage += torch.bincount(indices.flatten(), minlength=model.codebook_size)
             if (step + 1) % restart_every == 0:
                 in_use = int((usage > 0).sum())
@@ -312,12 +302,32 @@ def train_toy_vqgan(output_folder: Union[str, os.PathLike], steps: int = DEFAULT
     metrics.update(codebook_size=model.codebook_size, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
                    train_seconds=round(train_seconds, 1), codes_restarted=restarted,
                    torch_threads=torch.get_num_threads())
+    _save_with_metrics(model, output_folder, metrics)
+    return metrics
+
+
+def _optimize_on(model: VQGAN, optimizer: torch.optim.Optimizer, x: torch.Tensor, z: torch.Tensor,
+                 lr: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Adam step on pictures ``x`` whose encoder output is ``z``: quantize, decode, L1 + L2 against ``x`` plus the
+    quantizer's codebook and commitment loss. Returns (the loss, the reconstruction, the codes chosen)."""
+    z_q, codebook_loss, (_, _, indices) = model.quantize(z)
+    y = model.decoder(model.post_quant_conv(z_q))
+    loss = (y - x).abs().mean() + (y - x).pow(2).mean() + codebook_loss
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss, y, indices
+
+
+def _save_with_metrics(model: VQGAN, output_folder: str, metrics: Dict) -> None:
+    """The model as ``load_toy_vqgan`` reads it, with what training measured beside it (``metrics.json``)."""
     save_vqgan(model, output_folder)
     with open(os.path.join(output_folder, METRICS_NAME), "w") as f:
         json.dump(metrics, f, indent=2)
         f.write("\n")
     logger.info(f"toy VQGAN saved to {output_folder}: {summary_line(metrics)}")
-    return metrics
 
 
 def summary_line(metrics: Dict) -> str:
