@@ -30,10 +30,11 @@ from collab_kit.errors import CollabKitError
 from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.model.transformer import TextToImageTransformer, initial_model, non_finite_parameters
 from collab_kit.roles.records import EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory
-from collab_kit.swarm.dht import SwarmWatchdog, join_instructions, wait_for_peers as wait_for_peers_in_swarm
+from collab_kit.swarm.dht import join_instructions, wait_for_peers as wait_for_peers_in_swarm
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsPublisher
 from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
+from collab_kit.swarm.watchdog import SwarmWatchdog
 
 
 logger = logging.getLogger(__name__)

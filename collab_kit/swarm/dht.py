@@ -12,7 +12,6 @@ addresses others can use.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import ipaddress
 import logging
@@ -20,12 +19,10 @@ import socket
 import threading
 import time
 from functools import partial
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import hivemind
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
 import psutil
 
 from collab_kit.addresses import parse_initial_peers
@@ -34,17 +31,17 @@ from collab_kit.config import RunConfig, SwarmConfig, shared_setting_options
 from collab_kit.errors import CollabKitError
 from collab_kit.swarm.keys import presence_key
 from collab_kit.swarm.reachability import ReachabilityVerdict, probe_reachability, serve_reachability_checks
+from collab_kit.swarm.watchdog import SILENT_NEIGHBOUR_GRACE, keep_connected_neighbours
 
 logger = logging.getLogger(__name__)
 
 # Seconds a peer in client mode waits for an answer to each of its DHT requests (hivemind's wait_timeout, 3 s by
-# default). hivemind removes a neighbour whose answer is late, and a peer behind NAT knows one or two: its only
-# neighbour gone, it reads the swarm's progress and finds averaging groups no more until the watchdog dials again.
-# libp2p carries all of a peer's streams to another over one TCP connection, so on a home link that a state download
-# fills, a DHT answer waits behind what the sender has queued of the download: in the network lab, at 0.25 Mbit/s, 3 s
-# lost the late joiner's neighbour during every download (11 s) and its next gradient round and state load with it.
-# Peers that accept connections keep hivemind's 3 s: they know many neighbours, and a vanished one costs each of
-# their requests to it the whole wait.
+# default). libp2p carries all of a peer's streams to another over one TCP connection, so on a home link that a state
+# download fills, a DHT answer waits behind what the sender has queued of the download: in the network lab, at
+# 0.25 Mbit/s, 3 s timed out during every download (11 s), and the late joiner read no progress and found no group for
+# its next round. A late answer no longer costs such a peer its neighbour (collab_kit.swarm.watchdog), but the request
+# itself is lost. Peers that accept connections keep hivemind's 3 s: they know many neighbours, and a vanished one
+# costs each of their requests to it the whole wait.
 CLIENT_DHT_REQUEST_TIMEOUT = 20.0
 
 
@@ -191,193 +188,16 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
                 f"still running and that its address and port are reachable from here"
             ) from e
         raise
-    if not config.client_mode:
-        try:
+    try:
+        if config.client_mode:  # its one or two neighbours are not dropped for an answer late behind a busy link
+            dht.run_coroutine(partial(keep_connected_neighbours, SILENT_NEIGHBOUR_GRACE))
+        else:
             serve_reachability_checks(dht)
-        except BaseException:
-            dht.shutdown()
-            raise
+    except BaseException:
+        dht.shutdown()
+        raise
     logger.info(f"DHT started, peer id {dht.peer_id}")
     return dht
-
-
-def _tcp_endpoint(maddr: Multiaddr) -> Optional[Tuple[str, int]]:
-    """(host, port) of a multiaddr's TCP transport, or None (a relayed or non-TCP address)."""
-    if "p2p-circuit" in str(maddr):
-        return None
-    for protocol in ("ip4", "ip6", "dns4", "dns6", "dns"):
-        try:
-            return maddr.value_for_protocol(protocol), int(maddr.value_for_protocol("tcp"))
-        except Exception:  # the multiaddr package raises its own kinds for a protocol that is not there
-            continue
-    return None
-
-
-async def _tcp_answers(endpoint: Optional[Tuple[str, int]], timeout: float) -> bool:
-    """Whether a TCP connection to ``endpoint`` opens within ``timeout`` (None: cannot tell, counted as yes).
-
-    A plain TCP dial, outside libp2p: it says whether the link works without adding to libp2p's dial backoff, which
-    grows with every failed dial of a peer (5 s + tries^2 s) and would keep a peer away long after its link is back.
-    """
-    if endpoint is None:
-        return True
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
-async def _ping_answers(node, peer_id: PeerID, timeout: float) -> bool:
-    """Whether a neighbour of the DHT answers a ping within ``timeout`` (over libp2p's connection to it)."""
-    try:
-        return await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout) is not None
-    except asyncio.TimeoutError:
-        return False
-
-
-async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: bool, timeout: float, probe_link: bool,
-                            _dht, node) -> Tuple[int, bool]:
-    """In the DHT's process: tell whether the link to the swarm works, and with no peer left in the routing table,
-    dial the initial peers that a TCP connection reaches and ping them (which puts them back in the table).
-
-    :param fresh_connections: drop libp2p's connections to the initial peers and the neighbours first (after a cut
-      link: a connection that lived through it can stay stalled in TCP's retransmission backoff long after the link
-      is back)
-    :param probe_link: check the link even while the routing table holds peers (with an empty table it is always
-      checked): a TCP connection to each initial peer and a ping to a few neighbours, any answer meaning the link works
-    :returns: peers in the routing table afterwards, and whether the link works (True when not checked)
-    """
-    table = node.protocol.routing_table
-    neighbours = list(table.uid_to_peer_id.values())[:3]
-    if neighbours and not probe_link:
-        return len(table.uid_to_peer_id), True
-    peers = []
-    for address in initial_peers:
-        try:
-            maddr = Multiaddr(address)
-            peer_id = PeerID.from_base58(maddr["p2p"])
-            peers.append((peer_id, maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")), _tcp_endpoint(maddr)))
-        except Exception:  # checked when the swarm was joined; nothing to dial here
-            continue
-    if fresh_connections:  # pings over a connection stalled by the cut would fail while the link works again
-        for peer_id in {peer_id for peer_id, _, _ in peers} | set(neighbours):
-            try:
-                await asyncio.wait_for(node.p2p._client.disconnect(peer_id), timeout)
-            except Exception as e:  # already gone
-                logger.debug(f"could not drop the connection to {peer_id}: {e!r}")
-    answers = await asyncio.gather(*(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers),
-                                   *(_ping_answers(node, peer_id, timeout) for peer_id in neighbours))
-    tcp_answers = answers[:len(peers)]
-    if fresh_connections or not neighbours:
-        for (peer_id, transport, _), answered in zip(peers, tcp_answers):
-            if not answered:
-                continue
-            try:
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, [transport]), 2 * timeout)
-                await node.protocol.call_ping(peer_id)
-            except Exception as e:  # not yet: the next check tries again
-                logger.debug(f"could not reach initial peer {peer_id}: {e!r}")
-    return len(table.uid_to_peer_id), any(answers)
-
-
-class SwarmWatchdog:
-    """Keeps a peer in the swarm: dials its initial peers again when its DHT knows no one, and tells when its link is
-    down and when it is back.
-
-    Two things look alike from inside a peer and are not:
-
-    - its DHT's routing table empties: a request to its only neighbour (a peer in client mode knows few) timed out on a
-      busy machine or a slow link, and hivemind removes a peer that does not answer. With nobody left to ask, nothing
-      fills the table again, and the peer would read the swarm's progress and find averaging groups no more. The
-      watchdog dials the initial peers again at its next check (every ``period`` seconds).
-    - its link is down: every ``probe_every`` seconds (every check while the table is empty or a probe went
-      unanswered) it opens a TCP connection to each initial peer and pings a few neighbours of its DHT. Any answer
-      means the link works: the initial peers may be gone while the swarm lives on. When nothing answers, probe after
-      probe, for ``down_after`` seconds (a thin link that a download fills queues a new connection behind it for
-      seconds: one probe that times out is no cut), the watchdog says so once and calls ``on_link_down`` (the
-      volunteer gives up its averaging round, which cannot finish, and waits). The table is no sign here: hivemind
-      empties it only when a request of the peer's own times out, tens of seconds into a cut. When an initial peer
-      answers again, it drops libp2p's old connections, dials afresh and calls ``on_link_back`` (the volunteer loads
-      the swarm's state and goes on).
-
-    :param dht: this peer's DHT
-    :param initial_peers: the addresses it joined through
-    :param period: seconds between two checks
-    :param timeout: seconds for each TCP connection and ping of a probe (a libp2p dial gets twice as long)
-    :param probe_every: seconds between two probes of the link while all is well
-    :param down_after: seconds of probes that nothing answered before the link counts as down
-    :param on_link_down: called (in the watchdog's thread) when the link goes down
-    :param on_link_back: called (in the watchdog's thread) when the swarm answers again after that
-    """
-
-    def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str], period: float = 1.0, timeout: float = 4.0,
-                 probe_every: float = 5.0, down_after: float = 8.0,
-                 on_link_down: Optional[Callable[[], None]] = None,
-                 on_link_back: Optional[Callable[[], None]] = None):
-        self.dht, self.initial_peers, self.period, self.timeout = dht, list(initial_peers), period, timeout
-        self.probe_every, self.down_after = probe_every, down_after
-        self.on_link_down, self.on_link_back = on_link_down, on_link_back
-        self.rejoins = 0  # times the routing table was empty and the initial peers were dialled again with success
-        self.link_outages = 0  # times the link went down
-        self.link_down = threading.Event()  # set while nothing of the swarm answers
-        self.link_down_since: Optional[float] = None  # time.time() when the link went down
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-swarm-watchdog")
-        if self.initial_peers:
-            self._thread.start()
-
-    def _run(self) -> None:
-        alone_since = unanswered_since = None
-        next_probe = time.monotonic() + self.probe_every
-        while not self._stop.wait(self.period):
-            started = time.monotonic()
-            probe = self.link_down.is_set() or unanswered_since is not None or started >= next_probe
-            try:
-                known, reachable = self.dht.run_coroutine(partial(
-                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout, probe))
-            except Exception as e:  # the DHT is shutting down, or busy: the next check comes as usual
-                logger.debug(f"the swarm watchdog could not check the DHT: {e!r}")
-                continue
-            now = time.monotonic()
-            if probe:
-                next_probe = now + self.probe_every
-            unanswered_since = None if reachable else unanswered_since or started
-            if known and alone_since is not None:
-                self.rejoins += 1
-                logger.info(f"back in the swarm's DHT after {now - alone_since:.1f} s")
-                alone_since = None
-            elif not known and alone_since is None:
-                alone_since = now
-                logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
-            if self.link_down.is_set():
-                if known and reachable:
-                    logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")
-                    self.link_down.clear()
-                    self.link_down_since = None
-                    self._call(self.on_link_back)
-            elif unanswered_since is not None and now - unanswered_since >= self.down_after:
-                self.link_outages += 1
-                self.link_down_since = time.time()
-                self.link_down.set()
-                logger.warning("the link to the swarm is down: no initial peer accepts a connection and no neighbour "
-                               "answers (a cut link, or the peers are gone). Waiting for it to come back")
-                self._call(self.on_link_down)
-
-    @staticmethod
-    def _call(callback: Optional[Callable[[], None]]) -> None:
-        if callback is None:
-            return
-        try:
-            callback()
-        except Exception as e:  # the watchdog must go on watching
-            logger.warning(f"the swarm watchdog's callback failed: {type(e).__name__}: {e}")
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.period + 4 * self.timeout + 5)
 
 
 def join_addresses(dht: hivemind.DHT) -> List[str]:

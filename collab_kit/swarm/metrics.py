@@ -31,7 +31,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.timed_storage import get_dht_time
-from pydantic.v1 import BaseModel, StrictFloat, StrictStr, confloat, conint, constr, validator
+from pydantic.v1 import BaseModel, StrictFloat, confloat, conint, constr, validator
 
 from collab_kit.swarm.keys import metrics_key
 
