@@ -2,8 +2,8 @@
 
 - ``dht``: starting a peer's DHT, the addresses it gives others (join lines), reachability found out on joining,
   presence.
-- ``watchdog``: staying in the swarm: a peer in client mode keeps its neighbour while libp2p is connected to it, and
-  the watchdog tells a cut link and its return, and dials again when a peer has lost every neighbour.
+- ``watchdog``: staying in the swarm: the watchdog tells a cut link and its return, and dials again when a peer has
+  lost every neighbour.
 - ``reachability``: can the swarm's peers dial this one back? (the probe and the answering service).
 - ``keys``: the run's DHT keys, in one place.
 - ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
@@ -20,7 +20,7 @@ from collab_kit.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "dht": ["start_dht", "join_addresses", "join_command", "join_instructions", "resolve_reachability",
             "wait_for_peers", "SwarmConnectionError"],
-    "watchdog": ["SwarmWatchdog", "keep_connected_neighbours"],
+    "watchdog": ["SwarmWatchdog"],
     "reachability": ["probe_reachability", "ReachabilityVerdict"],
     "optimizer": ["make_optimizer", "CollaborativeOptimizer", "SwarmProgressTracker"],
     "lamb": ["make_lamb8bit", "LAMB8bit", "gradient_compression", "parameter_groups"],

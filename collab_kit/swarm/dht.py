@@ -18,7 +18,6 @@ import logging
 import socket
 import threading
 import time
-from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import hivemind
@@ -31,17 +30,17 @@ from collab_kit.config import RunConfig, SwarmConfig, shared_setting_options
 from collab_kit.errors import CollabKitError
 from collab_kit.swarm.keys import presence_key
 from collab_kit.swarm.reachability import ReachabilityVerdict, probe_reachability, serve_reachability_checks
-from collab_kit.swarm.watchdog import SILENT_NEIGHBOUR_GRACE, keep_connected_neighbours
 
 logger = logging.getLogger(__name__)
 
 # Seconds a peer in client mode waits for an answer to each of its DHT requests (hivemind's wait_timeout, 3 s by
-# default). libp2p carries all of a peer's streams to another over one TCP connection, so on a home link that a state
-# download fills, a DHT answer waits behind what the sender has queued of the download: in the network lab, at
-# 0.25 Mbit/s, 3 s timed out during every download (11 s), and the late joiner read no progress and found no group for
-# its next round. A late answer no longer costs such a peer its neighbour (collab_kit.swarm.watchdog), but the request
-# itself is lost. Peers that accept connections keep hivemind's 3 s: they know many neighbours, and a vanished one
-# costs each of their requests to it the whole wait.
+# default). hivemind removes a neighbour whose answer is late, and a peer behind NAT knows one or two: its only
+# neighbour gone, it reads the swarm's progress and finds averaging groups no more until the watchdog dials again.
+# libp2p carries all of a peer's streams to another over one TCP connection, so on a home link that a state download
+# fills, a DHT answer waits behind what the sender has queued of the download: in the network lab, at 0.25 Mbit/s, 3 s
+# lost the late joiner's neighbour during every download (11 s) and its next gradient round and state load with it.
+# Peers that accept connections keep hivemind's 3 s: they know many neighbours, and a vanished one costs each of
+# their requests to it the whole wait.
 CLIENT_DHT_REQUEST_TIMEOUT = 20.0
 
 
@@ -188,14 +187,12 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
                 f"still running and that its address and port are reachable from here"
             ) from e
         raise
-    try:
-        if config.client_mode:  # its one or two neighbours are not dropped for an answer late behind a busy link
-            dht.run_coroutine(partial(keep_connected_neighbours, SILENT_NEIGHBOUR_GRACE))
-        else:
+    if not config.client_mode:
+        try:
             serve_reachability_checks(dht)
-    except BaseException:
-        dht.shutdown()
-        raise
+        except BaseException:
+            dht.shutdown()
+            raise
     logger.info(f"DHT started, peer id {dht.peer_id}")
     return dht
 

@@ -1,12 +1,9 @@
-"""Staying in the swarm: the neighbour a peer keeps while libp2p holds a connection to it, and the watchdog that tells a
-cut link and dials the initial peers again.
+"""Staying in the swarm: the watchdog that tells a cut link from a working one and dials the initial peers again.
 
 A peer in client mode knows one or two neighbours in the DHT (the peers that accept connections it joined through).
 hivemind removes a neighbour from the routing table as soon as one request to it goes unanswered within the DHT's
-``wait_timeout``; on a thin home link a request can wait that long behind what the same libp2p connection carries
-(a state download, a gradient round), and the peer would lose its only neighbour to a link that works.
-``keep_connected_neighbours`` changes that rule for such a peer; ``SwarmWatchdog`` covers what is left: a link that
-is really cut, and a table that emptied anyway.
+``wait_timeout``; with its only neighbour gone, nothing fills the table again. ``SwarmWatchdog`` dials the initial
+peers again then, and tells a link that is really cut (and its return) from one that is only slow.
 """
 from __future__ import annotations
 
@@ -15,56 +12,13 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
-
-# Seconds a peer in client mode keeps a neighbour that answers nothing while libp2p still holds a connection to it.
-# In the network lab, a volunteer on a 0.25 Mbit/s link saw the anchor's sends to it queue for up to 18 s behind a
-# state download: DHT answers waited that long, and a request of its own, queued behind its uplink too, outlasted
-# the 20 s it waits for one. A connection that stays open but carries no answer for this long is taken as stuck:
-# the neighbour goes, as hivemind would have it, and the watchdog dials afresh.
-SILENT_NEIGHBOUR_GRACE = 120.0
-
-
-async def keep_connected_neighbours(grace: float, _dht, node) -> None:
-    """In the DHT's process: from now on, a neighbour whose answer came late stays in the routing table while libp2p
-    is still connected to it and it answered something within the last ``grace`` seconds (hivemind's rule removes it
-    at the first late answer). A neighbour whose connection closed (the peer left, or a cut link timed out) goes at
-    once, as before.
-
-    Meant for peers in client mode, which know few neighbours; run with ``dht.run_coroutine(partial(...,
-    grace))`` right after the DHT starts.
-    """
-    protocol = node.protocol
-    remove_or_update = protocol.update_routing_table  # hivemind's rule, for everything this one does not keep
-    started = time.monotonic()
-    last_answer: Dict[object, float] = {node_id: started for node_id in protocol.routing_table.uid_to_peer_id}
-
-    async def update_routing_table(node_id, peer_id: PeerID, responded: bool = True) -> None:
-        known_id = node_id if node_id is not None else protocol.routing_table.get(peer_id=peer_id)
-        now = time.monotonic()
-        if responded and known_id is not None:
-            last_answer[known_id] = now
-        elif not responded and known_id is not None and known_id in protocol.routing_table \
-                and now - last_answer.get(known_id, -float("inf")) < grace:
-            try:
-                connected = any(info.peer_id == peer_id for info in await node.p2p.list_peers())
-            except Exception as e:  # the daemon is shutting down: hivemind's rule
-                logger.debug(f"could not list libp2p's connections: {e!r}")
-                connected = False
-            if connected:
-                logger.debug(f"neighbour {peer_id} answered late; kept, its connection is open (last answer "
-                             f"{now - last_answer[known_id]:.0f} s ago)")
-                return
-            logger.debug(f"neighbour {peer_id} answered late and libp2p has no connection to it: dropped")
-        await remove_or_update(node_id, peer_id, responded=responded)
-
-    protocol.update_routing_table = update_routing_table  # hivemind calls it as self.update_routing_table
 
 
 def _tcp_endpoint(maddr: Multiaddr) -> Optional[Tuple[str, int]]:
@@ -142,7 +96,8 @@ async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: boo
                 continue
             try:
                 await asyncio.wait_for(node.p2p._client.connect(peer_id, [transport]), 2 * timeout)
-                await node.protocol.call_ping(peer_id)
+                if await node.protocol.call_ping(peer_id) is None:  # libp2p's connect keeps a connection it holds
+                    logger.debug(f"initial peer {peer_id} accepts TCP connections but did not answer a ping")
             except Exception as e:  # not yet: the next check tries again
                 logger.debug(f"could not reach initial peer {peer_id}: {e!r}")
     return len(table.uid_to_peer_id), any(answers)
@@ -154,11 +109,10 @@ class SwarmWatchdog:
 
     Two things look alike from inside a peer and are not:
 
-    - its DHT's routing table empties: its only neighbour (a peer in client mode knows few) did not answer in time and
-      hivemind removed it (for a peer in client mode, only once libp2p's connection to it closed or after minutes
-      without an answer: ``keep_connected_neighbours``). With nobody left to ask, nothing fills the table again, and
-      the peer would read the swarm's progress and find averaging groups no more. The watchdog dials the initial
-      peers again at its next check (every ``period`` seconds).
+    - its DHT's routing table empties: a request to its only neighbour (a peer in client mode knows few) timed out on a
+      busy machine or a slow link, and hivemind removes a peer that does not answer. With nobody left to ask, nothing
+      fills the table again, and the peer would read the swarm's progress and find averaging groups no more. The
+      watchdog dials the initial peers again at its next check (every ``period`` seconds).
     - its link is down: every ``probe_every`` seconds (every check while the table is empty or a probe went
       unanswered) it opens a TCP connection to each initial peer and pings a few neighbours of its DHT. Any answer
       means the link works: the initial peers may be gone while the swarm lives on. When nothing answers, probe after
@@ -217,8 +171,7 @@ class SwarmWatchdog:
                 alone_since = None
             elif not known and alone_since is None:
                 alone_since = now
-                logger.info("this peer's DHT lost every neighbour (its connection closed, or it answered nothing "
-                            "for minutes): dialling the initial peers")
+                logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
             if self.link_down.is_set():
                 if known and reachable:
                     logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")

@@ -28,7 +28,8 @@ EPOCH_SETTINGS = ["--set", "optimizer.target_batch_size=8192"]
 LATE_JOINER_MBIT = 0.25
 # what each peer's log says about matchmaking and the link, for a failure to be read from the logs alone
 DEBUG_LOGS = ["--debug-logger", "hivemind.averaging.matchmaking", "--debug-logger", "collab_kit.swarm.dht",
-              "--debug-logger", "collab_kit.swarm.optimizer", "--debug-logger", "collab_kit.roles.volunteer"]
+              "--debug-logger", "collab_kit.swarm.watchdog", "--debug-logger", "collab_kit.swarm.optimizer",
+              "--debug-logger", "collab_kit.roles.volunteer"]
 
 
 @pytest.fixture
@@ -39,6 +40,9 @@ def lab(tmp_path):
     finally:
         report = created.network_report()  # retransmissions and drops: shown with a failure, kept beside the logs
         print(report)
+        for log in sorted(tmp_path.glob("*.log")):  # what each process said last about the swarm (CI keeps no files)
+            lines = [line for line in log.read_text(errors="replace").splitlines() if not line.startswith("@event")]
+            print(f"--- the last lines of {log.name}:", *(line[:300] for line in lines[-12:]), sep="\n  ")
         (tmp_path / "network.txt").write_text(report + "\n")
         created.close()
         left = [name for name in list_namespaces() if name.startswith(created.tag)]
@@ -246,12 +250,7 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
                 for event in downloads]
     assert not [match[0] for match in compared if match and int(match[2]) > int(match[1])], downloads
     assert late.wait_for(lambda e: e["type"] == "done", timeout=5, what="its summary")["link_outages"] == 0
-    # its DHT keeps its neighbour through late answers while libp2p's connection to it is open (the test below);
-    # should libp2p close the connection under a queue of many seconds, the watchdog dials again, behind the same queue:
-    # back within one request's wait (20 s), every time
-    late_log = log_of(late)
-    rejoins = [float(seconds) for seconds in re.findall(r"back in the swarm's DHT after ([\d.]+) s", late_log)]
-    assert late_log.count("lost every neighbour") == len(rejoins) and all(seconds <= 20 for seconds in rejoins), rejoins
+    assert "lost every neighbour" not in log_of(late)
     # the monitor's anchor reduced the rounds, and its checkpoints hold the swarm's state
     checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=60, what="a checkpoint")
     assert checkpoint["epoch"] >= 4
@@ -365,31 +364,3 @@ def test_a_cut_link_is_told_while_the_dht_still_holds_its_neighbour_and_its_retu
                       what="its neighbour back in the table")
     assert [event["state"] for event in watching.events if event["type"] == "link"] == ["down", "back"]
 
-
-@needs_lab
-def test_a_peer_behind_nat_keeps_its_only_neighbour_when_an_answer_waits_behind_a_full_link(lab, tmp_path):
-    # hivemind drops a neighbour at its first late answer; on a thin link an answer waits behind whatever the one
-    # libp2p connection carries (a state download, a gradient round), and a volunteer in client mode knows one
-    # neighbour: it read no progress and found no group until the watchdog dialled again, behind the same queue
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "link_watch_peer.py")
-    # 300 kB of stores take 10 s at 0.25 Mbit/s (the late joiner's link above): a read sent 2 s after them waits
-    # behind the rest, longer than the 5 s this peer waits for an answer here (20 s in a volunteer, against queues of
-    # up to 18 s). The router's queue stays short (2 s), so the watchdog's probes (TCP connections of their own) get
-    # through: the link is full, not cut. (A queue of 15 s or more can make libp2p close the connection itself, which
-    # no routing-table rule can keep: the watchdog then dials again.)
-    timeout, size = 5.0, 300_000
-    server, home = lab.public_host("server"), lab.home("home")
-    home.limit(LATE_JOINER_MBIT)
-    serving = server.start("serve", [script, "serve"], str(tmp_path / "serve.log"), command=[sys.executable])
-    addresses = serving.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-    queued = home.start("queue", [script, "queue", str(timeout), str(size), *addresses], str(tmp_path / "queue.log"),
-                        command=[sys.executable])
-    assert queued.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its start")["neighbours"] == 1
-    read = queued.wait_for(lambda e: e["type"] == "read", timeout=300, what="the read behind the stores")
-    assert read["seconds"] >= timeout - 0.5 and not read["found"], read  # the answer came later than the wait
-    after = queued.wait_for(lambda e: e["type"] == "read_after", timeout=150, what="the read after the stores")
-    assert after["found"], after  # the neighbour answers again once the link's queue is through, and no dial was needed
-    tables = [event["neighbours"] for event in queued.events if event["type"] == "table" and event["at"] <= after["at"]]
-    assert len(tables) >= 10 and set(tables) == {1}, tables  # it was never without its neighbour
-    assert "lost every neighbour" not in log_of(queued)
-    assert not [event for event in queued.events if event["type"] == "link"]  # a full link is no cut
