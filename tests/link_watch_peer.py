@@ -26,8 +26,9 @@ def main(mode: str, addresses):
         emit_event("ready", addresses=join_addresses(dht))
     else:
         dht = start_dht(SwarmConfig(host="0.0.0.0", client_mode=True, initial_peers=list(addresses)))
-        watchdog = SwarmWatchdog(dht, addresses, on_link_down=lambda: emit_event("link", state="down"),
-                                 on_link_back=lambda: emit_event("link", state="back"))
+        # its thread keeps it alive as long as the process runs
+        SwarmWatchdog(dht, addresses, on_link_down=lambda: emit_event("link", state="down"),
+                      on_link_back=lambda: emit_event("link", state="back"))
         emit_event("ready", neighbours=routing_table_size(dht))
         while not threading.Event().wait(1.0):
             emit_event("table", neighbours=routing_table_size(dht))

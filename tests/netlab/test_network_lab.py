@@ -368,4 +368,3 @@ def test_a_cut_link_is_told_while_the_dht_still_holds_its_neighbour_and_its_retu
     watching.wait_for(lambda e: e["type"] == "table" and e["neighbours"] == 1 and e["at"] > back["at"], timeout=15,
                       what="its neighbour back in the table")
     assert [event["state"] for event in watching.events if event["type"] == "link"] == ["down", "back"]
-
