@@ -29,6 +29,7 @@ from collab_kit.addresses import parse_initial_peers
 from collab_kit.config import RunConfig, SwarmConfig, shared_setting_options
 from collab_kit.errors import CollabKitError
 from collab_kit.swarm.keys import presence_key
+from collab_kit.swarm.p2p_fixes import install_p2p_fixes
 from collab_kit.swarm.reachability import ReachabilityVerdict, probe_reachability, serve_reachability_checks
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
     :raises SwarmConnectionError: if none of the initial peers could be reached
     """
     install_log_filters()  # before the DHT's process forks, so that it (and the averagers') inherit them
+    install_p2p_fixes()  # likewise: every p2p client of the peer's processes keeps reading answers
     config, _ = resolve_reachability(config)
     initial_peers = parse_initial_peers(config.initial_peers)
     if config.client_mode:

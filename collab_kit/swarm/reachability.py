@@ -30,6 +30,8 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from collab_kit.swarm.p2p_fixes import install_p2p_fixes
+
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "/collab_kit/reachability/1.0.0"
@@ -231,6 +233,7 @@ def probe_reachability(initial_peers: Sequence[str], host: str = "0.0.0.0", port
     :param max_helpers: how many initial peers to ask
     """
     port = port or free_port(host)
+    install_p2p_fixes()  # its temporary host's calls time out like any other
     outcome: List[ReachabilityVerdict] = []
 
     def run():
