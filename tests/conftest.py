@@ -3,11 +3,14 @@
 Peers are real processes on 127.0.0.1 (collab_kit.roles.processes.PeerProcess); the ``start_peer``
 fixture kills every one it started, with its p2p daemons, however the test ends.
 """
+import atexit
 import os
+import shutil
 import tempfile
 
 # before anything imports huggingface_hub or datasets: never reach for the network, never touch ~/.cache
 _HF_HOME = tempfile.mkdtemp(prefix="collab_kit_test_hf_")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)  # each run's cache goes with it, not left in /tmp
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=_HF_HOME,
                   HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false")
 

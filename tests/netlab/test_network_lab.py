@@ -274,7 +274,7 @@ def test_volunteers_behind_nat_with_no_anchor_are_told_they_train_alone(lab, tmp
     run_id = "lone_run"
     server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", "--no-anchor")
     volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, run_id, addresses, tiny_shards,
-                                  "--max-epochs", "6", "--wait-for-peers", "2") for i in range(2)]
+                                  "--max-epochs", "5", "--wait-for-peers", "2") for i in range(2)]
     for volunteer in volunteers:
         lone = volunteer.wait_for(lambda e: e["type"] == "lone", timeout=300, what="the lone-training warning")
         assert lone["epochs"] >= 3 and lone["training_peers"] == 2
