@@ -60,7 +60,7 @@ from collab_kit.swarm.dht import join_addresses, join_instructions
 from collab_kit.swarm.keys import peer_tokens_key, progress_key
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsSchema, PeerMetrics, SwarmSnapshot, read_metrics, summarize
-from collab_kit.swarm.optimizer import is_anchor_record
+from collab_kit.swarm.progress import is_anchor_record
 
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,8 @@
 - ``keys``: the run's DHT keys, in one place.
 - ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
   and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression.
+- ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
+  publishing this peer's record once per period within an epoch rather than at every step).
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
 - ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT.
@@ -25,7 +27,8 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "watchdog": ["SwarmWatchdog"],
     "reachability": ["probe_reachability", "ReachabilityVerdict"],
     "p2p_fixes": ["install_p2p_fixes"],
-    "optimizer": ["make_optimizer", "CollaborativeOptimizer", "SwarmProgressTracker"],
+    "optimizer": ["make_optimizer", "CollaborativeOptimizer"],
+    "progress": ["SwarmProgressTracker", "is_anchor_record"],
     "lamb": ["make_lamb8bit", "LAMB8bit", "gradient_compression", "parameter_groups"],
     "averagers": ["compose_averager"],
     "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],

@@ -47,7 +47,8 @@ from collab_kit.config import RunConfig
 from collab_kit.errors import CollabKitError
 from collab_kit.model.transformer import initial_model
 from collab_kit.swarm.averagers import ANCHOR_ROLE
-from collab_kit.swarm.optimizer import CollaborativeOptimizer, SwarmProgressTracker, make_optimizer
+from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
+from collab_kit.swarm.progress import SwarmProgressTracker
 
 logger = logging.getLogger(__name__)
 

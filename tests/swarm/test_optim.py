@@ -21,7 +21,8 @@ from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
 from collab_kit.swarm.lamb import linear_warmup_then_decay
 from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT
 from collab_kit.swarm.lamb import gradient_compression, make_lamb8bit, parameter_groups
-from collab_kit.swarm.optimizer import NO_STATE_AVERAGING, SwarmProgressTracker
+from collab_kit.swarm.optimizer import NO_STATE_AVERAGING
+from collab_kit.swarm.progress import SwarmProgressTracker
 from collab_kit.swarm.dht import start_dht
 
 
