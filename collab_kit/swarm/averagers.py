@@ -8,6 +8,7 @@ peers averaging by the plain mean must not join).
 
 - ``ForkedTorchThreadsMixin``: an averager's process rebuilds torch's thread pool before its threads race to.
 - ``DownloadRecorderMixin``: remembers the epoch of the last state downloaded.
+- ``FinishServingMixin``: at shutdown, the averaged parts still owed to the last round's group go out first.
 - ``ClientModeMatchmakingMixin``: leaves out hivemind's request-timeout advice that does not apply in client mode.
 - ``RoundReportMixin``: each gradient round reports who was in it (trainers, anchors) and what it received, and
   lets the anchor hold a group open for the peers it expects.
@@ -27,6 +28,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
 
 
 def compose_averager(base: type, *mixins: type, behind: Sequence[type] = (), qualname: Optional[str] = None,
@@ -115,6 +118,46 @@ class _LeaderlessRequestTimeoutFilter(logging.Filter):
         return "request_timeout smaller than min_matchmaking_time" not in record.getMessage()
 
 
+class FinishServingMixin:
+    """Put before a hivemind averager class: told to shut down, its process first lets the averaged parts it is still
+    sending back to its group go out (for up to ``serving_grace`` seconds), then shuts down as hivemind does.
+
+    hivemind's all-reduce is over for a peer once its own results are back, while as a reducer it may still be
+    streaming the averaged parts of the others. A peer stopping right after its last round (the end of --max-epochs)
+    cut those streams: a groupmate got 78.7% of the last state average and ended apart from the others.
+    """
+
+    serving_grace: float = 4.0  # under hivemind's shutdown_timeout (5 s by default), after which it terminates
+
+    def _serving_state(self):
+        # created in the averager's own process and loop, at first use
+        if getattr(self, "_serving_idle", None) is None:
+            self._serving_streams, self._serving_idle = 0, asyncio.Event()
+            self._serving_idle.set()
+        return self._serving_idle
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        idle = self._serving_state()
+        self._serving_streams += 1
+        idle.clear()
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+        finally:
+            self._serving_streams -= 1
+            if self._serving_streams == 0:
+                idle.set()
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        grace = min(self.serving_grace, 0.8 * timeout) if timeout is not None else self.serving_grace
+        try:
+            await asyncio.wait_for(self._serving_state().wait(), grace)
+        except asyncio.TimeoutError:
+            logger.debug(f"shutting down with {self._serving_streams} averaged part(s) still being sent")
+        await super()._shutdown(timeout)
+
+
 class ClientModeMatchmakingMixin:
     """Put before a hivemind averager class: in client mode, its process (where hivemind builds its matchmaking)
     leaves out the request_timeout advice that does not apply to it (see CLIENT_JOIN_ANSWER_TIMEOUT). The filter is
@@ -129,8 +172,8 @@ class ClientModeMatchmakingMixin:
 def recording_state_averager_class() -> type:
     """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin and
     ClientModeMatchmakingMixin in front), under TrainingStateAverager's RPC name."""
-    return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, ClientModeMatchmakingMixin,
-                            behind=(DownloadRecorderMixin,), qualname="RecordingTrainingStateAverager")
+    return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, FinishServingMixin,
+                            ClientModeMatchmakingMixin, behind=(DownloadRecorderMixin,), qualname="RecordingTrainingStateAverager")
 
 
 # what a peer tells its group about itself in each gradient round (hivemind's all-gather): an anchor contributes no
@@ -296,5 +339,6 @@ def round_report_averager_class(base: type, role: str) -> type:
     """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin and
     ClientModeMatchmakingMixin) in front, sending ``role``, under ``base``'s name (hivemind names the RPCs after the
     class: every peer's averager must keep the same name)."""
-    return compose_averager(base, ForkedTorchThreadsMixin, ClientModeMatchmakingMixin, RoundReportMixin,
+    return compose_averager(base, ForkedTorchThreadsMixin, FinishServingMixin, ClientModeMatchmakingMixin,
+                            RoundReportMixin,
                             qualname=f"RoundReport{base.__name__}", round_role=role)
