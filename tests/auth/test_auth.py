@@ -19,6 +19,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from collab_kit.auth.tokens import issue_token
 from collab_kit.auth.client import HubAuthorizer, JoinAnswer
 from collab_kit.swarm.bindings import PeerGate, authorized_averager_class, binding_record, publish_peer_binding
+from waiting import wait_until
 
 RUN = "authrun"
 
@@ -43,16 +44,6 @@ def start(initial_peers=(), authorizer=None, ensure_bootstrap_success=True):
 
 def visible(dht):
     return [str(a) for a in dht.get_visible_maddrs()]
-
-
-def wait_until(predicate, timeout=20.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
 def test_the_dht_serves_only_peers_with_a_valid_token(server_key):

@@ -23,6 +23,7 @@ from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOA
 from collab_kit.swarm.lamb import gradient_compression, make_lamb8bit, parameter_groups
 from collab_kit.swarm.optimizer import NO_STATE_AVERAGING
 from collab_kit.swarm.progress import SwarmProgressTracker
+from waiting import wait_until
 from collab_kit.swarm.dht import start_dht
 
 
@@ -646,15 +647,6 @@ def test_the_progress_tracker_publishes_a_burst_of_steps_once_per_period_and_a_n
         found = original_get(f"{prefix}_progress", latest=True, return_future=True).result(timeout=10)
         records = [] if found is None else [entry.value for entry in found.value.values() if entry.value is not None]
         return records[0] if records else None
-
-    def wait_until(condition, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = condition()
-            if value:
-                return value
-            time.sleep(0.1)
-        pytest.fail(f"not within {timeout} s: {what}")
 
     try:
         # a period far longer than the test: within an epoch, only the first step of the burst goes out
