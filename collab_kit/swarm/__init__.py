@@ -13,6 +13,7 @@
 - ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
   publishing this peer's record once per period within an epoch rather than at every step).
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
+- ``streams``: the streams of rounds and matchmaking end with the caller's close once it has every message.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
 - ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT.
 - ``membership``: joining a run the same way for every peer (token, client mode, DHT, binding), and leaving it.

@@ -9,6 +9,8 @@ peers averaging by the plain mean must not join).
 - ``ForkedTorchThreadsMixin``: an averager's process rebuilds torch's thread pool before its threads race to.
 - ``DownloadRecorderMixin``: remembers the epoch of the last state downloaded.
 - ``FinishServingMixin``: at shutdown, the averaged parts still owed to the last round's group go out first.
+- ``CallerClosesStreamsMixin`` (collab_kit.swarm.streams): a round's streams and join requests are closed by their
+  caller once it has every message, not by the server right after writing the last one (which now and then lost it).
 - ``ClientModeMatchmakingMixin``: leaves out hivemind's request-timeout advice that does not apply in client mode.
 - ``RoundReportMixin``: each gradient round reports who was in it (trainers, anchors) and what it received, and
   lets the anchor hold a group open for the peers it expects.
@@ -28,6 +30,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+
+from collab_kit.swarm.streams import CallerClosesStreamsMixin
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +174,11 @@ class ClientModeMatchmakingMixin:
 
 
 def recording_state_averager_class() -> type:
-    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin and
-    ClientModeMatchmakingMixin in front), under TrainingStateAverager's RPC name."""
+    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin, FinishServingMixin,
+    CallerClosesStreamsMixin and ClientModeMatchmakingMixin in front), under TrainingStateAverager's RPC name."""
     return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, FinishServingMixin,
-                            ClientModeMatchmakingMixin, behind=(DownloadRecorderMixin,), qualname="RecordingTrainingStateAverager")
+                            CallerClosesStreamsMixin, ClientModeMatchmakingMixin, behind=(DownloadRecorderMixin,),
+                            qualname="RecordingTrainingStateAverager")
 
 
 # what a peer tells its group about itself in each gradient round (hivemind's all-gather): an anchor contributes no
@@ -336,9 +341,9 @@ class RoundReportMixin:
 
 
 def round_report_averager_class(base: type, role: str) -> type:
-    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin and
-    ClientModeMatchmakingMixin) in front, sending ``role``, under ``base``'s name (hivemind names the RPCs after the
-    class: every peer's averager must keep the same name)."""
-    return compose_averager(base, ForkedTorchThreadsMixin, FinishServingMixin, ClientModeMatchmakingMixin,
-                            RoundReportMixin,
+    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin,
+    FinishServingMixin, CallerClosesStreamsMixin and ClientModeMatchmakingMixin) in front, sending ``role``, under
+    ``base``'s name (hivemind names the RPCs after the class: every peer's averager must keep the same name)."""
+    return compose_averager(base, ForkedTorchThreadsMixin, FinishServingMixin, CallerClosesStreamsMixin,
+                            ClientModeMatchmakingMixin, RoundReportMixin,
                             qualname=f"RoundReport{base.__name__}", round_role=role)

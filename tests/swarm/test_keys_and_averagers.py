@@ -21,6 +21,7 @@ from collab_kit.swarm.bindings import AuthorizedAveragerMixin, authorized_averag
 from collab_kit.swarm.dht import start_dht
 from collab_kit.swarm.optimizer import make_optimizer
 from collab_kit.swarm.robust import CenteredClipAveragerMixin, CenteredClipGradientAverager, with_centered_clip
+from collab_kit.swarm.streams import CallerClosesStreamsMixin
 
 
 @pytest.fixture
@@ -47,8 +48,8 @@ def test_the_keys_the_monitor_reads_are_those_hivemind_writes(optimizer):
 def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise():
     state = recording_state_averager_class()
     assert state.__name__ == "TrainingStateAverager" and state.__qualname__ == "RecordingTrainingStateAverager"
-    assert state.__mro__[1:6] == (ForkedTorchThreadsMixin, FinishServingMixin, ClientModeMatchmakingMixin,
-                                  TrainingStateAverager, DownloadRecorderMixin)
+    assert state.__mro__[1:7] == (ForkedTorchThreadsMixin, FinishServingMixin, CallerClosesStreamsMixin,
+                                  ClientModeMatchmakingMixin, TrainingStateAverager, DownloadRecorderMixin)
     gradients = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
     assert gradients.__name__ == "GradientAverager" and gradients.round_role == ANCHOR_ROLE
     assert issubclass(gradients, RoundReportMixin)
