@@ -128,7 +128,8 @@ class FinishServingMixin:
 
     hivemind's all-reduce is over for a peer once its own results are back, while as a reducer it may still be
     streaming the averaged parts of the others. A peer stopping right after its last round (the end of --max-epochs)
-    cut those streams: a groupmate got 78.7% of the last state average and ended apart from the others.
+    cut those streams, and a groupmate missed part of the last average (made certain in
+    tests/swarm/test_keys_and_averagers.py by a reducer that answers slowly).
     """
 
     serving_grace: float = 4.0  # under hivemind's shutdown_timeout (5 s by default), after which it terminates
