@@ -59,13 +59,15 @@ class SwarmProgressTracker(ProgressTracker):
         lose nothing: they extrapolate each record with its samples per second, and a new epoch or a reset goes out at
         once."""
         loop = asyncio.get_event_loop()
-        last_report_time = last_report_epoch = -float("inf")
+        # the period runs from the last store: a look at the progress that published nothing (at the start, before the
+        # first step) holds nothing back
+        last_report_time = last_store_time = last_report_epoch = -float("inf")
         store_task = None
         try:
             while not self.shutdown_triggered.is_set():
                 wait_timeout = max(0.0, last_report_time - get_dht_time() + self.metadata_expiration / 2)
                 await loop.run_in_executor(None, self.should_report_progress.wait, wait_timeout)
-                hold = last_report_time + self.min_report_period - get_dht_time()
+                hold = last_store_time + self.min_report_period - get_dht_time()
                 if hold > 0 and self.should_report_progress.is_set() and not self.urgent_report.is_set():
                     await loop.run_in_executor(None, self.urgent_report.wait, hold)  # the steps of the wait go along
                 if self.shutdown_triggered.is_set():
@@ -77,6 +79,7 @@ class SwarmProgressTracker(ProgressTracker):
                 if local_progress.samples_accumulated > 0:
                     last_report_epoch = self.global_epoch
                 if last_report_epoch >= self.global_epoch - 1:  # as hivemind: a peer in sync and contributing
+                    last_store_time = last_report_time
                     store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
                         key=self.training_progress_key, subkey=self._local_public_key, value=local_progress.dict(),
                         expiration_time=last_report_time + self.metadata_expiration, return_future=True),
