@@ -17,7 +17,7 @@ from collab_kit.config import SwarmConfig
 from collab_kit.swarm.averagers import compose_averager
 from collab_kit.swarm.dht import start_dht
 from collab_kit.swarm.streams import CallerClosesStreamsMixin
-from tests.waiting import wait_until
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
