@@ -51,7 +51,8 @@ class PeerProcess:
                  command: Sequence[str] = (sys.executable, "-m", "collab_kit.cli"), stdin=subprocess.DEVNULL,
                  cwd: Optional[str] = None):
         self.name, self.log_path, self.args = name, log_path, list(args)
-        self.events: List[dict] = []  # every event read so far, in order
+        self._events: List[dict] = []  # the events moved off the reader's queue so far, in order
+        self._exited = False  # the reader saw the end of the process's output
         self._cursor = 0  # events before this index were returned by new_events()
         self._queue: "queue.Queue[dict]" = queue.Queue()
         self._log = open(log_path, "a", buffering=1)
@@ -79,44 +80,49 @@ class PeerProcess:
         except OSError:
             return ""
 
+    @property
+    def events(self) -> List[dict]:
+        """Every event the process printed so far, in order (the reader thread's latest included: a test that waited
+        a while and then looks back sees what happened meanwhile, not only what an earlier wait read)."""
+        self._drain(0.0)
+        return self._events
+
     def wait_for(self, predicate: Callable[[dict], bool], timeout: float, what: str = "an event") -> dict:
         """Return the first event (including earlier ones) that satisfies ``predicate``.
 
         :raises PeerFailed: if the process exits first, or ``timeout`` seconds pass
         """
-        for event in self.events:
-            if predicate(event):
-                return event
-        deadline = time.monotonic() + timeout
+        deadline, checked = time.monotonic() + timeout, 0
         while True:
+            self._drain(0.0)
+            # by index: a predicate that looks at self.events drains the queue too, and no event goes unchecked
+            while checked < len(self._events):
+                event, checked = self._events[checked], checked + 1
+                if predicate(event):
+                    return event
+            if self._exited:
+                code = self.process.wait()
+                raise PeerFailed(f"{self.name} exited with code {code} before reporting {what}; "
+                                 f"last lines of {self.log_path}:\n{self.log_tail()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PeerFailed(f"{self.name} did not report {what} within {timeout:.0f} s; "
                                  f"last lines of {self.log_path}:\n{self.log_tail()}")
-            try:
-                event = self._queue.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
-            if event["type"] == "_exited":
-                self._queue.put(event)  # later waits see the exit too
-                code = self.process.wait()
-                raise PeerFailed(f"{self.name} exited with code {code} before reporting {what}; "
-                                 f"last lines of {self.log_path}:\n{self.log_tail()}")
-            self.events.append(event)
-            if predicate(event):
-                return event
+            self._drain(min(remaining, 1.0))
 
     def _drain(self, timeout: float) -> None:
-        """Move events from the reader thread into self.events, waiting up to ``timeout`` for the first."""
+        """Move events from the reader thread into the list of events, waiting up to ``timeout`` for the first."""
+        if self._exited:
+            return
         try:
             event = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
         except queue.Empty:
             return
         while True:
             if event["type"] == "_exited":
-                self._queue.put(event)  # later calls see the exit too
+                self._exited = True  # nothing follows it
                 return
-            self.events.append(event)
+            self._events.append(event)
             try:
                 event = self._queue.get_nowait()
             except queue.Empty:
@@ -125,7 +131,7 @@ class PeerProcess:
     def new_events(self, timeout: float = 0.0) -> List[dict]:
         """The events that arrived since the last call, waiting up to ``timeout`` seconds for one."""
         self._drain(timeout)
-        fresh, self._cursor = self.events[self._cursor:], len(self.events)
+        fresh, self._cursor = self._events[self._cursor:], len(self._events)
         return fresh
 
     def wait_exit(self, timeout: float) -> int:
