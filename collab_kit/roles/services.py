@@ -125,7 +125,6 @@ class Service:
     @property
     def events(self) -> List[dict]:
         """Every event the command reported so far, in order."""
-        self.process.new_events()
         return list(self.process.events)
 
     def log_tail(self, lines: int = 20) -> str:
