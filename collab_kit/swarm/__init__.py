@@ -5,8 +5,8 @@
 - ``watchdog``: staying in the swarm: the watchdog tells a cut link and its return, and dials again when a peer has
   lost every neighbour.
 - ``reachability``: can the swarm's peers dial this one back? (the probe and the answering service).
-- ``p2p_fixes``: a fix of hivemind's client of the p2p daemon (an answer to a call already given up on no longer
-  stops every later answer), installed before any daemon starts.
+- ``p2p_fixes``: fixes of hivemind's processes (an answer to a call already given up on no longer stops every later
+  answer; a DHT request whose sender is gone no longer ends the DHT's process), installed before any daemon starts.
 - ``keys``: the run's DHT keys, in one place.
 - ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
   and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression.
