@@ -141,7 +141,9 @@ class OptimizerConfig:
     eps: float = 1e-6
     weight_decay: float = 0.045  # not applied to biases and norms
     max_grad_norm: float = 4.0
-    total_steps: int = 31250  # global optimizer steps (= global epochs) of the linear schedule
+    # global batches of the linear schedule: global optimizer steps (= global epochs) in synchronous mode; in
+    # local-update mode the inner steps follow it by the swarm's global batches, local_steps of them per round
+    total_steps: int = 31250
     warmup_fraction: float = 0.1
     target_batch_size: int = 4096  # samples the whole swarm accumulates per global step
     batch_size_per_step: int = 4  # samples one peer processes per local step
@@ -181,6 +183,15 @@ class OptimizerConfig:
     # tiny-preset loss rose (1.008 after 10 epochs); with 30 it fell as without an attacker (0.986). Cheap: a
     # few norms of the group's parts per iteration, on the peer that reduces that part
     clip_iterations: int = 30
+    # Local-update mode (DiLoCo, collab_kit.swarm.local_updates): 0 keeps synchronous training, where the swarm averages
+    # gradients at every global batch of target_batch_size samples. H > 0: each peer trains on its own with the 8-bit
+    # optimizer, and the swarm averages only once every H global batches' worth of samples (a round of H x
+    # target_batch_size), exchanging the difference between the last global parameters and its own (the
+    # pseudo-gradient). About H times fewer bytes; for thin links. The outer step is SGD with Nesterov momentum on the
+    # averaged pseudo-gradient, with DiLoCo's settings (learning rate 0.7, momentum 0.9)
+    local_steps: int = 0
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -209,9 +220,27 @@ class OptimizerConfig:
                  "True needs optimizer.offload_optimizer=True (hivemind runs the delayed step on the offloaded copy)",
                  self.delay_optimizer_step)
 
+        _require(isinstance(self.local_steps, int) and not isinstance(self.local_steps, bool) and self.local_steps >= 0,
+                 "optimizer.local_steps", "expected an integer >= 0 (0: synchronous training; H > 0: average every H "
+                 "global batches)", self.local_steps)
+        _positive_float("optimizer", "outer_learning_rate", self.outer_learning_rate)
+        _require(isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
+                 "optimizer.outer_momentum", "must be in [0, 1)", self.outer_momentum)
+
     @property
     def warmup_steps(self) -> int:
         return int(self.total_steps * self.warmup_fraction)
+
+    @property
+    def local_updates(self) -> bool:
+        """Whether peers train in local-update mode (``local_steps`` > 0)."""
+        return self.local_steps > 0
+
+    @property
+    def round_samples(self) -> int:
+        """Samples the whole swarm processes between two averaging rounds: a global batch (``target_batch_size``), or
+        ``local_steps`` of them in local-update mode."""
+        return self.target_batch_size * max(1, self.local_steps)
 
     @property
     def chunk_timeout(self) -> float:

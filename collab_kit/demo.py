@@ -13,7 +13,11 @@ VQGAN decode, toy CLIP rerank) and the demo writes, in ``demo_out/``:
 It finishes with one summary line; ``color_match`` is the share of the kept pictures whose dominant
 colour (pixel statistics, no model) is the colour the prompt asks for (chance: 0.125):
 
-    demo: peers=2 epochs=40 loss_first=5.61 loss_last=1.62 averaged_rounds=40 color_match=0.938
+    demo: peers=2 epochs=40 loss_first=5.61 loss_last=1.62 averaged_rounds=40 bytes_sent=48.21MiB color_match=0.938
+
+``bytes_sent`` is what a volunteer sent to the other peers over the run (the mean over volunteers): its averaging
+rounds, and the states it served (the monitor's checkpoints download them). ``collab-kit demo --local-steps H`` runs
+the local-update mode (collab_kit.swarm.local_updates) instead, and its line ends with ``local_steps=H``.
 """
 from __future__ import annotations
 
@@ -61,12 +65,18 @@ class DemoResult:
     loss_last: float  # ... in the last one
     averaged_rounds: int  # global steps every volunteer averaged with others (the minimum over volunteers)
     seconds: float
+    bytes_sent: float = 0.0  # bytes a volunteer sent to the others over the run (the mean over volunteers)
+    bytes_served: float = 0.0  # ... of which the states it served (the monitor's checkpoints download them)
+    local_steps: int = 0  # the local-update mode's H (collab_kit.swarm.local_updates); 0: synchronous
     color_match: Optional[float] = None  # share of the kept toy pictures in the prompt's colour (toy preset only)
     outputs: Dict[str, str] = dataclasses.field(default_factory=dict)  # what was written: name -> path
 
     def summary_line(self) -> str:
         line = (f"demo: peers={self.peers} epochs={self.epochs} loss_first={self.loss_first:.4f} "
-                f"loss_last={self.loss_last:.4f} averaged_rounds={self.averaged_rounds}")
+                f"loss_last={self.loss_last:.4f} averaged_rounds={self.averaged_rounds} "
+                f"bytes_sent={self.bytes_sent / 2 ** 20:.2f}MiB")
+        if self.local_steps:
+            line += f" local_steps={self.local_steps}"
         if self.color_match is not None:
             line += f" color_match={self.color_match:.3f}"
         return line
@@ -99,7 +109,14 @@ class DemoFailed(CollabKitError, RuntimeError):
     """The demo could not show a collaborative run; the message says which part failed."""
 
 
-DEFAULT_EPOCHS = {"toy": 60}  # global epochs the demo trains by default (5 for other presets): all of its schedule
+DEFAULT_EPOCHS = {"toy": 60}  # global batches the demo trains by default (5 for other presets): all of its schedule
+
+
+def default_epochs(preset: str, local_steps: int = 0) -> int:
+    """Global epochs the demo trains by default: the preset's global batches (``DEFAULT_EPOCHS``), which in
+    local-update mode are rounds of ``local_steps`` global batches each (rounded up)."""
+    batches = DEFAULT_EPOCHS.get(preset, 5)
+    return -(-batches // local_steps) if local_steps > 0 else batches
 
 
 def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str = "toy",
@@ -110,7 +127,9 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     """Start a coordinator and ``num_volunteers`` volunteers on 127.0.0.1, train, then show what was learned.
 
     :param num_volunteers: training peers (each its own process)
-    :param epochs: global epochs to train (default: 60 for the toy preset, its whole schedule; 5 for the others)
+    :param epochs: global epochs to train (default: 60 for the toy preset, its whole schedule; 5 for the others; in
+      local-update mode, with ``optimizer.local_steps=H`` among ``overrides``, rounds of H global batches: as many as
+      hold those global batches, see ``default_epochs``)
     :param preset: the configuration preset (``toy``: the toy world, with samples and color_match at the end)
     :param workdir: where the peers' logs (and a non-toy dataset) go (default: a temporary folder, removed on
       success)
@@ -124,12 +143,12 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     :param draws_per_prompt: pictures drawn per prompt, of which CLIP keeps ``keep``
     :raises DemoFailed: with what went wrong and where the logs are
     """
-    epochs = epochs if epochs is not None else DEFAULT_EPOCHS.get(preset, 5)
+    config = get_preset(preset, **parse_overrides(overrides))
+    epochs = epochs if epochs is not None else default_epochs(preset, config.optimizer.local_steps)
     if num_volunteers < 1 or epochs < 1:
         raise ValueError(f"the demo needs at least one volunteer and one epoch (got peers={num_volunteers}, "
                          f"epochs={epochs})")
     timeout = timeout if timeout is not None else (480.0 if preset == "toy" else 270.0)
-    config = get_preset(preset, **parse_overrides(overrides))
     # every peer on this machine, in one run of its own
     config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, host="127.0.0.1",
                                                                    run_id=f"demo_{os.getpid()}"))
@@ -158,6 +177,7 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
         print(f"demo: {num_volunteers} volunteers joined; training {epochs} global epochs", flush=True)
         losses, finished = _follow_training(volunteers, epochs, deadline, timeout, workdir)
         result = _result(losses, finished, num_volunteers, time.monotonic() - started, workdir)
+        result.local_steps = config.optimizer.local_steps
         for service in reversed(services):  # the swarm's work is done: free the cores for drawing
             service.stop(grace=5.0)
         if output_dir is not None:
@@ -265,7 +285,9 @@ def _result(losses: Dict[int, Dict[str, float]], finished: Dict[str, dict], num_
         peers=num_volunteers, epochs=max(event["final_epoch"] for event in finished.values()),
         loss_first=sum(losses[first_epoch].values()) / num_volunteers,
         loss_last=sum(losses[last_epoch].values()) / num_volunteers,
-        averaged_rounds=averaged_rounds, seconds=seconds)
+        averaged_rounds=averaged_rounds, seconds=seconds,
+        bytes_sent=sum(event.get("bytes_sent", 0) for event in finished.values()) / len(finished),
+        bytes_served=sum(event.get("bytes_served", 0) for event in finished.values()) / len(finished))
     if num_volunteers > 1 and averaged_rounds == 0:
         raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
                          f"meet in the swarm. Logs in {workdir}")

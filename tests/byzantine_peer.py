@@ -47,9 +47,14 @@ SWARM_SETTINGS = ("optimizer.target_batch_size=1024", "optimizer.matchmaking_tim
                   "optimizer.compression_threshold=1024", "optimizer.average_state_every=1000")
 
 
-def run_poisoned_swarm(aggregation: str, scale: float, epochs: int, shards: str, log_dir: str, run_id: str):
-    """4 peers of the tiny preset, one of which sends its gradients times ``scale``: the honest peers' epoch losses."""
-    settings = [arg for setting in SWARM_SETTINGS + (f"optimizer.aggregation='{aggregation}'",)
+def run_poisoned_swarm(aggregation: str, scale: float, epochs: int, shards: str, log_dir: str, run_id: str,
+                       extra_settings: Sequence[str] = ()):
+    """4 peers of the tiny preset, one of which sends its gradients times ``scale``: the honest peers' epoch losses.
+
+    :param extra_settings: more ``--set`` values for every peer (``optimizer.local_steps=H``: the local-update mode,
+      where the attacker sends its pseudo-gradients times ``scale``)
+    """
+    settings = [arg for setting in (*SWARM_SETTINGS, f"optimizer.aggregation='{aggregation}'", *extra_settings)
                 for arg in ("--set", setting)]
     common = ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--data", shards,
               "--threads", "1", "--events", "--no-progress", "--wait-for-peers", "4", "--max-epochs", str(epochs),
@@ -88,6 +93,7 @@ def main(argv: List[str]) -> int:
     from collab_kit.roles.volunteer import Volunteer
     from collab_kit.swarm import robust
     from collab_kit.swarm.averagers import compose_averager
+    from collab_kit.swarm.local_updates import mode_averager_class
     from collab_kit.swarm.optimizer import make_optimizer
 
     if len(argv) < 2 or argv[0] != "--scale":
@@ -110,8 +116,10 @@ def main(argv: List[str]) -> int:
         return compose_averager(averager_class, PoisonedGradientsMixin)
 
     def poisoned_make_optimizer(model, dht, run_id, config, **kwargs):
-        # the averager the swarm's honest peers build (this peer reduces its own span with it, honestly)
-        honest_class = GradientAverager if config.aggregation == "mean" else robust.with_centered_clip(GradientAverager)
+        # the averager the swarm's honest peers build (this peer reduces its own span with it, honestly); in
+        # local-update mode, what it sends is its pseudo-gradient (collab_kit.swarm.local_updates)
+        mode_class = mode_averager_class(GradientAverager, config)
+        honest_class = mode_class if config.aggregation == "mean" else robust.with_centered_clip(mode_class)
         kwargs["grad_averager_factory"] = robust.grad_averager_factory(
             config.aggregation, config.clip_tau, config.clip_iterations, poisoned(honest_class),
             request_timeout=min(3.0, config.matchmaking_time / 2))

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
 
     config = build_config(args)
     if args.epochs is None and args.max_epochs is None and args.max_steps is None:
-        args.max_epochs = config.optimizer.total_steps
+        # the whole schedule: its global batches, which in local-update mode come H to a round (a global epoch)
+        args.max_epochs = -(-config.optimizer.total_steps // max(1, config.optimizer.local_steps))
     # a swarm out of reach, a refused token, a setting to change: CollabKitErrors, one line from main()
     volunteer = (make_volunteer or Volunteer.from_config)(config, num_threads=args.threads, verbose=args.verbose)
     with volunteer:
@@ -55,6 +56,10 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
         if volunteer.reachability is not None:
             print(f"reachability: {volunteer.reachability.explain()}", flush=True)
         print(volunteer.join_line, flush=True)
+        if config.optimizer.local_updates:
+            print(f"local-update mode: this peer takes its own steps and averages with the swarm once every "
+                  f"{config.optimizer.local_steps} global batches ({config.optimizer.round_samples} samples of the "
+                  f"swarm's)", flush=True)
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
         on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
         if args.events:
             emit_event("done", start_epoch=history.start_epoch, final_epoch=history.final_epoch,
                        local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
+                       bytes_sent=history.bytes_sent, bytes_served=history.bytes_served,
                        interrupted=history.interrupted, skipped_steps=history.skipped_steps,
                        link_outages=history.link_outages)
     print(f"join: {history.summary()}", flush=True)

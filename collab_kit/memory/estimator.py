@@ -89,17 +89,23 @@ class MemoryEstimate:
     transfer_bytes: int  # over PCIe per optimizer step when offloaded
     transfer_seconds: float
     notes: Tuple[str, ...] = ()
+    # local-update mode (collab_kit.swarm.local_updates): the optimizer state above is the inner optimizer's, kept
+    # beside the model; the CPU holds the swarm's last global parameters and the outer momentum (outer_bytes) and the
+    # pseudo-gradient buffer
+    local_updates: bool = False
+    outer_bytes: int = 0
 
     def parts(self) -> Dict[str, int]:
         """What the GPU holds, part by part (the optimizer state is 0 when offloaded): the bars of a chart."""
         return {"weights": self.weights_bytes, "gradients": self.gradients_bytes,
-                "optimizer state": 0 if self.offload else self.optimizer_bytes,
+                "optimizer state": 0 if self.offload and not self.local_updates else self.optimizer_bytes,
                 "activations": self.activations_bytes}
 
     def describe(self) -> str:
         """One line: the model and the settings."""
         tokens = f" x {self.seq_len} tokens" if self.seq_len else ""
-        tricks = [name for name, on in (("checkpointing", self.checkpointing), ("offload", self.offload)) if on]
+        tricks = [name for name, on in (("checkpointing", self.checkpointing), ("offload", self.offload),
+                                         ("local updates", self.local_updates)) if on]
         if self.shared_groups:
             tricks.append(f"{self.shared_groups} shared layer groups")
         return (f"{self.model}: {OPTIMIZER_NAMES[self.optimizer]}, {self.precision} precision, "
@@ -107,7 +113,7 @@ class MemoryEstimate:
 
     def table(self) -> str:
         """The estimate as a small table in GiB (MiB or KiB for small models)."""
-        where_state = "CPU" if self.offload else "GPU"
+        where_state = "CPU" if self.offload and not self.local_updates else "GPU"
         count = (f"{self.parameters / 1e6:,.1f} M" if self.parameters >= 1e5 else f"{self.parameters:,}")
         rows = [("parameters", count, ""),
                 ("weights", format_bytes(self.weights_bytes), "GPU"),
@@ -115,7 +121,11 @@ class MemoryEstimate:
                 ("optimizer state", format_bytes(self.optimizer_bytes), where_state),
                 ("activations", format_bytes(self.activations_bytes), "GPU"),
                 ("total on the GPU", format_bytes(self.gpu_bytes), "")]
-        if self.offload:
+        if self.local_updates:
+            rows += [("in CPU memory", format_bytes(self.cpu_bytes),
+                      "fp32 global weights, outer momentum, pseudo-gradient"),
+                     ("PCIe per round", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
+        elif self.offload:
             rows += [("in CPU memory", format_bytes(self.cpu_bytes), "state + fp32 master weights and gradients"),
                      ("PCIe per step", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
         width = max(len(name) for name, _, _ in rows)
@@ -220,7 +230,7 @@ def _activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, checkp
 def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None, checkpointing: bool = True,
              shared_groups: Optional[int] = None, micro_batch: int = 1, seq_len: Optional[int] = None,
              precision: str = "mixed", attention: str = "sdpa", min_8bit_size: Optional[int] = None,
-             pcie_gb_per_s: float = DEFAULT_PCIE_GB_PER_S) -> MemoryEstimate:
+             pcie_gb_per_s: float = DEFAULT_PCIE_GB_PER_S, local_updates: Optional[bool] = None) -> MemoryEstimate:
     """The memory of one training step of ``model``, part by part.
 
     :param model: a catalogue name ("gpt2-large", see ``known_models()``), a kit preset ("tiny", "small",
@@ -266,6 +276,12 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
       by default, keeps no s x s matrix) or "eager" (the scores, softmax and dropout are kept per head)
     :param min_8bit_size: bitsandbytes' threshold (default 4096, or the RunConfig's)
     :param pcie_gb_per_s: host <-> GPU bandwidth in gigabytes per second (12: PCIe 3.0 x16 in practice)
+    :param local_updates: the local-update mode (DiLoCo, collab_kit.swarm.local_updates): ``optimizer`` is the inner
+      optimizer, which steps the model's own weights where they are (its state counts on the GPU even with
+      ``offload``); the CPU holds an fp32 copy of the swarm's last global weights, the outer optimizer's fp32
+      Nesterov momentum (``outer_bytes``) and an fp32 pseudo-gradient buffer; once a round, the weights go to the
+      CPU and the new global ones come back (``transfer_bytes``). Default: False, or the RunConfig's
+      ``optimizer.local_updates``.
 
     Activations (an estimate, checked on a CPU by ``benchmarks/memory_estimates.py``; a GPU's peak is measured
     by ``benchmarks/memory_gpu.py``): per transformer layer,
@@ -288,9 +304,14 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
     check_positive_int("min_8bit_size", min_8bit_size)
     if offload is None:
         offload = defaults.get("offload", False)
+    if local_updates is None:
+        local_updates = defaults.get("local_updates", False)
+    if not isinstance(local_updates, bool):
+        raise ValueError(f"local_updates={local_updates!r} is not allowed: expected True, False or None")
     return _estimate(arch, optimizer=optimizer, offload=offload, checkpointing=bool(checkpointing),
                      shared_groups=shared_groups, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                     attention=attention, min_8bit_size=min_8bit_size, pcie_gb_per_s=pcie_gb_per_s)
+                     attention=attention, min_8bit_size=min_8bit_size, pcie_gb_per_s=pcie_gb_per_s,
+                     local_updates=local_updates)
 
 
 def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_gb_per_s, offload) -> str:
@@ -311,7 +332,7 @@ def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_g
 
 
 def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_groups, micro_batch, seq_len,
-              precision, attention, min_8bit_size, pcie_gb_per_s) -> MemoryEstimate:
+              precision, attention, min_8bit_size, pcie_gb_per_s, local_updates=False) -> MemoryEstimate:
     notes: List[str] = []
     if seq_len is None:
         seq_len = arch.seq_len
@@ -334,17 +355,24 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
         notes.append(f"{arch.label} does not say its layers, width and sequence length: activations not estimated")
     if arch.reversible:
         notes.append("reversible layers: activations are rebuilt in backward with or without checkpointing")
-    cpu = transfer = 0
-    if offload:
+    cpu = transfer = outer = 0
+    if local_updates:
+        # hivemind's offloaded copy holds the global weights (always on the CPU in this mode), beside the outer
+        # optimizer's momentum and the pseudo-gradient buffer; the inner optimizer's state stays with the model
+        outer = 4 * trainable + 4 * trainable  # fp32 global weights, fp32 Nesterov momentum
+        cpu = outer + 4 * trainable  # + the fp32 pseudo-gradient buffer
+        transfer = per_parameter * trainable + per_parameter * trainable  # local weights out, global weights back
+    elif offload:
         cpu = state + 4 * trainable + 4 * trainable  # state, fp32 master weights, fp32 gradient buffer
         transfer = gradients + per_parameter * trainable  # gradients out, updated weights back
-    gpu = weights + gradients + (0 if offload else state) + activations
+    gpu = weights + gradients + (state if local_updates or not offload else 0) + activations
     return MemoryEstimate(
         model=arch.label, optimizer=optimizer, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
         checkpointing=checkpointing, offload=offload, shared_groups=shared_groups, parameters=parameters,
         trainable_parameters=trainable, weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=state,
         activations_bytes=activations, weight_copies_bytes=copies, gpu_bytes=gpu, cpu_bytes=cpu,
-        transfer_bytes=transfer, transfer_seconds=transfer / (pcie_gb_per_s * 1e9), notes=tuple(notes))
+        transfer_bytes=transfer, transfer_seconds=transfer / (pcie_gb_per_s * 1e9), notes=tuple(notes),
+        local_updates=local_updates, outer_bytes=outer)
 
 
 def compare(model, *, micro_batch: int = 1, seq_len: Optional[int] = None, shared_groups: Optional[int] = None,

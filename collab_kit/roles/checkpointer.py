@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 import time
-from functools import partial
 from typing import Callable, Optional
 
 import hivemind
@@ -27,7 +26,8 @@ from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.swarm.anchor import Anchor
 from collab_kit.swarm.averagers import STATE_DOWNLOAD_PART_TIMEOUT, recording_state_averager_class
 from collab_kit.swarm.keys import state_averager_prefix
-from collab_kit.swarm.lamb import make_lamb8bit, make_scheduler_factory, parameter_groups
+from collab_kit.swarm.lamb import parameter_groups
+from collab_kit.swarm.local_updates import mode_averager_class, swarm_optimizer_factory, swarm_scheduler_factory
 
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,12 @@ class Checkpointer:
         self.model = TextToImageTransformer(config.model)
         # building it forks the averager's process: done before the monitor opens its database (an SQLite
         # connection must not cross a fork)
-        self.averager = None if anchor is not None else recording_state_averager_class()(
+        averager_class = mode_averager_class(recording_state_averager_class(), config.optimizer)
+        self.averager = None if anchor is not None else averager_class(
             dht=dht, prefix=state_averager_prefix(config.swarm.run_id),
-            optimizer=partial(make_lamb8bit, config=config.optimizer),
+            optimizer=swarm_optimizer_factory(config.optimizer),
             params=parameter_groups(self.model, config.optimizer.weight_decay),
-            scheduler=make_scheduler_factory(config.optimizer), offload_optimizer=False,
+            scheduler=swarm_scheduler_factory(config.optimizer), offload_optimizer=False,
             client_mode=True, allow_state_sharing=False,
             next_chunk_timeout=min(STATE_DOWNLOAD_PART_TIMEOUT, settings.download_timeout), start=True)
         if self.averager is not None:

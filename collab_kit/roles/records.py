@@ -138,6 +138,10 @@ class TrainingHistory:
     final_epoch: int = 0
     local_steps: int = 0
     averaged_rounds: int = 0
+    # bytes this peer's averagers sent to other peers over the run (rounds, and states served to others), and of those
+    # the states it served (to late joiners, to the monitor's checkpoints)
+    bytes_sent: int = 0
+    bytes_served: int = 0
     interrupted: bool = False
 
     def to_dict(self) -> dict:

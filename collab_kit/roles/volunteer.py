@@ -234,6 +234,7 @@ class Volunteer:
                 bar.close()
         history.final_epoch = self.local_epoch
         history.averaged_rounds = self.optimizer.averaged_rounds
+        history.bytes_sent, history.bytes_served = self.optimizer.sent_bytes()
         return history
 
     def _run_steps(self, stream, history: TrainingHistory, bar, max_epochs: Optional[int],

@@ -9,7 +9,8 @@
   answer; a DHT request whose sender is gone no longer ends the DHT's process), installed before any daemon starts.
 - ``keys``: the run's DHT keys, in one place.
 - ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
-  and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression.
+  and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression; ``local_updates``: the
+  local-update mode (DiLoCo), in which peers take their own steps and average pseudo-gradients once a round.
 - ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
   publishing this peer's record once per period within an epoch rather than at every step).
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
@@ -31,6 +32,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "optimizer": ["make_optimizer", "CollaborativeOptimizer"],
     "progress": ["SwarmProgressTracker", "is_anchor_record"],
     "lamb": ["make_lamb8bit", "LAMB8bit", "gradient_compression", "parameter_groups"],
+    "local_updates": ["OuterNesterovSGD", "with_local_updates", "mode_averager_class"],
     "averagers": ["compose_averager"],
     "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],
     "anchor": ["Anchor", "AnchorError"],

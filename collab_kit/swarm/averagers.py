@@ -7,6 +7,7 @@ average together, unless a mixin changes what a round computes and says so (``rp
 peers averaging by the plain mean must not join).
 
 - ``ForkedTorchThreadsMixin``: an averager's process rebuilds torch's thread pool before its threads race to.
+- ``SentBytesMixin``: counts the bytes an averager's process sends to other peers.
 - ``DownloadRecorderMixin``: remembers the epoch of the last state downloaded.
 - ``FinishServingMixin``: at shutdown, the averaged parts still owed to the last round's group go out first.
 - ``CallerClosesStreamsMixin`` (collab_kit.swarm.streams): a round's streams and join requests are closed by their
@@ -22,14 +23,15 @@ import logging
 import math
 import warnings
 from collections import Counter
-from typing import AsyncIterator, Callable, Iterable, List, Optional, Sequence
+from typing import AsyncIterator, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from collab_kit.swarm.streams import CallerClosesStreamsMixin
 
@@ -76,6 +78,55 @@ class ForkedTorchThreadsMixin:
         # nothing a user can act on, and this process alone meets it
         warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
         super().run()
+
+
+class SentBytesMixin:
+    """Put before a hivemind averager class: counts the bytes its process sends to other peers (the parts of its
+    rounds, the states it serves, its join requests and answers), and of those the states it served to peers that
+    downloaded them (a late joiner, the monitor's checkpoints), for ``bytes_sent()`` to read.
+
+    Every message of an averager's streams goes out through ``P2P.send_raw_data`` in the averager's own process (a
+    fork of the trainer's, with one averager in it): counting there counts this averager's traffic alone. Unary calls
+    (none carries tensors) go through the daemon's control connection and are not counted.
+    """
+
+    _last_bytes_sent = (0, 0)  # in the trainer's process: the last count read (sent, of which served)
+
+    def run(self):
+        # in the averager's own process, before hivemind starts its event loop
+        self._bytes_sent_here = self._bytes_served_here = 0
+        send_raw_data = P2P.send_raw_data
+        averager = self
+
+        async def counting_send_raw_data(data: bytes, writer, *, chunk_size: int = 2 ** 16) -> None:
+            averager._bytes_sent_here += len(data)
+            await send_raw_data(data, writer, chunk_size=chunk_size)
+
+        P2P.send_raw_data = staticmethod(counting_send_raw_data)
+        super().run()
+
+    def bytes_sent(self, timeout: float = 5.0) -> Tuple[int, int]:
+        """Bytes this averager has sent so far, and of those the bytes of the states it served; once its process has
+        ended (or does not answer within ``timeout`` seconds), the last counts read."""
+        if self.is_alive():
+            future = MPFuture()
+            try:
+                self._outer_pipe.send(("_report_bytes_sent", [], dict(future=future)))
+                sent, served = future.result(timeout)
+                self._last_bytes_sent = (int(sent), int(served))
+            except (OSError, EOFError, TimeoutError, BrokenPipeError) as e:
+                logger.debug(f"the averager's sent bytes could not be read ({type(e).__name__}): the last count "
+                             f"stands")
+        return self._last_bytes_sent
+
+    async def _report_bytes_sent(self, future: MPFuture) -> None:
+        future.set_result((getattr(self, "_bytes_sent_here", 0), getattr(self, "_bytes_served_here", 0)))
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            self._bytes_served_here = getattr(self, "_bytes_served_here", 0) + message.ByteSize()
+            yield message
 
 
 class DownloadRecorderMixin(DecentralizedAverager):
@@ -175,9 +226,10 @@ class ClientModeMatchmakingMixin:
 
 
 def recording_state_averager_class() -> type:
-    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin, FinishServingMixin,
-    CallerClosesStreamsMixin and ClientModeMatchmakingMixin in front), under TrainingStateAverager's RPC name."""
-    return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, FinishServingMixin,
+    """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin, SentBytesMixin,
+    FinishServingMixin, CallerClosesStreamsMixin and ClientModeMatchmakingMixin in front), under TrainingStateAverager's
+    RPC name."""
+    return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, SentBytesMixin, FinishServingMixin,
                             CallerClosesStreamsMixin, ClientModeMatchmakingMixin, behind=(DownloadRecorderMixin,),
                             qualname="RecordingTrainingStateAverager")
 
@@ -342,9 +394,9 @@ class RoundReportMixin:
 
 
 def round_report_averager_class(base: type, role: str) -> type:
-    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin,
+    """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin, SentBytesMixin,
     FinishServingMixin, CallerClosesStreamsMixin and ClientModeMatchmakingMixin) in front, sending ``role``, under
     ``base``'s name (hivemind names the RPCs after the class: every peer's averager must keep the same name)."""
-    return compose_averager(base, ForkedTorchThreadsMixin, FinishServingMixin, CallerClosesStreamsMixin,
-                            ClientModeMatchmakingMixin, RoundReportMixin,
+    return compose_averager(base, ForkedTorchThreadsMixin, SentBytesMixin, FinishServingMixin,
+                            CallerClosesStreamsMixin, ClientModeMatchmakingMixin, RoundReportMixin,
                             qualname=f"RoundReport{base.__name__}", round_role=role)

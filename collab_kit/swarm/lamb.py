@@ -22,7 +22,23 @@ from collab_kit.quiet import import_bitsandbytes
 bnb = import_bitsandbytes()  # bitsandbytes, without its warning of 4-bit kernels the kit never uses
 
 
-class LAMB8bit(bnb.optim.AdamW8bit):
+class HoldableStepMixin:
+    """Put before a torch optimizer: ``hold_next_step()`` makes its next ``step()`` leave the parameters and the
+    optimizer's state as they are (the gradients it would apply are not the swarm's: collab_kit.swarm.anchor's round
+    that no training peer reached)."""
+
+    _hold_next_step = False
+
+    def hold_next_step(self) -> None:
+        self._hold_next_step = True
+
+    def _step_is_held(self) -> bool:
+        """Whether this step is the held one (the hold is then used up)."""
+        held, self._hold_next_step = self._hold_next_step, False
+        return held
+
+
+class LAMB8bit(HoldableStepMixin, bnb.optim.AdamW8bit):
     """8-bit LAMB: bitsandbytes' blockwise 8-bit Adam statistics, LAMB's layer-wise trust ratio, global clipping.
 
     LAMB takes the Adam(W) direction ``r`` of each weight matrix and rescales the step to
@@ -46,17 +62,10 @@ class LAMB8bit(bnb.optim.AdamW8bit):
         super().__init__(params, **kwargs)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[float] = None
-        self._hold_next_step = False
-
-    def hold_next_step(self) -> None:
-        """Make the next ``step()`` leave the parameters and statistics as they are (the gradients it would apply are
-        not the swarm's: collab_kit.swarm.anchor's round that no training peer reached)."""
-        self._hold_next_step = True
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._hold_next_step:
-            self._hold_next_step = False
+        if self._step_is_held():
             return None
         if self.max_grad_norm is not None:
             grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]

@@ -12,14 +12,14 @@ What each piece is for:
 - Size-adaptive compression (collab_kit.swarm.lamb): gradients of large tensors travel in 8 bits, small tensors
   (biases, norms) in fp16, where 8-bit quantization would cost more accuracy than it saves bytes.
 
-The averagers it builds, and how they are composed, are collab_kit.swarm.averagers.
+The averagers it builds, and how they are composed, are collab_kit.swarm.averagers. With
+``OptimizerConfig.local_steps`` > 0 it trains in local-update mode (DiLoCo, collab_kit.swarm.local_updates).
 """
 from __future__ import annotations
 
 import logging
 import time
-from functools import partial
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import hivemind
 import torch
@@ -36,7 +36,9 @@ from collab_kit.swarm.averagers import (ANCHOR_ROLE, CLIENT_JOIN_ANSWER_TIMEOUT,
                                         round_report_averager_class)
 from collab_kit.swarm.bindings import authorized_averager_class
 from collab_kit.swarm.keys import state_averager_prefix
-from collab_kit.swarm.lamb import gradient_compression, make_lamb8bit, make_scheduler_factory, parameter_groups
+from collab_kit.swarm.lamb import gradient_compression, parameter_groups
+from collab_kit.swarm.local_updates import (local_update_kwargs, mode_averager_class, swarm_optimizer_factory,
+                                            swarm_scheduler_factory, with_local_updates)
 from collab_kit.swarm.progress import SwarmProgressTracker
 
 
@@ -166,11 +168,33 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = epoch
 
+    def _state_averager_class(self) -> type:
+        """The state averager's class before the authorization gate (the local-update mode names it apart)."""
+        return recording_state_averager_class()
+
+    def sent_bytes(self) -> Tuple[int, int]:
+        """Bytes this peer's averagers have sent to other peers so far: its gradient (or pseudo-gradient) rounds, its
+        state averaging rounds and the states it served to peers that downloaded them; and of those, the states served
+        (collab_kit.swarm.averagers.SentBytesMixin). Read from the averagers' processes; once they have shut down, the
+        last counts read."""
+        sent = served = 0
+        for name in ("grad_averager", "state_averager"):
+            averager = getattr(self, name, None)
+            if averager is not None:
+                averager_sent, averager_served = averager.bytes_sent()
+                sent, served = sent + averager_sent, served + averager_served
+        return sent, served
+
+    @property
+    def bytes_sent(self) -> int:
+        """Every byte this peer's averagers have sent to other peers so far (see ``sent_bytes``)."""
+        return self.sent_bytes()[0]
+
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         """hivemind's state averager, which remembers what it downloads (DownloadRecorderMixin); in an authorized
         run, one that lets only bound peers download the state or average parameters with it
         (collab_kit.swarm.bindings.AuthorizedAveragerMixin)."""
-        averager_class = recording_state_averager_class()
+        averager_class = self._state_averager_class()
         if self.peer_gate is not None:
             averager_class = authorized_averager_class(averager_class, self.peer_gate)
         # hivemind's averager reads next_chunk_timeout only when it downloads a state; its own averaging rounds take
@@ -357,7 +381,8 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     :param verbose: log each stage of every global step
     :param peer_gate: in an authorized run, a collab_kit.swarm.bindings.PeerGate: the gradient and state averagers then
       serve only peers bound to a valid access token
-    :param optimizer_class: CollaborativeOptimizer or a subclass (collab_kit.swarm.anchor.AnchorOptimizer)
+    :param optimizer_class: CollaborativeOptimizer or a subclass (collab_kit.swarm.anchor.AnchorOptimizer); with
+      ``config.local_steps`` > 0, it is put in local-update mode (collab_kit.swarm.local_updates.with_local_updates)
     :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``, which then replaces the
         one ``config.aggregation`` chooses)
     """
@@ -368,7 +393,14 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     # costs the round. So its wait is set by the link, not by the preset's matchmaking time
     request_timeout = CLIENT_JOIN_ANSWER_TIMEOUT if client_mode else min(3.0, config.matchmaking_time / 2)
     # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
-    averager_class = round_report_averager_class(GradientAverager, optimizer_class.round_role)
+    averager_class = mode_averager_class(round_report_averager_class(GradientAverager, optimizer_class.round_role),
+                                         config)
+    mode_settings = {}
+    if config.local_updates:  # collab_kit.swarm.local_updates: DiLoCo's rounds on the same averagers
+        mode_settings = local_update_kwargs(config)
+        if optimizer_class.round_role != ANCHOR_ROLE:
+            mode_settings["inner_param_groups"] = parameter_groups(model, config.weight_decay)
+        optimizer_class = with_local_updates(optimizer_class, config)
     if peer_gate is not None:
         averager_class = authorized_averager_class(averager_class, peer_gate)
     averager_kwargs = dict(request_timeout=request_timeout,
@@ -389,15 +421,15 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         averager_kwargs["sender_timeout"] = max(config.chunk_timeout, config.averaging_timeout / 2)
     kwargs.setdefault("grad_averager_factory", robust.grad_averager_factory(
         config.aggregation, config.clip_tau, config.clip_iterations, averager_class, **averager_kwargs))
-    return optimizer_class(
+    settings = dict(
         peer_gate=peer_gate,
         dht=dht,
         run_id=run_id,
         target_batch_size=config.target_batch_size,
         batch_size_per_step=config.batch_size_per_step,
         params=parameter_groups(model, config.weight_decay),
-        optimizer=partial(make_lamb8bit, config=config),
-        scheduler=make_scheduler_factory(config),
+        optimizer=swarm_optimizer_factory(config),  # 8-bit LAMB, or the outer SGD in local-update mode
+        scheduler=swarm_scheduler_factory(config),
         offload_optimizer=config.offload_optimizer,
         delay_optimizer_step=config.delay_optimizer_step,
         delay_grad_averaging=False,
@@ -415,5 +447,5 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
                           min_report_period=config.progress_refresh_period / 2),
         client_mode=client_mode,
         verbose=verbose,
-        **kwargs,
     )
+    return optimizer_class(**{**settings, **mode_settings, **kwargs})

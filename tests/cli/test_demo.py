@@ -10,7 +10,7 @@ from PIL import Image
 pytestmark = pytest.mark.slow
 
 SUMMARY = re.compile(r"^demo: peers=(\d+) epochs=(\d+) loss_first=([\d.]+) loss_last=([\d.]+) averaged_rounds=(\d+)"
-                     r"( color_match=([\d.]+))?$")
+                     r" bytes_sent=([\d.]+)MiB( local_steps=(\d+))?( color_match=([\d.]+))?$")
 
 
 def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
@@ -20,10 +20,17 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds, toy_part, _ = SUMMARY.match(summaries[0]).groups()
-    assert toy_part is None  # colours are only measured on the toy world
+    peers, epochs, loss_first, loss_last, rounds, sent, local_part, _, toy_part, _ = \
+        SUMMARY.match(summaries[0]).groups()
+    assert toy_part is None and local_part is None  # colours are only measured on the toy world; synchronous mode
     assert (int(peers), int(epochs)) == (2, 3)
     assert int(rounds) >= 1 and float(loss_last) < float(loss_first)
+    # each volunteer sent at least its share of 3 rounds of the tiny model's gradients (fp16 and 8 bits: > 1 byte each)
+    from collab_kit.config import get_preset
+    from collab_kit.model.transformer import TextToImageTransformer
+
+    parameters = sum(p.numel() for p in TextToImageTransformer(get_preset("tiny").model).parameters())
+    assert float(sent) * 2 ** 20 > int(rounds) * parameters / 2, (sent, parameters)
     # live progress: one line per global epoch before the summary
     assert len([line for line in result.stdout.splitlines() if line.startswith("demo: epoch ")]) == 3
     # the peers' logs stay in the workdir; the loss plot is written, no samples without the toy world
@@ -41,6 +48,23 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     assert all(row.name in page for row in board) and page.count("data:image/png;base64,") == 3
 
 
+def test_the_demo_takes_the_local_update_mode(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "collab_kit.cli", "demo", "--preset", "tiny", "--peers", "2", "--local-steps", "2",
+         "--epochs", "3", "--workdir", str(tmp_path), "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
+    assert len(summaries) == 1, result.stdout
+    peers, epochs, loss_first, loss_last, rounds, sent, _, local_steps, _, _ = SUMMARY.match(summaries[0]).groups()
+    assert (int(peers), int(epochs), int(local_steps)) == (2, 3, 2)
+    assert int(rounds) >= 1 and float(sent) > 0 and float(loss_last) < float(loss_first), summaries
+    # the volunteers ran in that mode, and their join lines carry it
+    log = (tmp_path / "volunteer_1.log").read_text()
+    assert "local-update mode: this peer takes its own steps and averages with the swarm once every 2" in log
+    assert "--set optimizer.local_steps=2" in log
+
+
 def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     """What `make demo` runs, in full: 60 global steps on the toy world, then samples of 8 prompts."""
     from collab_kit.demo import DEMO_PROMPTS, draw_toy_samples
@@ -52,7 +76,7 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds, _, color_match = SUMMARY.match(summaries[0]).groups()
+    peers, epochs, loss_first, loss_last, rounds, _, _, _, _, color_match = SUMMARY.match(summaries[0]).groups()
     assert (int(peers), int(epochs)) == (2, 60), summaries
     assert int(rounds) >= 48, summaries  # nearly every step averaged (a round may time out on a busy machine)
     assert float(loss_last) < 0.5 * float(loss_first), summaries

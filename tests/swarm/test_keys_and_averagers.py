@@ -14,11 +14,12 @@ from hivemind.proto import averaging_pb2
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model.transformer import initial_model
 from collab_kit.swarm import keys
-from collab_kit.swarm.averagers import (ANCHOR_ROLE, ClientModeMatchmakingMixin, DownloadRecorderMixin,
+from collab_kit.swarm.averagers import (ANCHOR_ROLE, ClientModeMatchmakingMixin, DownloadRecorderMixin, SentBytesMixin,
                                         FinishServingMixin, ForkedTorchThreadsMixin, RoundReportMixin, compose_averager,
                                         recording_state_averager_class, round_report_averager_class)
 from collab_kit.swarm.bindings import AuthorizedAveragerMixin, authorized_averager_class
 from collab_kit.swarm.dht import start_dht
+from collab_kit.swarm.local_updates import mode_averager_class
 from collab_kit.swarm.optimizer import make_optimizer
 from collab_kit.swarm.robust import CenteredClipAveragerMixin, CenteredClipGradientAverager, with_centered_clip
 from collab_kit.swarm.streams import CallerClosesStreamsMixin
@@ -48,7 +49,7 @@ def test_the_keys_the_monitor_reads_are_those_hivemind_writes(optimizer):
 def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise():
     state = recording_state_averager_class()
     assert state.__name__ == "TrainingStateAverager" and state.__qualname__ == "RecordingTrainingStateAverager"
-    assert state.__mro__[1:7] == (ForkedTorchThreadsMixin, FinishServingMixin, CallerClosesStreamsMixin,
+    assert state.__mro__[1:8] == (ForkedTorchThreadsMixin, SentBytesMixin, FinishServingMixin, CallerClosesStreamsMixin,
                                   ClientModeMatchmakingMixin, TrainingStateAverager, DownloadRecorderMixin)
     gradients = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
     assert gradients.__name__ == "GradientAverager" and gradients.round_role == ANCHOR_ROLE
@@ -61,6 +62,15 @@ def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_ot
     gated = authorized_averager_class(robust, peer_gate=None)
     assert gated.__name__ == "CenteredClipGradientAverager" and issubclass(gated, AuthorizedAveragerMixin)
     assert compose_averager(DecentralizedAverager, AuthorizedAveragerMixin).__name__ == "DecentralizedAverager"
+    # the local-update mode averages pseudo-gradients and holds the outer optimizer's state: its peers average and
+    # download among themselves only
+    local = get_preset("tiny", optimizer=dict(local_steps=4)).optimizer
+    assert mode_averager_class(gradients, get_preset("tiny").optimizer) is gradients
+    assert mode_averager_class(gradients, local).__name__ == "LocalUpdatesGradientAverager"
+    assert with_centered_clip(mode_averager_class(gradients, local)).__name__ == \
+        "CenteredClipLocalUpdatesGradientAverager"
+    assert mode_averager_class(state, local).__name__ == "LocalUpdatesTrainingStateAverager"
+    assert issubclass(mode_averager_class(state, local), SentBytesMixin)
 
 
 def test_each_composed_class_collects_its_own_rpc_handlers_under_its_rpc_name():

@@ -1,0 +1,193 @@
+"""Local-update mode (DiLoCo): peers train on their own and average only once a round, through hivemind.
+
+DiLoCo (Douillard et al., 2023) has each worker take H inner steps with its own optimizer, then average the
+pseudo-gradients (the last global parameters minus the worker's own) and take one outer step with SGD and Nesterov
+momentum (lr 0.7, momentum 0.9) on that average: about H times fewer bytes than averaging gradients at every step, at
+a matching loss. Here it is a mode of the kit's collaborative optimizer (``OptimizerConfig.local_steps`` = H > 0), so
+everything the synchronous mode does keeps working:
+
+- A round ends when the whole swarm has processed ``OptimizerConfig.round_samples`` (H global batches), counted by
+  hivemind's progress tracker as global steps are, not when every peer has taken H steps: a slow peer holds nobody
+  back. Each peer's pseudo-gradient is weighted by the samples it processed in the round (hivemind's averaging weight).
+- The global parameters are hivemind's offloaded copy (on the CPU), which the outer optimizer steps: late joiners
+  download them and the outer momentum as they download the synchronous mode's state. The inner 8-bit LAMB
+  (collab_kit.swarm.lamb) steps the model's own parameters at every local batch; its schedule follows the swarm's
+  global batches.
+- Pseudo-gradients travel through the gradient averager, compressed as gradients are (8 bits for large tensors,
+  collab_kit.swarm.lamb.gradient_compression), and reduced by the mean or CenteredClip (collab_kit.swarm.robust).
+- Anchors (collab_kit.swarm.anchor) take no inner steps and add no pseudo-gradient: they reduce and take the outer step.
+
+Peers of the two modes must not average together (a gradient and a pseudo-gradient are not the same quantity, and
+the outer optimizer's state is not LAMB's): the averagers of this mode carry ``LocalUpdateRoundsMixin``'s RPC prefix.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Iterable, List, Optional
+
+import torch
+
+from collab_kit.config import OptimizerConfig
+from collab_kit.swarm.averagers import ANCHOR_ROLE, compose_averager
+from collab_kit.swarm.lamb import HoldableStepMixin, linear_warmup_then_decay, make_lamb8bit, make_scheduler_factory
+
+logger = logging.getLogger(__name__)
+
+
+class OuterNesterovSGD(HoldableStepMixin, torch.optim.SGD):
+    """The outer optimizer: SGD with Nesterov momentum on the averaged pseudo-gradient, without weight decay (the inner
+    optimizer applies it).
+
+    A step whose averaged pseudo-gradient is not finite is dropped (the global parameters and the momentum stay as
+    they are): every peer of the round received the same average, so every peer drops it. ``hold_next_step`` makes
+    the next step a no-op too (an anchor's round that no training peer reached).
+    """
+
+    def __init__(self, params, lr: float, momentum: float):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=0.0)
+        self.dropped_steps = 0  # outer steps dropped for a non-finite pseudo-gradient
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._step_is_held():
+            return None
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads and not all(bool(torch.isfinite(grad).all()) for grad in grads):
+            self.dropped_steps += 1
+            logger.warning("the averaged pseudo-gradient is not finite: this round's outer step is dropped")
+            return None
+        return super().step(closure)
+
+
+def make_outer_sgd(params: Iterable, config: OptimizerConfig) -> OuterNesterovSGD:
+    """The outer optimizer of ``config`` on ``params`` (parameter groups keep their other keys, weight decay is 0)."""
+    groups = [dict(group, weight_decay=0.0) if isinstance(group, dict) else group for group in params]
+    return OuterNesterovSGD(groups, lr=config.outer_learning_rate, momentum=config.outer_momentum)
+
+
+def swarm_optimizer_factory(config: OptimizerConfig):
+    """The optimizer the swarm's shared state holds (what hivemind's state averager steps and peers download): 8-bit
+    LAMB in synchronous mode, the outer Nesterov SGD in local-update mode."""
+    return partial(make_outer_sgd if config.local_updates else make_lamb8bit, config=config)
+
+
+def swarm_scheduler_factory(config: OptimizerConfig):
+    """The schedule of that optimizer: LAMB's warm-up and decay by global step; none for the outer SGD (DiLoCo keeps
+    its outer rate constant; the inner optimizer follows the schedule, see LocalUpdatesMixin)."""
+    return None if config.local_updates else make_scheduler_factory(config)
+
+
+class LocalUpdateRoundsMixin:
+    """Put before an averager of a peer in local-update mode: its RPCs carry this prefix, so that its rounds (and its
+    state downloads) never mix with a synchronous peer's."""
+
+    rpc_name_prefix = "LocalUpdates"
+
+
+def mode_averager_class(averager_class: type, config: OptimizerConfig) -> type:
+    """``averager_class`` as the mode of ``config`` needs it: itself in synchronous mode, with LocalUpdateRoundsMixin
+    in front in local-update mode."""
+    if not config.local_updates:
+        return averager_class
+    return compose_averager(averager_class, LocalUpdateRoundsMixin,
+                            qualname=f"LocalUpdates{averager_class.__qualname__}")
+
+
+class LocalUpdatesMixin:
+    """Put before CollaborativeOptimizer (or a subclass): DiLoCo's local-update mode (see the module's docstring).
+
+    hivemind.Optimizer's gradient path carries it. Its hooks do the following here:
+    - each local step (``_check_and_accumulate_gradients``) is an inner step of the 8-bit optimizer on the model's
+      parameters, and adds the batch's samples to the round's count, instead of accumulating gradients;
+    - at the end of a round (``_update_global_epoch``) the pseudo-gradient (global minus local parameters) is loaded
+      where hivemind keeps accumulated gradients, with this round's samples as its weight; hivemind then averages it,
+      hands the average to the outer optimizer as the offloaded parameters' gradient, steps, and copies the new global
+      parameters into the model.
+
+    :param inner_param_groups: the model's parameter groups for the inner optimizer (collab_kit.swarm.lamb
+      .parameter_groups); None for a peer that trains nothing (an anchor)
+    """
+
+    local_config: OptimizerConfig  # set by with_local_updates
+
+    def __init__(self, inner_param_groups: Optional[List[dict]] = None, **kwargs):
+        super().__init__(**kwargs)
+        self.inner_optimizer = None
+        if inner_param_groups is not None and self.round_role != ANCHOR_ROLE:
+            self.inner_optimizer = make_lamb8bit(inner_param_groups, self.local_config)
+        self.inner_steps = 0  # inner steps taken since this peer started
+        self.dropped_pseudo_gradients = 0  # rounds whose own pseudo-gradient was not finite (sent as zero weight)
+
+    def _state_averager_class(self) -> type:
+        return mode_averager_class(super()._state_averager_class(), self.local_config)
+
+    @property
+    def global_batch(self) -> int:
+        """The swarm's global batch now: H per round ended, and those of this round the swarm has processed so far."""
+        config = self.local_config
+        in_round = int(self.tracker.global_progress.samples_accumulated // config.target_batch_size)
+        return self.local_epoch * config.local_steps + min(config.local_steps - 1, max(0, in_round))
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
+        if self.inner_optimizer is None:
+            return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+        config = self.local_config
+        rate = config.learning_rate * linear_warmup_then_decay(self.global_batch, config.warmup_steps,
+                                                               config.total_steps)
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = rate
+        self.inner_optimizer.step()
+        self.inner_steps += 1
+        averager = self.grad_averager
+        averager.local_samples_accumulated += batch_size
+        self.tracker.report_local_progress(self.local_epoch, averager.local_samples_accumulated)
+        return True
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        if self.inner_optimizer is not None:
+            self._load_pseudo_gradient()
+        super()._update_global_epoch(grad_scaler)
+
+    @torch.no_grad()
+    def _load_pseudo_gradient(self) -> None:
+        """Put this round's pseudo-gradient (global minus local parameters) where hivemind keeps the accumulated
+        gradients, weighted by the samples this peer processed in the round."""
+        averager = self.grad_averager
+        global_parameters = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+        local_parameters = self.state_averager.main_parameters
+        finite = True
+        for accumulator, global_param, local_param in zip(averager._grad_accumulators(), global_parameters,
+                                                           local_parameters):
+            accumulator.copy_(global_param).sub_(local_param.to(accumulator.device))
+            finite = finite and bool(torch.isfinite(accumulator).all())
+        if not finite:
+            self.dropped_pseudo_gradients += 1
+            logger.warning(f"this peer's pseudo-gradient of round {self.local_epoch} is not finite: it takes part "
+                           f"in the round with weight 0, and goes on from the swarm's parameters")
+        if not finite or averager.local_samples_accumulated == 0:
+            for accumulator in averager._grad_accumulators():
+                accumulator.zero_()
+            averager.local_samples_accumulated = averager.local_times_accumulated = 0
+        else:
+            # hivemind divides the accumulators by the times they were added to: the pseudo-gradient is one whole
+            averager.local_times_accumulated = 1
+
+
+def with_local_updates(optimizer_class: type, config: OptimizerConfig) -> type:
+    """``optimizer_class`` (CollaborativeOptimizer or a subclass) in local-update mode with ``config``'s settings."""
+    return type(f"LocalUpdates{optimizer_class.__name__}", (LocalUpdatesMixin, optimizer_class),
+                {"__module__": __name__, "local_config": config})
+
+
+def local_update_kwargs(config: OptimizerConfig) -> dict:
+    """What hivemind.Optimizer takes differently in local-update mode.
+
+    - ``target_batch_size``: a round is H global batches of the swarm's samples.
+    - ``offload_optimizer``: the offloaded copy holds the global parameters, which the model's own leave behind as it
+      trains (DiLoCo's extra copy, kept on the CPU).
+    - ``delay_optimizer_step`` and ``delay_state_averaging`` off: a step or a state round applied later would write the
+      global parameters over the model's in the middle of the next round's inner steps.
+    """
+    return dict(target_batch_size=config.round_samples, offload_optimizer=True, delay_optimizer_step=False,
+                delay_state_averaging=False)

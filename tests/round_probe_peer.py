@@ -1,0 +1,135 @@
+"""A volunteer that reports what each of its local-update rounds did, for tests/swarm/test_local_updates.py.
+
+Run as ``python tests/round_probe_peer.py --out FOLDER [--step-period S] [--nan-at-epoch E] join OPTIONS...``: the same
+peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.local_steps=H``), which also
+
+- after each round prints ``@event {"type": "round", "epoch": E, "weight": ..., "group_size": ..., "global": DIGEST,
+  "momentum": DIGEST, "model": DIGEST}``, E being the epoch the round ended (the global parameters, the outer momentum
+  and the model's parameters after the round), and saves its own pseudo-gradient, its weight (samples), the average
+  the round gave back and the global parameters after it in ``FOLDER/NAME-R.pt``, R = E - 1 being the round's epoch;
+- after each download of the swarm's state prints ``@event {"type": "loaded", "epoch": ..., "global": DIGEST,
+  "momentum": DIGEST}``;
+- with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
+- with ``--nan-at-epoch E``, fills its model's token embedding with nan at the end of round E, after its last inner
+  step (an inner step that blew up): its pseudo-gradient of that round is not finite.
+
+Nothing of this is in collab_kit: the probes wrap the optimizer's methods in this process only.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import sys
+import time
+from typing import List
+
+SCRIPT = os.path.abspath(__file__)
+
+
+def digest(tensors) -> str:
+    """A short digest of tensors' exact values."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        hasher.update(tensor.detach().cpu().contiguous().float().numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def main(argv: List[str]) -> int:
+    import torch
+
+    from collab_kit.cli import join, main as collab_kit_main
+    from collab_kit.model.transformer import TextToImageTransformer, initial_model
+    from collab_kit.roles.processes import emit_event
+    from collab_kit.roles.volunteer import Volunteer
+    from collab_kit.swarm.optimizer import make_optimizer
+
+    parser = argparse.ArgumentParser(prog="round_probe_peer.py")
+    parser.add_argument("--out", required=True, help="folder for each round's pseudo-gradients")
+    parser.add_argument("--name", default=str(os.getpid()), help="this peer's name in the files")
+    parser.add_argument("--step-period", type=float, default=0.0, help="seconds per local step, at least")
+    parser.add_argument("--nan-at-epoch", type=int, default=None)
+    options, rest = parser.parse_known_args(argv)
+    if not rest or rest[0] != "join":
+        parser.error("expected: --out FOLDER [--name N] [--step-period S] [--nan-at-epoch E] join OPTIONS...")
+    os.makedirs(options.out, exist_ok=True)
+
+    def global_state(optimizer):
+        parameters = [p for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]]
+        momentum = [optimizer.state_averager.optimizer.state[p].get("momentum_buffer", torch.zeros(0))
+                    for p in parameters]
+        return digest(parameters), digest(momentum)
+
+    def probing_make_optimizer(model, dht, run_id, config, **kwargs):
+        optimizer = make_optimizer(model, dht, run_id, config, **kwargs)
+        record, poisoned = {}, []
+        load_pseudo_gradient = optimizer._load_pseudo_gradient
+        average = optimizer._average_gradients_and_load_into_optimizer
+        update = optimizer._update_global_epoch
+        load_state = optimizer.load_state_from_peers
+
+        def probed_load_pseudo_gradient():
+            if options.nan_at_epoch is not None and optimizer.local_epoch >= options.nan_at_epoch and not poisoned:
+                poisoned.append(optimizer.local_epoch)
+                emit_event("fault", epoch=optimizer.local_epoch)
+                with torch.no_grad():
+                    model.text_embedding.weight.fill_(float("nan"))
+            load_pseudo_gradient()
+            averager = optimizer.grad_averager
+            record.update(epoch=optimizer.local_epoch, weight=averager.local_samples_accumulated,
+                          pseudo=[acc.clone() for acc in averager._grad_accumulators()])
+
+        def probed_average(control):
+            average(control)
+            parameters = [p for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]]
+            record["averaged"] = [p.grad.clone() for p in parameters]
+
+        def probed_update(grad_scaler):
+            record.clear()
+            update(grad_scaler)
+            if "epoch" in record:
+                record["global"] = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
+                                    for p in group["params"]]
+                torch.save(record, os.path.join(options.out, f"{options.name}-{record['epoch']}.pt"))
+            global_digest, momentum_digest = global_state(optimizer)
+            model_digest = digest(optimizer.state_averager.main_parameters)  # the model's, in the groups' order
+            emit_event("round", epoch=optimizer.local_epoch, weight=record.get("weight"),
+                       group_size=optimizer.last_group_size, problem=optimizer.last_round_problem,
+                       **{"global": global_digest, "momentum": momentum_digest, "model": model_digest})
+
+        def probed_load_state(**kwargs):
+            loaded = load_state(**kwargs)
+            global_digest, momentum_digest = global_state(optimizer)
+            emit_event("loaded", epoch=optimizer.local_epoch, loaded=loaded,
+                       **{"global": global_digest, "momentum": momentum_digest})
+            return loaded
+
+        optimizer._load_pseudo_gradient = probed_load_pseudo_gradient
+        optimizer._average_gradients_and_load_into_optimizer = probed_average
+        optimizer._update_global_epoch = probed_update
+        optimizer.load_state_from_peers = probed_load_state
+        return optimizer
+
+    class PacedTransformer(TextToImageTransformer):
+        """The run's model, whose training steps start at most once every ``--step-period`` seconds."""
+
+        next_start = 0.0
+
+        def forward(self, *args, **kwargs):
+            if self.training:
+                now = time.monotonic()
+                if now < self.next_start:
+                    time.sleep(self.next_start - now)
+                self.next_start = max(now, self.next_start) + options.step_period
+            return super().forward(*args, **kwargs)
+
+    def make_volunteer(config, **kwargs):
+        model = initial_model(config.model, config.swarm.run_id, model_class=PacedTransformer)
+        return Volunteer.from_config(config, model=model, optimizer_factory=probing_make_optimizer, **kwargs)
+
+    return collab_kit_main(rest, handlers={"join": functools.partial(join.run, make_volunteer=make_volunteer)})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

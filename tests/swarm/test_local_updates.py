@@ -1,0 +1,239 @@
+"""The local-update mode (DiLoCo, collab_kit.swarm.local_updates) with real peers on 127.0.0.1.
+
+One swarm serves most tests (tests/round_probe_peer.py reports each round): peer A steps every 0.05 s, peer B every
+0.10 s (half its speed), and peer C joins at A's speed once A has ended three rounds. The rounds carry pseudo-gradients
+in fp16 (the compression threshold is above every tensor), without state averaging, so that what the outer steps make
+of them can be checked exactly.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from collab_kit.config import get_preset
+from collab_kit.memory import estimate
+from collab_kit.roles.processes import PeerProcess
+from collab_kit.swarm.local_updates import OuterNesterovSGD, make_outer_sgd
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE = os.path.join(TESTS, "round_probe_peer.py")
+ROUNDS = 8
+SETTINGS = ("optimizer.local_steps=4", "optimizer.target_batch_size=256", "optimizer.average_state_every=1000",
+            "optimizer.state_compression='none'", f"optimizer.compression_threshold={2 ** 30}")
+
+
+def _join_args(run_id: str, shards: str, peers: int, max_epochs: int, settings=SETTINGS):
+    return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--data", shards,
+            "--threads", "1", "--events", "--no-progress", "--wait-for-peers", str(peers),
+            "--max-epochs", str(max_epochs), *[arg for setting in settings for arg in ("--set", setting)]]
+
+
+def _probe(name: str, out: str, log_dir: str, period: float, args, *extra: str) -> PeerProcess:
+    return PeerProcess(name, ["--out", out, "--name", name, "--step-period", str(period), *extra, *args],
+                       os.path.join(log_dir, f"{name}.log"), command=(sys.executable, PROBE))
+
+
+@pytest.fixture(scope="module")
+def uneven_swarm(tiny_shards, tmp_path_factory):
+    """Peers A (a step every 0.05 s), B (every 0.10 s) and C (0.05 s, joining after A's third round) in local-update
+    mode for ROUNDS rounds: (their events by name, the folder of their rounds' pseudo-gradients)."""
+    folder = tmp_path_factory.mktemp("local_updates")
+    out, logs = str(folder / "rounds"), str(folder)
+    peers = {}
+    try:
+        peers["A"] = _probe("A", out, logs, 0.05, _join_args("test_local_updates", tiny_shards, 2, ROUNDS))
+        addresses = peers["A"].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
+        joining = _join_args("test_local_updates", tiny_shards, 2, ROUNDS) + ["--initial-peers", *addresses]
+        peers["B"] = _probe("B", out, logs, 0.10, joining)
+        peers["A"].wait_for(lambda e: e["type"] == "round" and e["epoch"] >= 3, timeout=120, what="its third round")
+        peers["C"] = _probe("C", out, logs, 0.05, joining)
+        for name, peer in peers.items():
+            code = peer.wait_exit(timeout=180)
+            assert code == 0, f"{name} exited with {code}:\n{peer.log_tail()}"
+        return {name: peer.events for name, peer in peers.items()}, out
+    finally:
+        for peer in peers.values():
+            peer.kill()
+
+
+def _rounds(events, name):
+    return {e["epoch"]: e for e in events[name] if e["type"] == "round"}
+
+
+def _distance(first, second) -> float:
+    return math.sqrt(sum(float((x - y).norm() ** 2) for x, y in zip(first, second)))
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float(t.norm() ** 2) for t in tensors))
+
+
+@pytest.mark.slow
+def test_peers_end_every_round_with_equal_global_parameters(uneven_swarm):
+    """Equal up to what the averaged pseudo-gradient's compression leaves: hivemind's all-reduce gives each peer the
+    average as its own part plus a compressed difference (the reducer of a part keeps it exact), so peers' results
+    differ by the compression's rounding (fp16 here), far below what a round changes, and they do not drift apart."""
+    events, out = uneven_swarm
+    rounds = {name: _rounds(events, name) for name in events}
+    together = [epoch for epoch in rounds["A"] if epoch in rounds["B"]
+                and rounds["A"][epoch]["group_size"] >= 2 and rounds["B"][epoch]["group_size"] >= 2]
+    assert len(together) >= ROUNDS - 3, rounds
+    gaps = {}
+    for epoch in together:
+        # after the outer step each peer's model goes on from its global parameters
+        assert rounds["A"][epoch]["model"] == rounds["A"][epoch]["global"], epoch
+        a, b = (torch.load(os.path.join(out, f"{name}-{epoch - 1}.pt")) for name in ("A", "B"))
+        change = _norm(a["averaged"])  # the round's averaged pseudo-gradient: what the peers' parameters differed by
+        gaps[epoch] = _distance(a["global"], b["global"]) / change
+    print(f"global parameters of A and B: distance / the averaged pseudo-gradient's norm, by epoch: {gaps}")
+    assert max(gaps.values()) < 0.01, gaps
+    with_c = [epoch for epoch in rounds["C"] if epoch in rounds["A"] and rounds["C"][epoch]["group_size"] == 3]
+    assert with_c, rounds["C"]
+    for epoch in with_c:
+        a, c = (torch.load(os.path.join(out, f"{name}-{epoch - 1}.pt")) for name in ("A", "C"))
+        change = _norm(a["averaged"])
+        assert _distance(a["global"], c["global"]) < 0.01 * change, epoch
+
+
+@pytest.mark.slow
+def test_pseudo_gradients_are_weighted_by_the_samples_each_peer_processed(uneven_swarm):
+    events, out = uneven_swarm
+    checked = 0
+    for epoch, round_a in sorted(_rounds(events, "A").items()):
+        paths = [os.path.join(out, f"{name}-{epoch - 1}.pt") for name in ("A", "B")]
+        if round_a["group_size"] != 2 or not all(os.path.exists(path) for path in paths):
+            continue  # a round of all three (A and B alone are checked), or one a peer did not take part in
+        a, b = (torch.load(path) for path in paths)
+        share_b = b["weight"] / (a["weight"] + b["weight"])
+        # B steps half as often as A: it processes about half as many samples, and weighs half as much
+        assert 0.2 < share_b < 0.45, (epoch, a["weight"], b["weight"])
+        weighted = [(a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
+                    for pa, pb in zip(a["pseudo"], b["pseudo"])]
+        plain = [(pa + pb) / 2 for pa, pb in zip(a["pseudo"], b["pseudo"])]
+
+        def error(expected):
+            return math.sqrt(sum(float((got - want).norm() ** 2) for got, want in zip(a["averaged"], expected))) / \
+                math.sqrt(sum(float(want.norm() ** 2) for want in expected))
+
+        print(f"round {epoch - 1}: B's share {share_b:.3f}, error from the weighted mean {error(weighted):.5f}, "
+              f"from the plain mean {error(plain):.5f}")
+        assert error(weighted) < 0.01  # fp16 on the way
+        assert error(plain) > 5 * error(weighted)
+        # both peers got the same average, up to its compression's rounding
+        assert _distance(a["averaged"], b["averaged"]) < 0.01 * _norm(a["averaged"])
+        checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.slow
+def test_a_late_joiner_gets_the_global_parameters_and_the_outer_momentum(uneven_swarm):
+    events, _ = uneven_swarm
+    loads = [e for e in events["C"] if e["type"] == "loaded" and e["loaded"]]
+    assert loads, events["C"]
+    load = loads[0]
+    assert load["epoch"] >= 3
+    # the state C downloaded is the one A or B held after the round that ended at that epoch, exactly (state
+    # downloads are not compressed here): the global parameters and the outer momentum
+    held = [_rounds(events, name)[load["epoch"]] for name in ("A", "B")]
+    assert any(load["global"] == state["global"] and load["momentum"] == state["momentum"] for state in held), \
+        (load, held)
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite pseudo-gradients, CenteredClip
+
+
+@pytest.mark.slow
+def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_from_the_swarm(tiny_shards, tmp_path):
+    out, logs = str(tmp_path / "rounds"), str(tmp_path)
+    peers = []
+    try:
+        first = _probe("A", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5))
+        peers.append(first)
+        addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
+        faulty = _probe("B", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5)
+                        + ["--initial-peers", *addresses], "--nan-at-epoch", "2")
+        peers.append(faulty)
+        for peer in peers:
+            assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
+        rounds_a, rounds_b = _rounds({"A": first.events}, "A"), _rounds({"B": faulty.events}, "B")
+        fault = next(e for e in faulty.events if e["type"] == "fault")
+        bad_round = torch.load(os.path.join(out, f"B-{fault['epoch']}.pt"))
+        assert bad_round["weight"] == 0  # sent with no weight
+        # the swarm's parameters stayed finite and equal; the faulty peer goes on from them
+        after = torch.load(os.path.join(out, f"A-{fault['epoch']}.pt"))
+        assert all(bool(torch.isfinite(t).all()) for t in after["averaged"])
+        common = [epoch for epoch in rounds_a if epoch in rounds_b and epoch > fault["epoch"]]
+        assert common
+        for epoch in common:
+            a, b = (torch.load(os.path.join(out, f"{name}-{epoch - 1}.pt")) for name in ("A", "B"))
+            assert all(bool(torch.isfinite(t).all()) for t in b["global"])
+            change = _norm(a["averaged"])
+            assert _distance(a["global"], b["global"]) < 0.01 * change, epoch
+            assert rounds_b[epoch]["model"] == rounds_b[epoch]["global"]
+        assert "not finite: it takes part in the round with weight 0" in open(os.path.join(logs, "B.log")).read()
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+@pytest.mark.slow
+def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_contained(tiny_shards, tmp_path):
+    from byzantine_peer import loss_ratio, run_poisoned_swarm
+
+    epochs_by_peer = run_poisoned_swarm("centered_clip", -1000.0, 8, tiny_shards, str(tmp_path), "test_local_clip",
+                                        extra_settings=("optimizer.local_steps=2",))
+    ratio = loss_ratio(epochs_by_peer)
+    print(f"honest loss last / first: {ratio:.4f}; rounds: {json.dumps(epochs_by_peer)}")
+    assert all(len(epochs) >= 6 for epochs in epochs_by_peer)
+    # under the plain mean the attacker's pseudo-gradient (x -1000, a quarter of the weight) would move the global
+    # parameters by about 250 times an honest round's change, and the loss would soar
+    assert all(math.isfinite(loss) for epochs in epochs_by_peer for _, loss, _ in epochs)
+    assert ratio < 0.99, epochs_by_peer
+
+
+# ---------------------------------------------------------------------------------------------
+# without a swarm
+
+
+def test_the_outer_step_is_nesterov_sgd_and_drops_a_non_finite_average():
+    weight = torch.nn.Parameter(torch.ones(3))
+    outer = make_outer_sgd([dict(params=[weight], weight_decay=0.045)], get_preset("tiny").optimizer)
+    assert isinstance(outer, OuterNesterovSGD) and outer.param_groups[0]["weight_decay"] == 0.0
+    assert outer.param_groups[0]["lr"] == 0.7 and outer.param_groups[0]["momentum"] == 0.9
+    weight.grad = torch.full((3,), 0.1)
+    outer.step()  # momentum 0.1; nesterov: 0.1 + 0.9 * 0.1 = 0.19, times 0.7
+    assert torch.allclose(weight.detach(), torch.full((3,), 1 - 0.7 * 0.19))
+    before = weight.detach().clone()
+    weight.grad = torch.tensor([0.1, float("nan"), 0.1])
+    outer.step()
+    assert torch.equal(weight.detach(), before) and outer.dropped_steps == 1
+    outer.hold_next_step()
+    weight.grad = torch.full((3,), 0.1)
+    outer.step()
+    assert torch.equal(weight.detach(), before)
+
+
+def test_the_configuration_takes_the_mode_with_dilocos_outer_settings():
+    config = get_preset("small", optimizer=dict(local_steps=100)).optimizer
+    assert config.local_updates and config.round_samples == 100 * config.target_batch_size
+    assert (config.outer_learning_rate, config.outer_momentum) == (0.7, 0.9)
+    assert not get_preset("small").optimizer.local_updates
+    with pytest.raises(ValueError, match="optimizer.local_steps"):
+        get_preset("small", optimizer=dict(local_steps=-1))
+    with pytest.raises(ValueError, match="optimizer.outer_momentum"):
+        get_preset("small", optimizer=dict(outer_momentum=1.0))
+
+
+def test_the_memory_estimate_counts_the_global_copy_and_the_outer_momentum():
+    synchronous = estimate(get_preset("small"), optimizer="8bit")
+    local = estimate(get_preset("small", optimizer=dict(local_steps=10)), optimizer="8bit")
+    trainable = local.trainable_parameters
+    assert local.local_updates and local.outer_bytes == 8 * trainable  # fp32 global weights + fp32 momentum
+    assert local.cpu_bytes == 12 * trainable  # + the fp32 pseudo-gradient buffer
+    # the inner optimizer's state stays beside the model
+    assert local.gpu_bytes == synchronous.gpu_bytes + synchronous.optimizer_bytes
+    assert "outer momentum" in local.table() and "PCIe per round" in local.table()
