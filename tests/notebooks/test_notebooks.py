@@ -148,20 +148,24 @@ class PrintedText(io.TextIOBase):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("local_steps, target_batch_size", [(0, 3072), (2, 1536)],
+                         ids=["synchronous", "local_updates"])
 def test_a_friend_pastes_the_join_line_the_notebook_printed_and_averages_with_it(start_peer, tiny_shards, tmp_path,
-                                                                                 python3_kernel):
+                                                                                 python3_kernel, local_steps,
+                                                                                 target_batch_size):
     """join.ipynb starts a swarm of its own and prints its join line; what a friend pastes into a terminal (only
     their data and the test's event output added) joins the same run with the same preset and settings, and the
-    two peers average."""
+    two peers average; in both modes (``LOCAL_STEPS``: the local-update mode, which the line must carry too)."""
     import papermill
 
-    # a target batch the tiny preset does not have, so that the line must carry it (a larger one than the other test's)
-    run_id, max_epochs, target_batch_size = "test_pasted_join_line", 3, 3072
+    # a target batch the tiny preset does not have, so that the line must carry it (a larger one than the other
+    # test's); a round of the local-update mode holds as many samples as a synchronous epoch here
+    run_id, max_epochs = f"test_pasted_join_line_{local_steps}", 3
     summary_path, output_path = tmp_path / "summary.json", tmp_path / "join.out.ipynb"
     parameters = dict(INITIAL_PEERS=[], RUN_ID=run_id, AUTH_SERVER="", PRESET="tiny", MAX_EPOCHS=max_epochs,
                       MAX_STEPS=None, DATA_SHARDS="", SYNTHETIC_SAMPLES=512, LOCAL_SWARM=True, NUM_THREADS=1,
                       WAIT_FOR_PEERS=2, OPTIMIZER_SETTINGS=dict(target_batch_size=target_batch_size),
-                      SUMMARY_PATH=str(summary_path))
+                      LOCAL_STEPS=local_steps, SUMMARY_PATH=str(summary_path))
     printed, failure = PrintedText(), []
 
     def run_notebook():
@@ -179,6 +183,7 @@ def test_a_friend_pastes_the_join_line_the_notebook_printed_and_averages_with_it
     assert pasted[:2] == ["collab-kit", "join"], line
     assert "--preset tiny" in line and f"--set optimizer.target_batch_size={target_batch_size}" in line, line
     assert "/ip4/127.0.0.1/tcp/" in line, line
+    assert (f"--set optimizer.local_steps={local_steps}" in line) == (local_steps > 0), line
     # the friend's own choices: their data, how long to stay, and to start when the notebook's peer does
     friend = start_peer("friend", *pasted[1:], "--data", tiny_shards, "--max-epochs", str(max_epochs),
                         "--threads", "1", "--wait-for-peers", "2", "--events", "--no-progress")
