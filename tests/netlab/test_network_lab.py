@@ -265,6 +265,37 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
     assert sum(e["training_peers"] >= 2 for e in rounds) >= 0.9 * (last_epoch - 1), rounds
 
 
+@needs_lab
+@pytest.mark.slow
+def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_monitor(lab, tmp_path, tiny_shards):
+    """The local-update mode (DiLoCo) behind NAT: the monitor's anchor leads and reduces the rounds of pseudo-gradients
+    as it does gradients, and the volunteers end each round together."""
+    run_id, last_epoch = "nat_local_run", 6
+    # a round of 2 global batches of 4096: as many samples as a synchronous epoch of this lab
+    local = ["--set", "optimizer.target_batch_size=4096", "--set", "optimizer.local_steps=2"]
+    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", *local)
+    homes = [lab.home(f"home{i}") for i in range(2)]
+    volunteers = [start_volunteer(home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch),
+                                  "--wait-for-peers", "2", *local) for home in homes]
+    for volunteer in volunteers:
+        volunteer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
+        assert "accepts no connections" in log_of(volunteer)
+        assert "local-update mode: this peer takes its own steps" in log_of(volunteer)
+    for peer in volunteers:
+        done = peer.wait_for(lambda e: e["type"] == "done", timeout=400, what="the end of training")
+        assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
+        assert done["bytes_sent"] > 0, done
+    for peer in volunteers:
+        epochs = [event for event in epochs_of(peer) if event["epoch"] >= 1]
+        together = [event for event in epochs if event["averaged"] and event["group_size"] >= 2]
+        assert len(together) >= len(epochs) - 1 and len(epochs) >= last_epoch - 2, (
+            peer.name, [(e["epoch"], e["group_size"], e["problem"]) for e in epochs])
+        losses = [event["loss"] for event in epochs_of(peer)]
+        assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+    rounds = [e for e in monitor.events if e["type"] == "anchor_round"]
+    assert sum(e["training_peers"] >= 2 for e in rounds) >= last_epoch - 2, rounds
+
+
 # -- training alone is said ---------------------------------------------------------------------------------
 
 
