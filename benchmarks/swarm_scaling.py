@@ -43,6 +43,8 @@ class Simulation:
     :param measured_epochs: global epochs timed after the warm-up
     :param width: hidden width of the model (about 2 * width**2 parameters)
     :param verbose: peers log every stage of hivemind's global steps (to see where an epoch's time goes)
+    :param local_steps: the local-update mode's H (collab_kit.swarm.local_updates): a global epoch is then a round of
+        H target batches; 0: synchronous
     """
 
     target_batch_size: int = 5120
@@ -54,6 +56,7 @@ class Simulation:
     measured_epochs: int = 3
     width: int = 256
     verbose: bool = False
+    local_steps: int = 0
 
     @property
     def peer_rate(self) -> float:
@@ -61,8 +64,9 @@ class Simulation:
         return self.micro_batch / self.compute_seconds
 
     def compute_time(self, speeds: Sequence[float]) -> float:
-        """Seconds of compute the swarm needs per epoch: the target batch over the peers' summed throughput."""
-        return self.target_batch_size / (self.peer_rate * sum(speeds))
+        """Seconds of compute the swarm needs per epoch: its samples (the target batch, or a round of local_steps of
+        them) over the peers' summed throughput."""
+        return self.target_batch_size * max(1, self.local_steps) / (self.peer_rate * sum(speeds))
 
 
 FULL = Simulation()
@@ -190,7 +194,7 @@ def peer_main(args: argparse.Namespace) -> int:
         teacher = torch.nn.Linear(args.width // 4, args.width // 4)  # a fixed function to learn (seed 0 too)
         config = OptimizerConfig(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch,
                                  matchmaking_time=args.matchmaking_time, averaging_timeout=60.0,
-                                 progress_refresh_period=args.progress_refresh_period)
+                                 progress_refresh_period=args.progress_refresh_period, local_steps=args.local_steps)
         optimizer = make_optimizer(model, dht, args.run_id, config, verbose=args.verbose)
         generator = torch.Generator().manual_seed(args.seed)
         wait_for_peers(dht, args.run_id, args.peers, timeout=START_TIMEOUT)
@@ -256,7 +260,7 @@ def run_swarm(speeds: Sequence[float], sim: Simulation, run_id: str,
     common_args = ["--run-id", run_id, "--peers", str(len(speeds)), "--epochs", str(epochs),
                    "--target-batch-size", str(sim.target_batch_size), "--micro-batch", str(sim.micro_batch),
                    "--matchmaking-time", str(sim.matchmaking_time), "--width", str(sim.width),
-                   "--progress-refresh-period", str(sim.progress_refresh_period),
+                   "--progress-refresh-period", str(sim.progress_refresh_period), "--local-steps", str(sim.local_steps),
                    *(["--verbose"] if sim.verbose else [])]
     peers: List[SimulatedPeer] = []
     started = time.perf_counter()
@@ -431,6 +435,7 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress-refresh-period", type=float, default=FULL.progress_refresh_period)
     parser.add_argument("--width", type=int, default=FULL.width)
     parser.add_argument("--seed", type=int, default=0, help="seed of this peer's data")
+    parser.add_argument("--local-steps", type=int, default=0, help="the local-update mode's H (0: synchronous)")
     parser.add_argument("--verbose", action="store_true", help="log every stage of hivemind's global steps")
 
 

@@ -13,7 +13,7 @@ VQGAN decode, toy CLIP rerank) and the demo writes, in ``demo_out/``:
 It finishes with one summary line; ``color_match`` is the share of the kept pictures whose dominant
 colour (pixel statistics, no model) is the colour the prompt asks for (chance: 0.125):
 
-    demo: peers=2 epochs=40 loss_first=5.61 loss_last=1.62 averaged_rounds=40 bytes_sent=48.21MiB color_match=0.938
+    demo: peers=2 epochs=60 loss_first=5.3335 loss_last=1.9120 averaged_rounds=60 bytes_sent=367.90MiB color_match=0.938
 
 ``bytes_sent`` is what a volunteer sent to the other peers over the run (the mean over volunteers): its averaging
 rounds, and the states it served (the monitor's checkpoints download them). ``collab-kit demo --local-steps H`` runs

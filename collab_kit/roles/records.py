@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
+from collab_kit.units import format_bytes
+
 
 @dataclass
 class EpochRecord:
@@ -148,12 +150,13 @@ class TrainingHistory:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line: epochs trained, loss from first to last epoch, rounds averaged with peers."""
+        """One line: epochs trained, loss from first to last epoch, rounds averaged with peers, bytes sent to them."""
         if not self.epochs:
             return f"no global epoch completed (epochs {self.start_epoch}->{self.final_epoch})"
         return (f"epochs {self.start_epoch}->{self.final_epoch}: loss {self.epochs[0].loss:.4f} -> "
                 f"{self.epochs[-1].loss:.4f}, {self.averaged_rounds} of {len(self.epochs)} global steps averaged "
-                f"with other peers{' (interrupted)' if self.interrupted else ''}")
+                f"with other peers, {format_bytes(self.bytes_sent)} sent to them"
+                f"{' (interrupted)' if self.interrupted else ''}")
 
     def plot(self, ax=None):
         """Loss per global epoch; epochs averaged with other peers in green, lone ones in grey.

@@ -63,6 +63,17 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
     log = (tmp_path / "volunteer_1.log").read_text()
     assert "local-update mode: this peer takes its own steps and averages with the swarm once every 2" in log
     assert "--set optimizer.local_steps=2" in log
+    # its summary says what it sent
+    assert re.search(r"join: epochs \d+->\d+: .* global steps averaged with other peers, [\d.]+ [KM]iB sent to them", log)
+    # the monitor recorded the run and saved the swarm's state (the global parameters, downloaded from a volunteer
+    # with the outer optimizer's state) as checkpoints, every round here
+    from collab_kit.model.checkpoint import load_latest_checkpoint
+    from collab_kit.roles.run_history import RunHistory
+
+    with RunHistory(str(tmp_path / "out" / "monitor.sqlite"), read_only=True) as history:
+        assert len(history.leaderboard()) == 2 and history.checkpoints(), history.checkpoints()
+    _, saved_config, _, _ = load_latest_checkpoint(str(tmp_path / "out" / "checkpoints"))
+    assert saved_config.optimizer.local_steps == 2
 
 
 def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):

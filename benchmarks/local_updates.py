@@ -1,0 +1,130 @@
+"""The local-update mode (DiLoCo) beside the synchronous one: the toy demo in both modes, and uneven peers.
+
+Figures: on the toy world with the demo's peers and samples, the local-update mode's colour match, its final loss
+over the synchronous mode's, and the synchronous mode's bytes per volunteer over its own; with simulated compute, the
+time per round with one of 4 peers 4x slower over what the summed throughput predicts.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import List
+
+from benchmarks import common, swarm_scaling
+
+TOY_LOCAL_STEPS = 10  # H of the toy comparison: 6 rounds of 10 global batches for the demo's 60
+UNEVEN_LOCAL_STEPS = 4
+UNEVEN = swarm_scaling.Simulation(target_batch_size=1280, local_steps=UNEVEN_LOCAL_STEPS)
+QUICK_UNEVEN = swarm_scaling.Simulation(target_batch_size=512, local_steps=UNEVEN_LOCAL_STEPS, matchmaking_time=2.0,
+                                        progress_refresh_period=0.6, warmup_epochs=1, measured_epochs=2)
+
+TITLE = "Local updates (DiLoCo) beside synchronous training: the toy demo in both modes, and uneven peers"
+HOW = f"""
+Toy world: `collab_kit.demo.run_demo` as `make demo` runs it (2 volunteers and the first peer, each its own process
+on 127.0.0.1, the `toy` preset, 4096 pictures), once synchronous (60 global steps of 64 pictures, its whole schedule)
+and once in local-update mode with `optimizer.local_steps={TOY_LOCAL_STEPS}` (`collab-kit demo --local-steps
+{TOY_LOCAL_STEPS}`: 6 rounds of {TOY_LOCAL_STEPS} global batches, the same 3840 samples; each volunteer takes its own
+8-bit LAMB step at each of its batches of 16 pictures, with the schedule of the global batches, and the swarm takes
+DiLoCo's outer Nesterov step, lr 0.7, momentum 0.9, on the pseudo-gradients once a round). For both: `color_match` of
+CLIP's best 4 of 32 pictures for each of the 8 prompts (`collab_kit.data.synthetic.color_match`, chance 0.125), the
+mean loss of the volunteers' steps in the last global epoch (round), and the bytes each volunteer sent to the others
+over its averaging rounds (`collab_kit.swarm.averagers.SentBytesMixin`, the mean over volunteers; the states it
+served to the monitor's checkpoints, 3 in each run, are left out and given in the details). Targets: local-update
+colour match >= 0.6, final loss within 5% of the synchronous run's (local / synchronous <= 1.05), at least 10x fewer
+bytes (synchronous / local >= 10). `--quick` trains 12 global batches in each mode (H = 4), a smoke test.
+
+Uneven peers (simulated compute, `benchmarks.swarm_scaling`'s peers and model in local-update mode, H =
+{UNEVEN_LOCAL_STEPS}, target batch {UNEVEN.target_batch_size}: a round of {UNEVEN.target_batch_size * UNEVEN_LOCAL_STEPS}
+samples, as the synchronous scaling figure's epoch): 4 equal peers, then 4 peers of which one takes 4x longer per
+micro-batch. A round ends when the swarm as a whole has its samples, so it should take what the summed throughput
+predicts (plus the per-round overhead measured with the 4 equal peers), not wait for the slow peer's H steps: measured
+/ predicted <= 1.15.
+"""
+
+
+def _toy_runs(quick: bool, folder: str) -> dict:
+    from collab_kit.demo import run_demo
+
+    local_steps = 4 if quick else TOY_LOCAL_STEPS
+    batches = 12 if quick else 60
+    runs = {}
+    for mode, overrides, epochs in (("synchronous", [], batches),
+                                    ("local", [f"optimizer.local_steps={local_steps}"], batches // local_steps)):
+        started = time.perf_counter()
+        result = run_demo(num_volunteers=2, epochs=epochs, preset="toy", workdir=os.path.join(folder, mode),
+                          output_dir=os.path.join(folder, f"{mode}_out"), overrides=overrides,
+                          draws_per_prompt=8 if quick else 32)
+        runs[mode] = result
+        print(f"  toy, {mode}: {result.summary_line()} ({time.perf_counter() - started:.0f} s)", flush=True)
+    runs["local_steps"] = local_steps
+    return runs
+
+
+def _rounds_bytes(result) -> float:
+    return result.bytes_sent - result.bytes_served
+
+
+def run(quick: bool = False) -> List[dict]:
+    folder = tempfile.mkdtemp(prefix="collab_kit_bench_local_")
+    try:
+        toy = _toy_runs(quick, folder)
+        sim = QUICK_UNEVEN if quick else UNEVEN
+        tag = f"{os.getpid()}_{int(time.time())}"
+        equal = swarm_scaling.measure([1.0] * swarm_scaling.UNEVEN_PEERS, sim, f"bench_local_equal_{tag}", folder)
+        slow = 1.0 / swarm_scaling.SLOW_FACTOR
+        uneven = swarm_scaling.measure([1.0] * (swarm_scaling.UNEVEN_PEERS - 1) + [slow], sim,
+                                       f"bench_local_uneven_{tag}", folder)
+    except BaseException:
+        print(f"  the logs are kept in {folder}", flush=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+
+    synchronous, local, h = toy["synchronous"], toy["local"], toy["local_steps"]
+    mib = 2 ** 20
+
+    def describe(result) -> str:
+        return (f"colour match {result.color_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
+                f"{result.averaged_rounds} rounds averaged, {_rounds_bytes(result) / mib:.2f} MiB sent per volunteer "
+                f"in rounds (+{result.bytes_served / mib:.2f} MiB of states served), {result.seconds:.0f} s")
+
+    details = f"synchronous: {describe(synchronous)}; local updates (H = {h}): {describe(local)}."
+    loss_ratio = local.loss_last / synchronous.loss_last
+    bytes_ratio = _rounds_bytes(synchronous) / max(1.0, _rounds_bytes(local))
+    rows = [
+        common.make_row(__spec__.name, f"toy demo, local updates (H = {h}): colour match of CLIP's best 4",
+                        local.color_match, ">= 0.6", f"{local.color_match:.3f}", details,
+                        note=f"synchronous: {synchronous.color_match:.3f}"),
+        common.make_row(__spec__.name, f"toy demo: final loss, local updates (H = {h}) / synchronous", loss_ratio,
+                        "<= 1.05", f"{loss_ratio:.3f}", details,
+                        note=f"{local.loss_last:.3f} vs {synchronous.loss_last:.3f}"),
+        common.make_row(__spec__.name, f"toy demo: bytes sent per volunteer, synchronous / local updates (H = {h})",
+                        bytes_ratio, ">= 10", f"{bytes_ratio:.1f}x", details,
+                        note=f"{_rounds_bytes(synchronous) / mib:.1f} vs {_rounds_bytes(local) / mib:.2f} MiB"),
+    ]
+
+    overhead = equal["seconds"] - equal["compute"]
+    predicted = uneven["compute"] + overhead
+    ratio = uneven["seconds"] / predicted
+    share = uneven["samples"][-1] / max(1, sum(uneven["samples"]))
+    # a swarm that waited for every peer to process an equal share of the round (as OpenDiLoCo waits for every
+    # worker's H steps)
+    waiting = sim.target_batch_size * sim.local_steps / swarm_scaling.UNEVEN_PEERS / (sim.peer_rate * slow) + overhead
+    rows.append(common.make_row(
+        __spec__.name, f"local updates (H = {sim.local_steps}), simulated compute: time per round with 1 of "
+        f"{swarm_scaling.UNEVEN_PEERS} peers {swarm_scaling.SLOW_FACTOR:g}x slower / predicted by summed throughput",
+        ratio, "<= 1.15", f"{ratio:.2f}x",
+        f"{uneven['seconds']:.2f} s per round of {sim.target_batch_size * sim.local_steps} samples; predicted "
+        f"{predicted:.2f} s = compute {uneven['compute']:.2f} s + overhead {overhead:.2f} s measured with "
+        f"{swarm_scaling.UNEVEN_PEERS} equal peers ({equal['seconds']:.2f} s per round, mean group "
+        f"{equal['mean_group']:.1f}); the slow peer contributed {100 * share:.1f}% of the samples (its throughput "
+        f"share: {100 * slow / (swarm_scaling.UNEVEN_PEERS - 1 + slow):.1f}%), mean group "
+        f"{uneven['mean_group']:.1f}{swarm_scaling.left_behind(uneven)}.",
+        note=f"waiting for its equal share: {waiting / predicted:.1f}x"))
+    return rows
+
+
+if __name__ == "__main__":
+    common.main(sys.modules[__name__])
