@@ -1,8 +1,9 @@
-"""The local-update mode (DiLoCo) beside the synchronous one: the toy demo in both modes, and uneven peers.
+"""The local-update mode (DiLoCo) beside the synchronous one: the toy demo in both modes, thin links, uneven peers.
 
 Figures: on the toy world with the demo's peers and samples, the local-update mode's colour match, its final loss
-over the synchronous mode's, and the synchronous mode's bytes per volunteer over its own; with simulated compute, the
-time per round with one of 4 peers 4x slower over what the summed throughput predicts.
+over the synchronous mode's, and the synchronous mode's bytes per volunteer over its own; in the network lab with
+volunteers behind NAT on 5 Mbit/s links, the time to the synchronous run's final loss, local / synchronous; with
+simulated compute, the time per round with one of 4 peers 4x slower over what the summed throughput predicts.
 """
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ from benchmarks import common, swarm_scaling
 
 TOY_LOCAL_STEPS = 10  # H of the toy comparison: 6 rounds of 10 global batches for the demo's 60
 UNEVEN_LOCAL_STEPS = 4
+LAB_MBIT = 5.0  # each volunteer's link in the network lab, each way
+LAB_SYNC_EPOCHS = 12  # global steps of the synchronous run in the lab: its final loss is the one to reach
+LAB_LOCAL_STEPS = 10
+LAB_LOCAL_ROUNDS = 4  # as many global batches as the synchronous run, and 10 fewer exchanges per batch
 UNEVEN = swarm_scaling.Simulation(target_batch_size=1280, local_steps=UNEVEN_LOCAL_STEPS)
 QUICK_UNEVEN = swarm_scaling.Simulation(target_batch_size=512, local_steps=UNEVEN_LOCAL_STEPS, matchmaking_time=2.0,
                                         progress_refresh_period=0.6, warmup_epochs=1, measured_epochs=2)
 
-TITLE = "Local updates (DiLoCo) beside synchronous training: the toy demo in both modes, and uneven peers"
+TITLE = ("Local updates (DiLoCo) beside synchronous training: the toy demo in both modes, 5 Mbit/s links behind NAT, "
+         "uneven peers")
 HOW = f"""
 Toy world: `collab_kit.demo.run_demo` as `make demo` runs it (2 volunteers and the first peer, each its own process
 on 127.0.0.1, the `toy` preset, 4096 pictures), once synchronous (60 global steps of 64 pictures, its whole schedule)
@@ -35,6 +41,17 @@ over its averaging rounds (`collab_kit.swarm.averagers.SentBytesMixin`, the mean
 served to the monitor's checkpoints, 3 in each run, are left out and given in the details). Targets: local-update
 colour match >= 0.6, final loss within 5% of the synchronous run's (local / synchronous <= 1.05), at least 10x fewer
 bytes (synchronous / local >= 10). `--quick` trains 12 global batches in each mode (H = 4), a smoke test.
+
+Network lab (`collab_kit.netlab`): `collab-kit monitor --preset toy` on a public host (its anchor reduces every
+round, its link uncapped) and 2 volunteers (`collab-kit join --preset toy`, 1 torch thread each, the toy world's
+dataset) each behind its own NAT router with its link capped at {LAB_MBIT:g} Mbit/s each way (tc tbf): every
+global step moves the toy model's 8-bit gradients (about 4.2 MiB) up and their average back down, about 14 s on such
+a link, against well under a second of compute. Synchronous: {LAB_SYNC_EPOCHS} global steps; its final loss is the
+volunteers' mean loss in its last global step. Local updates (H = {LAB_LOCAL_STEPS}): {LAB_LOCAL_ROUNDS} rounds. Time
+is training time (the sum of each volunteer's epoch durations, the median over volunteers; start-up left out); the
+figure is the time the local-update run took to reach the synchronous run's final loss (the first round whose mean
+loss is at or below it) over the time the synchronous run took: target <= 0.5. The compute is real, not simulated: on
+these links it is a small part of a synchronous step. `--quick`: 4 synchronous steps, 2 rounds of H = 4.
 
 Uneven peers (simulated compute, `benchmarks.swarm_scaling`'s peers and model in local-update mode, H =
 {UNEVEN_LOCAL_STEPS}, target batch {UNEVEN.target_batch_size}: a round of {UNEVEN.target_batch_size * UNEVEN_LOCAL_STEPS}
@@ -63,6 +80,72 @@ def _toy_runs(quick: bool, folder: str) -> dict:
     return runs
 
 
+def _lab_run(lab_setting: dict, overrides, epochs: int, shards: str, log_dir: str, tag: str) -> List[List[dict]]:
+    """One run in a fresh network lab: the volunteers' epoch events."""
+    from collab_kit.netlab import NetworkLab
+
+    run_id = f"bench_local_lab_{tag}_{os.getpid()}"
+    settings = [arg for setting in overrides for arg in ("--set", setting)]
+    with NetworkLab() as lab:
+        server = lab.public_host("server")
+        monitor = server.start("monitor", ["monitor", "--preset", "toy", "--run-id", run_id, "--host", "0.0.0.0",
+                                           "--events", "--db", "", "--checkpoint-every", "0", *settings],
+                               os.path.join(log_dir, f"{run_id}-monitor.log"))
+        addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=180, what="its address")["addresses"]
+        homes = [lab.home(f"home{i}") for i in range(lab_setting["volunteers"])]
+        for home in homes:
+            home.limit(lab_setting["mbit"])
+        volunteers = [home.start(home.name, ["join", "--preset", "toy", "--run-id", run_id, "--host", "0.0.0.0",
+                                             "--initial-peers", *addresses, "--data", shards, "--threads", "1",
+                                             "--events", "--no-progress", "--wait-for-peers", str(len(homes)),
+                                             "--max-epochs", str(epochs), *settings],
+                                 os.path.join(log_dir, f"{run_id}-{home.name}.log"))
+                      for home in homes]
+        try:
+            for volunteer in volunteers:
+                volunteer.wait_for(lambda e: e["type"] == "done", timeout=120 + 60 * epochs, what="the end")
+        finally:
+            swarm_scaling.stop_peers(volunteers + [monitor])
+    return [[event for event in volunteer.events if event["type"] == "epoch"] for volunteer in volunteers]
+
+
+def _loss_over_time(epochs_by_peer: List[List[dict]]) -> List[tuple]:
+    """(training seconds, mean loss) at the end of each global epoch every volunteer reported."""
+    import statistics
+
+    clocks = []
+    for events in epochs_by_peer:
+        elapsed, clock = 0.0, {}
+        for event in sorted(events, key=lambda e: e["epoch"]):
+            elapsed += event["seconds"]
+            clock[event["epoch"]] = (elapsed, event["loss"])
+        clocks.append(clock)
+    common_epochs = sorted(set.intersection(*(set(clock) for clock in clocks)))
+    return [(statistics.median(clock[epoch][0] for clock in clocks),
+             sum(clock[epoch][1] for clock in clocks) / len(clocks)) for epoch in common_epochs]
+
+
+def _lab_time_to_loss(quick: bool, folder: str) -> dict:
+    from collab_kit.netlab import lab_unavailable
+    from collab_kit.toy.dataset import prepare_toy_dataset
+
+    reason = lab_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"no network lab on this machine: {reason}")
+    shards = prepare_toy_dataset(4096, progress=False)
+    setting = dict(volunteers=2, mbit=LAB_MBIT)
+    sync_epochs, local_steps, rounds = (4, 4, 2) if quick else (LAB_SYNC_EPOCHS, LAB_LOCAL_STEPS, LAB_LOCAL_ROUNDS)
+    synchronous = _loss_over_time(_lab_run(setting, [], sync_epochs, shards, folder, "sync"))
+    local = _loss_over_time(_lab_run(setting, [f"optimizer.local_steps={local_steps}"], rounds, shards, folder,
+                                     "local"))
+    target_seconds, target_loss = synchronous[-1]
+    reached = next(((seconds, loss) for seconds, loss in local if loss <= target_loss), None)
+    result = dict(synchronous=synchronous, local=local, target_seconds=target_seconds, target_loss=target_loss,
+                  reached=reached, local_steps=local_steps)
+    print(f"  lab at {LAB_MBIT:g} Mbit/s: synchronous {synchronous}; local (H = {local_steps}) {local}", flush=True)
+    return result
+
+
 def _rounds_bytes(result) -> float:
     return result.bytes_sent - result.bytes_served
 
@@ -71,6 +154,7 @@ def run(quick: bool = False) -> List[dict]:
     folder = tempfile.mkdtemp(prefix="collab_kit_bench_local_")
     try:
         toy = _toy_runs(quick, folder)
+        lab = _lab_time_to_loss(quick, folder)
         sim = QUICK_UNEVEN if quick else UNEVEN
         tag = f"{os.getpid()}_{int(time.time())}"
         equal = swarm_scaling.measure([1.0] * swarm_scaling.UNEVEN_PEERS, sim, f"bench_local_equal_{tag}", folder)
@@ -104,6 +188,21 @@ def run(quick: bool = False) -> List[dict]:
                         bytes_ratio, ">= 10", f"{bytes_ratio:.1f}x", details,
                         note=f"{_rounds_bytes(synchronous) / mib:.1f} vs {_rounds_bytes(local) / mib:.2f} MiB"),
     ]
+
+    reached = lab["reached"]
+    lab_ratio = reached[0] / lab["target_seconds"] if reached is not None else None
+
+    def curve(points) -> str:
+        return ", ".join(f"{seconds:.0f} s {loss:.3f}" for seconds, loss in points)
+
+    rows.append(common.make_row(
+        __spec__.name, f"network lab, NAT volunteers on {LAB_MBIT:g} Mbit/s links: time to the synchronous run's "
+        f"final loss, local updates (H = {lab['local_steps']}) / synchronous", lab_ratio, "<= 0.5",
+        f"{lab_ratio:.2f}x" if lab_ratio is not None else "not reached",
+        f"synchronous reached {lab['target_loss']:.3f} after {lab['target_seconds']:.0f} s of training; local updates "
+        + (f"reached {reached[1]:.3f} after {reached[0]:.0f} s" if reached is not None else "never reached it")
+        + f". Loss by training time (end of each global epoch): synchronous {curve(lab['synchronous'])}; local "
+        f"updates {curve(lab['local'])}."))
 
     overhead = equal["seconds"] - equal["compute"]
     predicted = uneven["compute"] + overhead
