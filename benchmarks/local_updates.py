@@ -18,6 +18,13 @@ from benchmarks import common, swarm_scaling
 
 TOY_LOCAL_STEPS = 10  # H of the toy comparison: 6 rounds of 10 global batches for the demo's 60
 UNEVEN_LOCAL_STEPS = 4
+# the small preset over a longer run: H = 100, 10 rounds, and the synchronous run over the same 1000 global batches
+SMALL_LOCAL_STEPS = 100
+SMALL_ROUNDS = 10
+SMALL_SETTINGS = ("optimizer.target_batch_size=32",  # one local step of 16 per volunteer and global batch
+                  f"optimizer.total_steps={SMALL_LOCAL_STEPS * SMALL_ROUNDS}",  # the schedule spans the run
+                  "optimizer.matchmaking_time=0.5",  # two peers on loopback meet well within it
+                  "optimizer.average_state_every=100000")  # no state averaging in either mode: gradients alone
 LAB_MBIT = 5.0  # each volunteer's link in the network lab, each way
 LAB_SYNC_EPOCHS = 12  # global steps of the synchronous run in the lab: its final loss is the one to reach
 LAB_LOCAL_STEPS = 10
@@ -26,8 +33,8 @@ UNEVEN = swarm_scaling.Simulation(target_batch_size=1280, local_steps=UNEVEN_LOC
 QUICK_UNEVEN = swarm_scaling.Simulation(target_batch_size=512, local_steps=UNEVEN_LOCAL_STEPS, matchmaking_time=2.0,
                                         progress_refresh_period=0.6, warmup_epochs=1, measured_epochs=2)
 
-TITLE = ("Local updates (DiLoCo) beside synchronous training: the toy demo in both modes, 5 Mbit/s links behind NAT, "
-         "uneven peers")
+TITLE = ("Local updates (DiLoCo) beside synchronous training: the toy demo in both modes, the small preset over 1000 "
+         "global batches, 5 Mbit/s links behind NAT, uneven peers")
 HOW = f"""
 Toy world: `collab_kit.demo.run_demo` as `make demo` runs it (2 volunteers and the first peer, each its own process
 on 127.0.0.1, the `toy` preset, 4096 pictures), once synchronous (60 global steps of 64 pictures, its whole schedule)
@@ -41,6 +48,16 @@ over its averaging rounds (`collab_kit.swarm.averagers.SentBytesMixin`, the mean
 served to the monitor's checkpoints, 3 in each run, are left out and given in the details). Targets: local-update
 colour match >= 0.6, final loss within 5% of the synchronous run's (local / synchronous <= 1.05), at least 10x fewer
 bytes (synchronous / local >= 10). `--quick` trains 12 global batches in each mode (H = 4), a smoke test.
+
+The small preset over a longer run: `run_demo` with `--preset small` (its model, its synthetic pictures, 2
+volunteers), H = {SMALL_LOCAL_STEPS} and {SMALL_ROUNDS} rounds against {SMALL_LOCAL_STEPS * SMALL_ROUNDS} synchronous
+global steps: the same {SMALL_LOCAL_STEPS * SMALL_ROUNDS} global batches, the same samples. Changed from the preset, the
+same in both modes (so that 1000 synchronous rounds fit in about half an hour on 2 cores): {', '.join(f'`{setting}`' for
+setting in SMALL_SETTINGS)}; the preset's 256 pictures per global batch would take 8x the compute. Loss at equal
+samples: the mean loss of the volunteers' local steps over the last {SMALL_LOCAL_STEPS} global batches (the
+synchronous run's last {SMALL_LOCAL_STEPS} global epochs, the local-update run's last round), local / synchronous:
+target <= 1.05. Bytes: each volunteer's bytes sent in averaging rounds (as for the toy world), synchronous / local:
+target >= 50. `--quick`: H = 4, 2 rounds against 8 global steps.
 
 Network lab (`collab_kit.netlab`): `collab-kit monitor --preset toy` on a public host (its anchor reduces every
 round, its link uncapped) and 2 volunteers (`collab-kit join --preset toy`, 1 torch thread each, the toy world's
@@ -78,6 +95,36 @@ def _toy_runs(quick: bool, folder: str) -> dict:
         print(f"  toy, {mode}: {result.summary_line()} ({time.perf_counter() - started:.0f} s)", flush=True)
     runs["local_steps"] = local_steps
     return runs
+
+
+def _small_runs(quick: bool, folder: str) -> dict:
+    """The small preset over the same global batches in both modes: (mode -> DemoResult, H)."""
+    from collab_kit.demo import run_demo
+
+    local_steps, rounds = (4, 2) if quick else (SMALL_LOCAL_STEPS, SMALL_ROUNDS)
+    settings = [setting if "total_steps" not in setting else f"optimizer.total_steps={local_steps * rounds}"
+                for setting in SMALL_SETTINGS]
+    runs = {"local_steps": local_steps}
+    for mode, overrides, epochs in (("synchronous", settings, local_steps * rounds),
+                                    ("local", settings + [f"optimizer.local_steps={local_steps}"], rounds)):
+        started = time.perf_counter()
+        # about 1.7 s a synchronous global step and 70 s a round of H = 100 here: twice that before giving up
+        runs[mode] = run_demo(num_volunteers=2, epochs=epochs, preset="small",
+                              workdir=os.path.join(folder, f"small_{mode}"), output_dir=None, overrides=overrides,
+                              timeout=600 + 4.0 * local_steps * rounds)
+        print(f"  small, {mode}: {runs[mode].summary_line()} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return runs
+
+
+def _window_loss(result, epochs: int) -> float:
+    """The mean loss of the last ``epochs`` global epochs every volunteer completed."""
+    return _window_loss_between(result, len(result.epoch_losses) - epochs, len(result.epoch_losses))
+
+
+def _window_loss_between(result, start: int, stop: int) -> float:
+    """The mean loss of the completed global epochs from the ``start``-th to before the ``stop``-th."""
+    window = sorted(result.epoch_losses)[start:stop]
+    return sum(result.epoch_losses[epoch] for epoch in window) / len(window)
 
 
 def _lab_run(lab_setting: dict, overrides, epochs: int, shards: str, log_dir: str, tag: str) -> List[List[dict]]:
@@ -154,6 +201,7 @@ def run(quick: bool = False) -> List[dict]:
     folder = tempfile.mkdtemp(prefix="collab_kit_bench_local_")
     try:
         toy = _toy_runs(quick, folder)
+        small = _small_runs(quick, folder)
         lab = _lab_time_to_loss(quick, folder)
         sim = QUICK_UNEVEN if quick else UNEVEN
         tag = f"{os.getpid()}_{int(time.time())}"
@@ -187,6 +235,34 @@ def run(quick: bool = False) -> List[dict]:
         common.make_row(__spec__.name, f"toy demo: bytes sent per volunteer, synchronous / local updates (H = {h})",
                         bytes_ratio, ">= 10", f"{bytes_ratio:.1f}x", details,
                         note=f"{_rounds_bytes(synchronous) / mib:.1f} vs {_rounds_bytes(local) / mib:.2f} MiB"),
+    ]
+
+    small_h = small["local_steps"]
+    small_sync, small_local = small["synchronous"], small["local"]
+    sync_window, local_window = _window_loss(small_sync, small_h), _window_loss(small_local, 1)
+    small_loss_ratio = local_window / sync_window
+    small_bytes_ratio = _rounds_bytes(small_sync) / max(1.0, _rounds_bytes(small_local))
+    small_details = (
+        f"synchronous: {small_sync.epochs} global steps, loss {small_sync.loss_first:.3f} -> {sync_window:.3f} over "
+        f"the last {small_h} (last step {small_sync.loss_last:.3f}), {small_sync.averaged_rounds} rounds averaged, "
+        f"{_rounds_bytes(small_sync) / mib:.1f} MiB sent per volunteer in rounds "
+        f"(+{small_sync.bytes_served / mib:.1f} MiB of states served), {small_sync.seconds:.0f} s; local updates "
+        f"(H = {small_h}): {small_local.epochs} rounds, loss {small_local.loss_first:.3f} -> {local_window:.3f} in "
+        f"the last, {small_local.averaged_rounds} rounds averaged, {_rounds_bytes(small_local) / mib:.2f} MiB sent "
+        f"per volunteer in rounds (+{small_local.bytes_served / mib:.1f} MiB of states served), "
+        f"{small_local.seconds:.0f} s. Each round's loss: "
+        + ", ".join(f"{small_local.epoch_losses[epoch]:.3f}" for epoch in sorted(small_local.epoch_losses))
+        + "; the synchronous run's over the same global batches: "
+        + ", ".join(f"{_window_loss_between(small_sync, start, start + small_h):.3f}"
+                    for start in range(0, len(small_sync.epoch_losses) - small_h + 1, small_h)) + ".")
+    rows += [
+        common.make_row(__spec__.name, f"small preset, {small_sync.epochs} global batches: loss at equal samples, "
+                        f"local updates (H = {small_h}) / synchronous", small_loss_ratio, "<= 1.05",
+                        f"{small_loss_ratio:.3f}", small_details, note=f"{local_window:.3f} vs {sync_window:.3f}"),
+        common.make_row(__spec__.name, f"small preset, {small_sync.epochs} global batches: bytes sent per volunteer, "
+                        f"synchronous / local updates (H = {small_h})", small_bytes_ratio, ">= 50",
+                        f"{small_bytes_ratio:.0f}x", small_details,
+                        note=f"{_rounds_bytes(small_sync) / mib:.0f} vs {_rounds_bytes(small_local) / mib:.2f} MiB"),
     ]
 
     reached = lab["reached"]

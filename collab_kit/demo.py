@@ -69,6 +69,8 @@ class DemoResult:
     bytes_served: float = 0.0  # ... of which the states it served (the monitor's checkpoints download them)
     local_steps: int = 0  # the local-update mode's H (collab_kit.swarm.local_updates); 0: synchronous
     color_match: Optional[float] = None  # share of the kept toy pictures in the prompt's colour (toy preset only)
+    # the mean loss of the volunteers' local steps in each global epoch every volunteer completed: epoch -> loss
+    epoch_losses: Dict[int, float] = dataclasses.field(default_factory=dict)
     outputs: Dict[str, str] = dataclasses.field(default_factory=dict)  # what was written: name -> path
 
     def summary_line(self) -> str:
@@ -287,7 +289,8 @@ def _result(losses: Dict[int, Dict[str, float]], finished: Dict[str, dict], num_
         loss_last=sum(losses[last_epoch].values()) / num_volunteers,
         averaged_rounds=averaged_rounds, seconds=seconds,
         bytes_sent=sum(event.get("bytes_sent", 0) for event in finished.values()) / len(finished),
-        bytes_served=sum(event.get("bytes_served", 0) for event in finished.values()) / len(finished))
+        bytes_served=sum(event.get("bytes_served", 0) for event in finished.values()) / len(finished),
+        epoch_losses={epoch: sum(losses[epoch].values()) / num_volunteers for epoch in complete})
     if num_volunteers > 1 and averaged_rounds == 0:
         raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
                          f"meet in the swarm. Logs in {workdir}")

@@ -32,7 +32,7 @@ PARAMETERS = ("RUN_ID", "PRESET", "OPTIMIZER_SETTINGS", "HOST", "MONITOR_PORT", 
               "ALLOWLIST", "HUB_ENDPOINT", "AUTH_HOST", "AUTH_PORT", "AUTH_PUBLIC_URL", "TOKEN_LIFETIME_MINUTES",
               "AUTH_DB", "MONITOR_DB", "CHECKPOINTS", "CHECKPOINT_EVERY", "POLL_EVERY", "LOG_DIR", "MAX_EPOCHS",
               "DATA_SHARDS", "SYNTHETIC_SAMPLES", "LOCAL_VOLUNTEERS", "NUM_THREADS", "SHOW_PROGRESS",
-              "SUMMARY_PATH")
+              "SUMMARY_PATH", "LOCAL_STEPS")
 
 
 def _local_environment(monkeypatch, token=None):
@@ -55,14 +55,17 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
                                                                               monkeypatch):
     import papermill
 
-    run_id, max_epochs = "test_run_your_own", 3
+    # in local-update mode (the synchronous notebook runs in test_notebooks_at_defaults, the synchronous authorized
+    # run in tests/roles/test_auth_swarm.py): 3 rounds of 2 global batches, about 128 local steps per peer in each
+    run_id, max_epochs, local_steps = "test_run_your_own", 3, 2
     summary_path, output_path = tmp_path / "summary.json", tmp_path / "run_your_own.out.ipynb"
     with StandInHub(str(tmp_path / "hub")) as hub:
         _local_environment(monkeypatch, token=hub.add_user_token("alice", orgs=[ORG]))
-        # half the tiny preset's target batch: global epochs of 2-5 s, still long enough for the two training
-        # peers to meet in every averaging round (3 of 3 in each try)
+        # half the tiny preset's target batch: rounds of two global batches, long enough for the two training
+        # peers to meet in each
         parameters = dict(
-            RUN_ID=run_id, PRESET="tiny", OPTIMIZER_SETTINGS=dict(target_batch_size=1024), HOST="127.0.0.1",
+            RUN_ID=run_id, PRESET="tiny", OPTIMIZER_SETTINGS=dict(target_batch_size=1024), LOCAL_STEPS=local_steps,
+            HOST="127.0.0.1",
             MONITOR_PORT=0, WITH_AUTH=True, ORGANIZATION=ORG, ALLOWLIST=[], HUB_ENDPOINT=hub.endpoint,
             AUTH_HOST="127.0.0.1", AUTH_PORT=0, AUTH_PUBLIC_URL="", TOKEN_LIFETIME_MINUTES=60,
             AUTH_DB=str(tmp_path / "run" / "auth.sqlite3"),
@@ -93,6 +96,7 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
     assert math.isfinite(summary["loss_first"]) and math.isfinite(summary["loss_last"]), summary
     assert summary["loss_last"] < summary["loss_first"], summary  # each epoch's loss: a mean of 50+ local steps
     assert summary["averaged_rounds"] >= 1, f"the notebook's peer never averaged with the other volunteer: {summary}"
+    assert summary["local_steps"] == local_steps and summary["bytes_sent"] > 0, summary
     # the monitor credited the work to the stand-in Hub's user, whose binding it verified
     assert summary["username"] == "alice" and summary["leaderboard"] == ["alice"], summary
     with RunHistory(str(tmp_path / "run" / "monitor.sqlite"), read_only=True) as history:
@@ -109,6 +113,7 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
     text = cell_texts(nbformat.read(str(output_path), as_version=4))
     assert "To join this run: HF_TOKEN=hf_... collab-kit join --preset tiny --run-id test_run_your_own" in text
     assert "--set swarm.auth_server=http://127.0.0.1:" in text and "/ip4/127.0.0.1/tcp/" in text
+    assert f"--set optimizer.local_steps={local_steps}" in text  # whoever pastes the line trains in the same mode
     assert "alice" in text and "volunteer-1: epochs 0->" in text
 
 
