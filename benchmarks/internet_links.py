@@ -234,12 +234,14 @@ def run(quick: bool = False) -> List[dict]:
     for rate, result in results.items():
         relative = result["bytes_per_epoch"] / (2 * predicted_bytes)
         rows.append(common.make_row(
-            __spec__.name, f"bytes per epoch on a {rate:g} Mbit/s volunteer's link / compression's prediction",
-            abs(relative - 1), f"<= {BYTES_TOLERANCE}", f"{relative:.3f}",
+            __spec__.name,
+            f"bytes per epoch on a {rate:g} Mbit/s volunteer's link: "
+            "distance of counted / compression's prediction from 1",
+            abs(relative - 1), f"<= {BYTES_TOLERANCE}", f"{abs(relative - 1):.3f}",
             f"{result['bytes_per_epoch'] / 2**20:.2f} MiB counted per volunteer per epoch (each: "
             f"{', '.join(f'{m / 2**20:.2f}' for m in result['moved'])} MiB), predicted 2 x "
             f"{predicted_bytes / 2**20:.2f} MiB (gradients up, their average down).",
-            note="value: |counted / predicted - 1|"))
+            note=f"counted / predicted: {relative:.3f}"))
     return rows
 
 
