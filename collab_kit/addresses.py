@@ -55,3 +55,22 @@ def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> List[str]:
                                  f"A peer address looks like {ADDRESS_EXAMPLE}.")
         checked.append(address)
     return checked
+
+
+LOOPBACK_HOSTS = ("127.", "::1", "localhost")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP address or a name) is this machine's loopback: 127.0.0.0/8, ::1 or localhost."""
+    return str(host).startswith(LOOPBACK_HOSTS)
+
+
+def host_of(address: str) -> str:
+    """The host part of a multiaddr (``/ip4/10.1.2.3/tcp/...`` -> ``10.1.2.3``), '' when it names none."""
+    parts = str(address).strip("/").split("/")
+    return parts[1] if len(parts) >= 2 and parts[0] in ("ip4", "ip6", "dns", "dns4", "dns6") else ""
+
+
+def all_on_this_machine(addresses: Sequence[str]) -> bool:
+    """Whether every one of ``addresses`` (at least one) is on this machine's loopback: a swarm that stays here."""
+    return bool(addresses) and all(is_loopback_host(host_of(address)) for address in addresses)

@@ -18,7 +18,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from collab_kit.addresses import parse_initial_peers
+from collab_kit.addresses import all_on_this_machine, parse_initial_peers
 from collab_kit.errors import CollabKitError
 
 PRESETS = ("tiny", "small", "toy", "paper")
@@ -256,7 +256,8 @@ class SwarmConfig:
 
     run_id: str = "collab_kit"
     initial_peers: Sequence[str] = ()  # multiaddrs of peers already in the swarm; empty = start a new swarm
-    host: str = "0.0.0.0"  # 127.0.0.1 for a run that stays on this machine
+    # the address to listen on; None: where the swarm can reach this peer (``listen_host``)
+    host: Optional[str] = None
     port: int = 0  # 0 = any free port
     # True: this peer connects out but accepts no connections (behind NAT or a firewall); None: asked of the swarm's
     # peers when joining (collab_kit.swarm.reachability); False: it accepts connections
@@ -276,8 +277,8 @@ class SwarmConfig:
                  "swarm.run_id", "use letters, digits, '_' and '-' only", self.run_id)
         _require(isinstance(self.port, int) and 0 <= self.port < 65536, "swarm.port", "must be in [0, 65535]",
                  self.port)
-        _require(isinstance(self.host, str) and len(self.host) > 0, "swarm.host",
-                 "expected an IP address such as 127.0.0.1 or 0.0.0.0", self.host)
+        _require(self.host is None or (isinstance(self.host, str) and len(self.host) > 0), "swarm.host",
+                 "expected an IP address such as 127.0.0.1 or 0.0.0.0, or None (where the swarm can reach)", self.host)
         self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
         _require(self.client_mode in (None, True, False), "swarm.client_mode",
                  "expected true, false or none (none: found out when joining)", self.client_mode)
@@ -285,12 +286,23 @@ class SwarmConfig:
                  "a client-mode peer accepts no connections, so it cannot start a swarm: give initial_peers",
                  self.client_mode)
 
+    @property
+    def listen_host(self) -> str:
+        """Where this peer listens: ``host`` when set; else loopback for a swarm that stays on this machine (every
+        initial peer on 127.0.0.1), and every interface otherwise, so that peers elsewhere can reach it (a first peer
+        too: others will join it). Shown by tests/test_config.py::test_a_peer_listens_where_its_swarm_can_reach_it."""
+        if self.host is not None:
+            return self.host
+        return "127.0.0.1" if all_on_this_machine(self.initial_peers) else "0.0.0.0"
+
 
 @dataclass
 class DataConfig:
     """Where training samples come from and how they are batched."""
 
-    shards: str = "data/shards"  # a folder of parquet shards, a glob, or a Hub dataset id
+    # a folder of parquet shards, a glob, a Hub dataset id, or "synthetic" (made on each peer, collab_kit.data.synthetic);
+    # None: the run's own data, as its first peer published it (collab_kit.swarm.run_card)
+    shards: Optional[str] = None
     shuffle_buffer: int = 1024
     seed: int = 0
     # how captions become tokens: "bytes" (UTF-8 bytes, no download), "toy" (the toy world's words), or the
@@ -298,8 +310,8 @@ class DataConfig:
     tokenizer: str = "t5-small"
 
     def __post_init__(self):
-        _require(isinstance(self.shards, str) and len(self.shards) > 0, "data.shards",
-                 "expected a folder of parquet shards, a glob or a Hub dataset id", self.shards)
+        _require(self.shards is None or (isinstance(self.shards, str) and len(self.shards) > 0), "data.shards",
+                 "expected a folder of parquet shards, a glob, a Hub dataset id or 'synthetic'", self.shards)
         _require(isinstance(self.tokenizer, str) and len(self.tokenizer) > 0, "data.tokenizer",
                  "expected 'bytes', 'toy' or a Hugging Face tokenizer name", self.tokenizer)
         _require(isinstance(self.shuffle_buffer, int) and self.shuffle_buffer >= 1, "data.shuffle_buffer",
@@ -389,7 +401,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
                                     matchmaking_time=2.0, averaging_timeout=20.0, progress_refresh_period=0.6)
     config = RunConfig(preset=name, model=model, optimizer=optimizer)
     if name != "paper":
-        config.swarm = SwarmConfig(run_id=f"collab_kit_{name}", host="127.0.0.1")
+        config.swarm = SwarmConfig(run_id=f"collab_kit_{name}")
         config.data = DataConfig(tokenizer="toy" if name == "toy" else "bytes")
     for section, config_cls in (("model", ModelConfig), ("optimizer", OptimizerConfig),
                                 ("swarm", SwarmConfig), ("data", DataConfig)):
@@ -426,23 +438,38 @@ PER_PEER_SETTINGS = frozenset({("model", "reversible"), ("optimizer", "batch_siz
                                ("optimizer", "load_state_timeout")})
 
 
+# data fields every peer of a run must share: the same caption gives every peer the same token ids
+SHARED_DATA_SETTINGS = ("tokenizer",)
+
+
+def shared_settings(config: RunConfig) -> Dict[Tuple[str, str], Any]:
+    """Every setting the peers of ``config``'s run must share, ``(section, field) -> value``: each model and optimizer
+    field but :data:`PER_PEER_SETTINGS`, and :data:`SHARED_DATA_SETTINGS`. What a run publishes and a peer compares
+    (collab_kit.swarm.run_card); the rest of the data and swarm sections is each peer's own."""
+    settings = {}
+    for section in ("model", "optimizer"):
+        for item in dataclasses.fields(getattr(config, section)):
+            if (section, item.name) not in PER_PEER_SETTINGS:
+                settings[(section, item.name)] = getattr(getattr(config, section), item.name)
+    for name in SHARED_DATA_SETTINGS:
+        settings[("data", name)] = getattr(config.data, name)
+    return settings
+
+
 def shared_setting_options(config: RunConfig) -> List[str]:
     """The ``collab-kit join`` options every peer of ``config``'s run must share: ``--preset``, ``--run-id``, a
-    ``--set`` (shell-quoted) for each model and optimizer field that differs from the preset's, and the run's auth
-    server. Data, the rest of the swarm settings and :data:`PER_PEER_SETTINGS` are each peer's own.
+    ``--set`` (shell-quoted) for each of its :func:`shared_settings` that differs from the preset's, and the run's auth
+    server. The rest of the data and swarm settings and :data:`PER_PEER_SETTINGS` are each peer's own.
 
     A config not made from a preset (``get_preset``) gives ``--run-id`` and ``--set`` for every field of the paper
     preset's that differs.
     """
     preset = config.preset if config.preset in PRESETS else "paper"
     options = ["--preset", preset, "--run-id", config.swarm.run_id]
-    base = get_preset(preset)
-    for section in ("model", "optimizer"):
-        for item in dataclasses.fields(getattr(config, section)):
-            value = getattr(getattr(config, section), item.name)
-            if (section, item.name) not in PER_PEER_SETTINGS and value != getattr(getattr(base, section), item.name):
-                options += ["--set", shlex.quote(f"{section}.{item.name}="
-                                                 f"{command_line_literal(section, item.name, value)}")]
+    base = shared_settings(get_preset(preset))
+    for (section, name), value in shared_settings(config).items():
+        if value != base[(section, name)]:
+            options += ["--set", shlex.quote(f"{section}.{name}={command_line_literal(section, name, value)}")]
     if config.swarm.auth_server:
         options += ["--set", shlex.quote(f"swarm.auth_server={config.swarm.auth_server}")]
     return options

@@ -161,6 +161,8 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     if output_dir is not None:
         os.makedirs(output_dir, exist_ok=True)
     shards = prepare_demo_data(workdir, num_samples, config)
+    # the run's data: the monitor publishes it with the run's settings, and the volunteers check theirs against it
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, shards=shards))
     started = time.monotonic()
     deadline = started + timeout
     checkpoint = os.path.join(output_dir if output_dir is not None else workdir, "model") if toy_world else None

@@ -7,6 +7,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from typing import Optional
 
 # before anything imports huggingface_hub or datasets: never reach for the network, never touch ~/.cache
 _HF_HOME = tempfile.mkdtemp(prefix="collab_kit_test_hf_")
@@ -22,14 +23,24 @@ from collab_kit.roles.processes import PeerProcess  # noqa: E402
 pytest_plugins = ["hub_server"]  # the stand-in Hub on 127.0.0.1: the `hub_server` fixture
 
 
+def _shards_for(tmp_path_factory, preset: str, num_samples: int) -> str:
+    config = get_preset(preset)
+    folder = tmp_path_factory.mktemp(f"{preset}_shards")
+    make_synthetic_shards(str(folder), num_samples=num_samples, image_side=config.model.image_side,
+                          codebook_size=config.model.codebook_size, num_shards=2)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory) -> str:
     """A folder of parquet shards for the tiny preset."""
-    config = get_preset("tiny")
-    folder = tmp_path_factory.mktemp("tiny_shards")
-    make_synthetic_shards(str(folder), num_samples=512, image_side=config.model.image_side,
-                          codebook_size=config.model.codebook_size, num_shards=2)
-    return str(folder)
+    return _shards_for(tmp_path_factory, "tiny", 512)
+
+
+@pytest.fixture(scope="session")
+def small_shards(tmp_path_factory) -> str:
+    """A folder of parquet shards for the small preset."""
+    return _shards_for(tmp_path_factory, "small", 1024)
 
 
 @pytest.fixture
@@ -49,14 +60,16 @@ def start_peer(tmp_path):
 
 @pytest.fixture
 def first_peer(start_peer, tmp_path):
-    """A running first peer (coordinator) for the tiny preset; returns (peer, its join addresses).
+    """A running first peer (coordinator) for the tiny preset, with the run's ``settings`` (``--set`` options: the
+    volunteers' must be the same) and naming ``data`` as the run's; returns (peer, its join addresses).
 
     Its database goes to the test's folder; it saves no checkpoints (tests/roles/test_monitor.py tests those).
     """
-    def launch(run_id: str):
+    def launch(run_id: str, *settings: str, data: Optional[str] = None):
         peer = start_peer("first-peer", "monitor", "--preset", "tiny", "--run-id", run_id,
                           "--host", "127.0.0.1", "--events", "--poll-every", "2",
-                          "--db", str(tmp_path / "monitor.sqlite"), "--checkpoint-every", "0")
+                          "--db", str(tmp_path / "monitor.sqlite"), "--checkpoint-every", "0",
+                          *(["--data", data] if data else []), *settings)
         ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")
         return peer, ready["addresses"]
     return launch

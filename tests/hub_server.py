@@ -32,7 +32,8 @@ the commit (as it does for small text files) and never starts an LFS or Xet tran
 storage servers this stand-in does not have. The preupload answer also gives the ``oid`` (git blob sha1) of a
 file already in the repository, so the client leaves unchanged files out of the commit, as with the Hub. A
 commit is applied to the repository's folder at once; it is recorded in ``StandInHub.commits``. No token is
-checked: the client sends one if it has one.
+checked but for a private repository (``add_repo(..., private=True)``): without a token of ``tokens`` it is a
+``401`` with ``X-Error-Code: RepoNotFound``, as the Hub answers.
 
 Errors carry the headers ``hf_raise_for_status`` turns into typed errors: ``X-Error-Code: RepoNotFound``
 (RepositoryNotFoundError), ``RevisionNotFound`` (RevisionNotFoundError) and ``EntryNotFound``
@@ -191,6 +192,7 @@ class StandInHub:
         self.commits: List[dict] = []
         self._snapshots: Dict[tuple, Repo] = {}  # (repo_type, repo_id) -> the repository as served now
         self.tokens: Dict[str, dict] = {}  # bearer token -> the whoami-v2 answer (add_user_token, ...)
+        self.private: set = set()  # (repo_type, repo_id) of private repositories: answered only with a known token
         self._lock = threading.Lock()
         self._hub = self._start_server(is_cdn=False)
         self._cdn = self._start_server(is_cdn=True)
@@ -198,18 +200,21 @@ class StandInHub:
         self.cdn_endpoint = f"http://127.0.0.1:{self._cdn.server_address[1]}"
         logger.info(f"stand-in Hub at {self.endpoint} serving {self.root}")
 
-    def add_repo(self, repo_id: str, folder: str, repo_type: str = "model") -> str:
+    def add_repo(self, repo_id: str, folder: str, repo_type: str = "model", private: bool = False) -> str:
         """Serve a copy of ``folder`` as the repository ``repo_id`` (replacing it); returns its commit hash.
 
         :param repo_id: ``owner/name``
         :param folder: a local folder; its files are copied, so later changes to it are not served
         :param repo_type: ``"model"`` or ``"dataset"``
+        :param private: answer it only to a request with a token of ``tokens``; to others, the Hub's ``401`` with
+          ``X-Error-Code: RepoNotFound`` (it does not tell a private repository from a missing one)
         """
         target = self.folder(repo_id, repo_type)
         with self._lock:
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(folder, target, ignore=shutil.ignore_patterns(".git"))
             self._snapshots.pop((repo_type, repo_id), None)
+            (self.private.add if private else self.private.discard)((repo_type, repo_id))
         return self.repo(repo_id, repo_type).commit
 
     def folder(self, repo_id: str, repo_type: str = "model") -> str:
@@ -495,7 +500,11 @@ class _HubHandler(_Handler):
     def find(self, repo_type: str, repo_id: str, revision: str, send_body: bool) -> Optional[Repo]:
         """The repository at ``revision``, or None after answering the error the Hub gives."""
         repo = self.hub.repo(repo_id, repo_type)
-        if repo is None:
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if (repo_type, repo_id) in self.hub.private and not (scheme.lower() == "bearer" and token in self.hub.tokens):
+            self.answer_error(401, "RepoNotFound", "Repository not found", send_body)
+            repo = None
+        elif repo is None:
             self.answer_error(404, "RepoNotFound", "Repository not found", send_body)
         elif revision not in ("main", repo.commit):
             self.answer_error(404, "RevisionNotFound", f"Invalid rev id: {revision}", send_body)

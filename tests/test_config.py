@@ -19,11 +19,28 @@ def test_paper_preset_has_the_papers_values():
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
-def test_cpu_presets_are_small_and_stay_on_this_machine(name):
+def test_cpu_presets_are_small(name):
     config = get_preset(name)
     assert config.model.hidden_size <= 256 and config.model.sequence_length <= 128
-    assert config.swarm.host == "127.0.0.1"
     assert config.optimizer.target_batch_size % config.optimizer.batch_size_per_step == 0
+
+
+ELSEWHERE = "/ip4/10.77.0.10/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
+HERE = ELSEWHERE.replace("10.77.0.10", "127.0.0.1")
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "toy", "paper"])
+def test_a_peer_listens_where_its_swarm_can_reach_it(name):
+    """Whatever the preset: every interface for a first peer or a swarm elsewhere, loopback for a swarm on this
+    machine, and what the user says when they say it."""
+    assert get_preset(name).swarm.host is None
+    listen = lambda **swarm: get_preset(name, swarm=swarm).swarm.listen_host  # noqa: E731
+    assert listen() == "0.0.0.0"
+    assert listen(initial_peers=[ELSEWHERE]) == "0.0.0.0"
+    assert listen(initial_peers=[HERE]) == "127.0.0.1"
+    assert listen(initial_peers=[HERE, ELSEWHERE]) == "0.0.0.0"
+    assert listen(initial_peers=[ELSEWHERE], host="127.0.0.1") == "127.0.0.1"
+    assert listen(host="192.168.1.2") == "192.168.1.2"
 
 
 def test_overrides_change_one_field_and_are_validated():

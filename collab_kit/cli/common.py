@@ -39,7 +39,8 @@ def add_swarm_options(parser: argparse.ArgumentParser):
     parser.add_argument("--run-id", help="peers with the same run id train together")
     parser.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR",
                         help="addresses of peers already in the swarm (printed by the first peer)")
-    parser.add_argument("--host", help="address to listen on (127.0.0.1 keeps the peer on this machine)")
+    parser.add_argument("--host", help="address to listen on (default: every interface, or 127.0.0.1 when every "
+                                       "initial peer is on this machine; 127.0.0.1 keeps the peer on this machine)")
     parser.add_argument("--port", type=int, help="port to listen on (default: any free port)")
     parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                         help="change one configuration field, e.g. --set optimizer.target_batch_size=64")

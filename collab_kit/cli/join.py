@@ -18,7 +18,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None,
                       help="connect out only, accept no incoming connections (default: asked of the swarm's peers, "
                            "which try to dial this one back)")
-    join.add_argument("--data", help="parquet shards: a folder, a glob, or a Hub dataset id (user/name)")
+    join.add_argument("--data", help="parquet shards: a folder, a glob, a Hub dataset id (user/name), or 'synthetic' "
+                                     "(default: the run's data, as its organizer named it)")
     join.add_argument("--epochs", type=int, help="train this many global epochs from the swarm's current one")
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
     join.add_argument("--max-steps", type=int, help="stop after this many local steps")
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
         if volunteer.reachability is not None:
             print(f"reachability: {volunteer.reachability.explain()}", flush=True)
         print(volunteer.join_line, flush=True)
+        print(f"data: {volunteer.data_description}", flush=True)
         if config.optimizer.local_updates:
             print(f"local-update mode: this peer takes its own steps and averages with the swarm once every "
                   f"{config.optimizer.local_steps} global batches ({config.optimizer.round_samples} samples of the "

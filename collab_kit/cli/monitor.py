@@ -20,6 +20,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "again with the same --db and --checkpoints, it goes on where it was (pass --initial-peers of "
                     "a volunteer to rejoin a swarm that went on without it).")
     add_swarm_options(monitor)
+    monitor.add_argument("--data", metavar="SHARDS",
+                         help="the run's data: a Hub dataset id (user/name), a folder or glob of parquet shards, or "
+                              "'synthetic'; published with the run's settings and carried by its join line, so "
+                              "volunteers who name none stream it")
     monitor.add_argument("--address-file", help="also write the join addresses to this file")
     monitor.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                          help="run the swarm's anchor here, the peer that volunteers behind NAT average through and "

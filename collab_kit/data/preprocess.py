@@ -310,7 +310,8 @@ def _encode_shard(stream: _Lookahead, vqgan, rows_per_shard: int, batch_size: in
 def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batch_size: int = 32,
                push_to_hub: Optional[str] = None, private: Optional[bool] = None, token: Optional[str] = None,
                device=None, num_workers: Optional[int] = None, progress: bool = True,
-               on_shard_written: Optional[Callable[[str], None]] = None) -> PreprocessReport:
+               on_shard_written: Optional[Callable[[str], None]] = None,
+               tokenizer: Optional[str] = None) -> PreprocessReport:
     """Filter ``source``'s image-caption pairs, encode the images with ``vqgan`` and write parquet shards.
 
     See the module's docstring for the sources, the filters and how a second run resumes.
@@ -331,6 +332,8 @@ def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batc
     :param num_workers: threads that decode and crop images (default: up to 8)
     :param progress: show a progress bar
     :param on_shard_written: called with each shard's path once it is written
+    :param tokenizer: the caption tokenizer the captions are written for, recorded in each shard when only one can
+      read them (the toy world's words: "toy"); None: any
     :returns: a ``PreprocessReport``; ``report.summary()`` says it in a few lines
     """
     source = source if isinstance(source, PairSource) else PairSource(source)
@@ -355,7 +358,7 @@ def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batc
                                                  thread_name_prefix="preprocess-decode")
     try:
         shards_seen = _write_shards(stream, existing, output, vqgan, rows_per_shard, batch_size, pool, report, device,
-                                    bar, on_shard_written)
+                                    bar, on_shard_written, tokenizer)
     finally:
         pool.shutdown(wait=True)
         bar.close()
@@ -395,7 +398,7 @@ def _ready_vqgan(vqgan, device) -> Tuple[VQGAN, torch.device]:
 
 def _write_shards(stream: _Lookahead, existing: Dict[int, str], output: str, vqgan: VQGAN, rows_per_shard: int,
                   batch_size: int, pool, report: PreprocessReport, device, bar,
-                  on_shard_written: Optional[Callable[[str], None]]) -> int:
+                  on_shard_written: Optional[Callable[[str], None]], tokenizer: Optional[str] = None) -> int:
     """Shard after shard until the stream ends: a shard already written is skipped (its pairs read, not encoded), a
     missing one encoded and written. Returns how many shard places the input took."""
     index = 0
@@ -418,7 +421,7 @@ def _write_shards(stream: _Lookahead, existing: Dict[int, str], output: str, vqg
                 index += 1
                 continue
             write_shard(path, captions, codes, codebook_size=vqgan.codebook_size, image_side=vqgan.grid_size,
-                        sizes=sizes, source_ids=ids)
+                        sizes=sizes, source_ids=ids, tokenizer=tokenizer)
             report.shards_written.append(path)
             report.bytes_written += os.path.getsize(path)
             report.kept += len(ids)

@@ -283,8 +283,11 @@ def batches(stream: ShardStream, batch_size: int) -> Iterator[Dict[str, torch.Te
 def peer_stream(config: RunConfig, data_shards: Optional[str] = None, data_seed: int = 0) -> ShardStream:
     """The stream of samples a peer trains on: the run's shards in this peer's order, tokenized as the run says.
 
-    :raises SettingProblem: the caption tokenizer has more tokens than the model reads
+    :raises SettingProblem: no data named, or the caption tokenizer has more tokens than the model reads
     """
+    if not (data_shards or config.data.shards):
+        raise SettingProblem("no data to stream: set data.shards (--data) to a folder of parquet shards, a glob or a "
+                             "Hub dataset id")
     tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
     if tokenizer.vocab_size > config.model.text_vocab_size:
         raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "

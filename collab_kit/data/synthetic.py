@@ -13,8 +13,12 @@ colour's band of codes on another's, captioned "a red cross on blue".
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -238,3 +242,26 @@ def make_synthetic_shards(folder: str, num_samples: int, image_side: int, codebo
                                  codebook_size=codebook_size, image_side=image_side,
                                  source_ids=[f"synthetic-{shard_index}-{i}" for i in range(count)]))
     return paths
+
+
+# the data source that names these shards, in a run's settings and on the command line (``--data synthetic``)
+SYNTHETIC = "synthetic"
+SYNTHETIC_SAMPLES = 4096  # what each peer of a synthetic run makes
+_made: Dict[tuple, str] = {}
+_made_lock = threading.Lock()
+
+
+def synthetic_shards_folder(image_side: int, codebook_size: int, num_samples: int = SYNTHETIC_SAMPLES) -> str:
+    """The folder of ``make_synthetic_shards`` for this code grid and codebook: what ``--data synthetic`` reads.
+
+    Made once per process in a temporary folder, removed when the process exits; every peer makes the same shards
+    (the same seed) and reads them in its own order.
+    """
+    key = (image_side, codebook_size, num_samples)
+    with _made_lock:
+        if key not in _made:
+            folder = tempfile.mkdtemp(prefix="collab_kit_synthetic_")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            make_synthetic_shards(folder, num_samples, image_side, codebook_size)
+            _made[key] = folder
+        return _made[key]

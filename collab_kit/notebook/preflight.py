@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from collab_kit import memory
+from collab_kit.addresses import all_on_this_machine
 from collab_kit.config import RunConfig, SwarmConfig
 from collab_kit.quiet import import_bitsandbytes
 from collab_kit.swarm.dht import resolve_reachability
@@ -255,9 +256,13 @@ def check_reachability(facts: MachineFacts, config: RunConfig, verdict: Optional
         return Finding("reachability", NOTE, f"{verdict.explain()}: joining in client mode, which connects out only "
                                              f"and averages through the run's anchor (a peer that accepts connections, "
                                              f"run by the organizer)"), Reachability((), True, resolved)
+    if swarm.client_mode is None and swarm.initial_peers and all_on_this_machine(swarm.initial_peers):
+        return Finding("reachability", OK, "every initial peer is on this computer: they reach this peer on "
+                                           "127.0.0.1"), Reachability((), False)
     announced = tuple(address[0] for address in map(_address_of, swarm.announce_maddrs) if address)
-    if swarm.host not in ("0.0.0.0", "::"):
-        candidates = (swarm.host,)  # it listens on one address only
+    host = swarm.listen_host
+    if host not in ("0.0.0.0", "::"):
+        candidates = (host,)  # it listens on one address only
     else:
         candidates = facts.addresses
     public = tuple(address for address in announced + candidates if is_public(address))
@@ -269,8 +274,12 @@ def check_reachability(facts: MachineFacts, config: RunConfig, verdict: Optional
                                            f"(if no firewall blocks port {swarm.port or 'chosen at start'})"), \
             Reachability(public, False)
     private = ", ".join(candidates) or "none"
-    if swarm.host.startswith("127."):
-        return Finding("reachability", NOTE, f"listening on {swarm.host} only: peers on this computer can join, "
+    if host.startswith("127."):
+        if swarm.initial_peers and not all_on_this_machine(swarm.initial_peers):
+            return Finding("reachability", NOTE, f"listening on {host} only, and the initial peers are on other "
+                                                 f"machines: joining in client mode (leave HOST empty to listen "
+                                                 f"where they can reach this peer)"), Reachability((), True)
+        return Finding("reachability", NOTE, f"listening on {host} only: peers on this computer can join, "
                                              f"others cannot"), Reachability((), False)
     if swarm.initial_peers:
         return Finding("reachability", NOTE, f"no public address ({private}): joining in client mode, which "

@@ -1,7 +1,8 @@
 """The peers a run is made of, and how a maintainer starts them.
 
 - ``volunteer``: ``Volunteer``, a training peer: joins, loads the swarm's state, trains, averages, recovers from a
-  non-finite step, reports its epochs (the notebooks' and ``collab-kit join``'s peer).
+  non-finite step, reports its epochs (the notebooks' and ``collab-kit join``'s peer); ``recovery``: its checks of
+  non-finite steps and the swarm's state loaded in their place.
 - ``records``: what a volunteer reports: epoch records, state loads, lone-training warnings, the history.
 - ``monitor``: ``Monitor``, the swarm's first peer: polls metrics, keeps the run history, runs the anchor for peers
   behind NAT; ``monitor_settings``: what it keeps and how often; ``checkpointer``: its checkpoints.
@@ -12,7 +13,8 @@
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "volunteer": ["Volunteer", "NonFiniteTrainingError"],
+    "volunteer": ["Volunteer"],
+    "recovery": ["NonFiniteTrainingError", "NonFiniteRecoveryMixin"],
     "monitor": ["Monitor"],
     "monitor_settings": ["MonitorSettings", "MonitorError"],
     "checkpointer": ["Checkpointer"],

@@ -61,6 +61,7 @@ from collab_kit.swarm.keys import peer_tokens_key, progress_key
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsSchema, PeerMetrics, SwarmSnapshot, read_metrics, summarize
 from collab_kit.swarm.progress import is_anchor_record
+from collab_kit.swarm.run_card import check_data_fits
 
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,7 @@ class Monitor:
         self.checkpointer, self.history, self.anchor = None, None, None
         self._verified: Dict[bytes, str] = {}  # record subkey -> the username a binding proved for it
         try:
+            self._announce_run()
             if self.settings.anchor and self.dht.client_mode:
                 raise MonitorError("an anchor must accept connections, and this monitor is in client mode: run it on "
                                    "a machine others can dial, or without --anchor")
@@ -250,6 +252,20 @@ class Monitor:
             self.close()
             raise
         self.last_snapshot: Optional[SwarmSnapshot] = None
+
+    def _announce_run(self) -> None:
+        """Publish the run's card (collab_kit.swarm.run_card) with the run's data, checked first: the data named here
+        (``--data``), else the data of the card the swarm already holds (a monitor started again through a
+        volunteer). Volunteers who name no data of their own stream it; the join line carries it."""
+        card = self.membership.run_card
+        data = self.config.data.shards or (card.data if card is not None else None)
+        if data:
+            check_data_fits(data, self.config, f"--data {data!r}")
+        else:
+            logger.warning("this run names no data: every volunteer must pass --data with shards made for it; start "
+                           "the monitor with --data SHARDS (a Hub dataset id, or a folder) and its join line carries "
+                           "them")
+        self.membership.announce_run(data)
 
     def _resume_anchor(self) -> None:
         """A monitor started again goes on from its newest checkpoint of this run: its anchor starts from it (the
@@ -342,7 +358,7 @@ class Monitor:
         """
         stop = stop or threading.Event()
         try:
-            print(join_instructions(self.dht, self.config), flush=True)
+            print(join_instructions(self.dht, self.config, data=self.membership.run_card.data), flush=True)
             if self.settings.address_file:
                 write_address_file(self.settings.address_file, self.dht)
             self._emit("ready", peer_id=str(self.dht.peer_id), addresses=join_addresses(self.dht))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
+from collab_kit.addresses import all_on_this_machine
+from collab_kit.config import RunConfig
 from collab_kit.units import format_bytes
 
 
@@ -76,6 +78,18 @@ class LoneWarning:
                 f"{self.advice}")
 
 
+def undialable_reason(config: RunConfig, reachability) -> Optional[str]:
+    """Why the swarm may be unable to dial a peer that accepts connections, or None: a peer made to accept them
+    (``swarm.client_mode=False``) while its initial peers are on other machines, and announcing no address a probe
+    found (a probe that got through announces the address the swarm saw), was never checked."""
+    swarm = config.swarm
+    if swarm.client_mode or reachability is not None or swarm.announce_maddrs or not swarm.initial_peers or \
+            all_on_this_machine(swarm.initial_peers):
+        return None
+    return (f"it was set to accept connections (--no-client-mode) on {swarm.host}, so the swarm never checked that "
+            f"it can dial it back")
+
+
 LONE_AFTER_EPOCHS = 3  # unaveraged global epochs in a row, while others train, before a volunteer is told it is alone
 
 
@@ -97,13 +111,18 @@ class LoneTrainingWatch:
         self._warned = False
 
     def observe(self, record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
-                matchmaking_time: float) -> Optional[LoneWarning]:
-        """Count one epoch; returns the warning when a stretch of lone epochs reaches ``after_epochs``."""
+                matchmaking_time: float, undialable: Optional[str] = None) -> Optional[LoneWarning]:
+        """Count one epoch; returns the warning when a stretch of lone epochs reaches ``after_epochs``.
+
+        :param undialable: why the swarm may be unable to dial this peer although it accepts connections (None: it
+          was checked, or it is in client mode)
+        """
         if record.averaged or record.training_peers <= 1:
             self.streak, self.reason, self._warned = 0, None, False
             return None
         self.streak += 1
-        self.reason, advice = self.diagnose(record, client_mode, anchors_in_swarm, averaging_timeout, matchmaking_time)
+        self.reason, advice = self.diagnose(record, client_mode, anchors_in_swarm, averaging_timeout, matchmaking_time,
+                                            undialable)
         if self.streak < self.after_epochs or self._warned:
             return None
         self._warned = True
@@ -112,14 +131,23 @@ class LoneTrainingWatch:
 
     @staticmethod
     def diagnose(record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
-                 matchmaking_time: float) -> Tuple[str, str]:
-        """Why an epoch was not averaged, as far as this peer can tell, and what to do about it: (reason, advice)."""
+                 matchmaking_time: float, undialable: Optional[str] = None) -> Tuple[str, str]:
+        """Why an epoch was not averaged, as far as this peer can tell, and what to do about it: (reason, advice).
+
+        A round that failed while nobody checked that the swarm can dial this peer is blamed on that, not on the
+        link (tests/roles/test_lone_training.py::test_failed_rounds_of_a_peer_nobody_checked_blame_the_dialling)."""
         if client_mode and not anchors_in_swarm and not record.anchors:
             return ("this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
                     "so no averaging group can hold it",
                     "the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
                     "anchor, which volunteers behind NAT average through); or join from a machine with a public "
                     "address or a forwarded port")
+        if record.problem and undialable:
+            return (f"its averaging rounds fail ({record.problem}), and the swarm's peers may be unable to dial this "
+                    f"one: {undialable}",
+                    "leave --client-mode and --host out, so that the swarm checks whether it can dial this peer back "
+                    "(a peer it cannot dial joins in client mode and averages through the run's anchor), or forward "
+                    "its port and announce it (--set swarm.announce_maddrs=...)")
         if record.problem:
             return (f"its averaging rounds fail ({record.problem})",
                     f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "

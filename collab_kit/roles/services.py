@@ -39,6 +39,7 @@ from collab_kit.errors import CollabKitError
 from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.roles.processes import PeerFailed, PeerProcess, group_is_empty
 from collab_kit.swarm.dht import join_command as swarm_join_command
+from collab_kit.swarm.run_card import published_data
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,9 @@ def config_arguments(config: RunConfig) -> List[str]:
         raise ValueError(f"config.preset={config.preset!r}: start services from a config made with "
                          f"get_preset(one of {', '.join(PRESETS)}, ...)")
     swarm = config.swarm
-    arguments = ["--preset", config.preset, "--run-id", swarm.run_id, "--host", swarm.host, "--port", str(swarm.port)]
+    arguments = ["--preset", config.preset, "--run-id", swarm.run_id, "--port", str(swarm.port)]
+    if swarm.host is not None:
+        arguments += ["--host", swarm.host]
     base = get_preset(config.preset)
     for section in ("model", "optimizer", "swarm", "data"):
         ours, theirs = getattr(config, section), getattr(base, section)
@@ -269,13 +272,13 @@ def config_arguments(config: RunConfig) -> List[str]:
 
 def join_command(config: RunConfig, addresses: Sequence[str], auth_server: Optional[str] = None) -> str:
     """The command a volunteer runs to join this run through ``addresses`` (what to share with volunteers): the same
-    line every peer prints (``collab_kit.swarm.dht.join_command``).
+    line every peer prints (``collab_kit.swarm.dht.join_command``), with the run's data (``config.data.shards``).
 
     :param auth_server: the auth server's URL as volunteers reach it (default: ``config.swarm.auth_server``)
     """
     if auth_server:
         config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, auth_server=auth_server))
-    return swarm_join_command(config, addresses)
+    return swarm_join_command(config, addresses, data=published_data(config.data.shards))
 
 
 def monitor_arguments(settings) -> List[str]:

@@ -9,7 +9,7 @@ average their gradients and take one global step together (one "global epoch").
 
 A local step whose loss or gradients are not finite (nan, inf) never reaches the optimizer: its gradients
 would be averaged into every peer's step and poison the whole swarm. The volunteer drops them and loads
-the swarm's parameters and optimizer state instead (``Volunteer._recover_from_non_finite_step``).
+the swarm's parameters and optimizer state instead (collab_kit.roles.recovery).
 
 What it reports (epoch records, restores, lone-training warnings, the history) is collab_kit.roles.records.
 """
@@ -26,14 +26,17 @@ from tqdm.auto import tqdm
 
 from collab_kit.config import RunConfig
 from collab_kit.data.stream import ShardStream, batches, peer_data_seed, peer_stream
-from collab_kit.errors import CollabKitError
+from collab_kit.data.synthetic import SYNTHETIC_SAMPLES
 from collab_kit.model.checkpoint import save_checkpoint
-from collab_kit.model.transformer import TextToImageTransformer, initial_model, non_finite_parameters
-from collab_kit.roles.records import EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory
+from collab_kit.model.transformer import TextToImageTransformer, initial_model
+from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
+from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
+                                     undialable_reason)
 from collab_kit.swarm.dht import join_instructions, wait_for_peers as wait_for_peers_in_swarm
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsPublisher
 from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
+from collab_kit.swarm.run_card import data_for_peer
 from collab_kit.swarm.watchdog import SwarmWatchdog
 
 
@@ -46,10 +49,7 @@ logger = logging.getLogger(__name__)
 # its data and a core that the machine's other processes needed, and filling its log, while it could not train
 STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
-class NonFiniteTrainingError(CollabKitError, RuntimeError):
-    """Training cannot go on: the model is not finite and no peer could give its state, or every step stays nan."""
-
-class Volunteer:
+class Volunteer(NonFiniteRecoveryMixin):
     """One peer of a collaborative run: trains its model with the swarm, step by step, and reports each epoch.
 
     ``Volunteer.from_config(config)`` builds every part (what ``collab-kit join`` and the notebooks do); the
@@ -64,16 +64,13 @@ class Volunteer:
     :param metrics: this peer's signed metrics record for the monitor (None: a publisher on the membership's DHT)
     """
 
-    # local steps in a row whose loss or gradients may be non-finite, each followed by loading the swarm's
-    # state, before giving up: beyond that the fault is not in the parameters but in the data or the settings
-    max_non_finite_steps = 5
-
     def __init__(self, config: RunConfig, membership: SwarmMembership, model: TextToImageTransformer,
                  stream: ShardStream, optimizer: CollaborativeOptimizer, metrics: Optional[MetricsPublisher] = None):
         self.config, self.membership, self.model, self.stream, self.optimizer = config, membership, model, stream, \
             optimizer
         self.dht, self.authorizer, self.reachability = membership.dht, membership.authorizer, membership.reachability
-        self.join_line = join_instructions(self.dht, config)
+        run_card = membership.run_card
+        self.join_line = join_instructions(self.dht, config, data=run_card.data if run_card is not None else None)
         # this peer's signed record for the monitor (collab_kit.swarm.metrics), refreshed every global epoch
         self.metrics = metrics if metrics is not None else MetricsPublisher(self.dht, config.swarm.run_id,
                                                                             username=membership.username)
@@ -85,39 +82,58 @@ class Volunteer:
         self._non_finite_streak = 0
         self._failed_loads = 0  # steps in a row that found this peer behind and could not get the swarm's state
         self._lone_watch = LoneTrainingWatch()
+        self._undialable = undialable_reason(config, self.reachability)
+        self.data_description = "training on its own stream"  # what from_config chose, in words
 
     @classmethod
     def from_config(cls, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
                     num_threads: Optional[int] = None, verbose: bool = False, authorizer=None,
                     model: Optional[TextToImageTransformer] = None,
-                    optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer) -> "Volunteer":
+                    optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer,
+                    data_setting: str = "--data", synthetic_fallback: bool = False,
+                    synthetic_samples: int = SYNTHETIC_SAMPLES) -> "Volunteer":
         """Join the run and build every part of a volunteer from its configuration.
 
+        Before it builds anything, the peer checks that it fits the run (collab_kit.swarm.run_card: run id, preset,
+        shared settings, and the data's codebook, grid, tokenizer and format) and says what does not in one
+        sentence; with no data of its own it streams the run's. The swarm's first peer publishes the run's card.
+
         :param config: the run's configuration (a preset from collab_kit.config.get_preset, possibly changed)
-        :param data_shards: folder or glob of parquet shards; defaults to ``config.data.shards``
+        :param data_shards: a folder or glob of parquet shards, a Hub dataset id, or "synthetic"; defaults to
+          ``config.data.shards``, then to the run's data
         :param data_seed: the order in which this peer reads the data; default: derived from its peer id
         :param num_threads: torch CPU threads for this peer (None leaves torch's default)
         :param verbose: log every stage of hivemind's global steps
         :param authorizer: a HubAuthorizer that has joined already (default: log in, in an authorized run)
         :param model: the model to train (default: the run's initial model)
         :param optimizer_factory: builds the optimizer, called as ``make_optimizer`` is
-        :raises collab_kit.errors.CollabKitError: the run refused this peer, no initial peer answered, or the data
-          and the model do not fit (each message says what to change)
+        :param data_setting: how the user names the data, for messages (``--data``; ``DATA_SHARDS`` in a notebook)
+        :param synthetic_fallback: with no data named by this peer or the run, train on synthetic data, for a swarm of
+          its own or one on this machine (never for a run elsewhere that did not choose it)
+        :param synthetic_samples: samples of synthetic data to make, when it trains on them
+        :raises collab_kit.errors.CollabKitError: the run refused this peer, no initial peer answered, the run is
+          another or has other settings, or the data cannot be read or does not fit (each message says what to do)
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         membership = SwarmMembership(config, authorizer=authorizer)
         try:
             config = membership.config
+            data = data_for_peer(data_shards or config.data.shards, membership.run_card, config, data_setting,
+                                 synthetic_fallback, synthetic_samples)
+            if membership.is_first_peer:  # others join this swarm through this peer: they read its card
+                membership.announce_run(data.source)
             if model is None:
                 model = initial_model(config.model, config.swarm.run_id)
             if data_seed is None:
                 data_seed = peer_data_seed(membership.dht.peer_id.to_bytes(), config.data.seed)
-            stream = peer_stream(config, data_shards, data_seed)
+            stream = peer_stream(config, data.shards, data_seed)
             optimizer = optimizer_factory(model, membership.dht, config.swarm.run_id, config.optimizer,
                                           client_mode=config.swarm.client_mode, verbose=verbose,
                                           peer_gate=membership.peer_gate)
-            return cls(config, membership, model, stream, optimizer)
+            volunteer = cls(config, membership, model, stream, optimizer)
+            volunteer.data_description = data.description
+            return volunteer
         except BaseException:
             membership.close()
             raise
@@ -324,7 +340,7 @@ class Volunteer:
         warning = self._lone_watch.observe(record, bool(self.config.swarm.client_mode),
                                            self.optimizer.tracker.anchor_peers,
                                            self.config.optimizer.averaging_timeout,
-                                           self.config.optimizer.matchmaking_time)
+                                           self.config.optimizer.matchmaking_time, self._undialable)
         if warning is not None:
             logger.warning(str(warning))
             history.lone_warnings.append(warning)
@@ -344,68 +360,6 @@ class Volunteer:
             self._stop_requested.wait(0.2)
         if not self._stop_requested.is_set() and on_link is not None:
             on_link("back")
-
-    # -- non-finite steps -----------------------------------------------------------------------
-
-    def _non_finite_step_problem(self, loss: torch.Tensor) -> Optional[str]:
-        """What is not finite after this local step's backward pass: the loss or the gradients (None: all finite)."""
-        if not torch.isfinite(loss.detach()).all():
-            return f"the loss is {loss.item()}"
-        grads = [param.grad for param in self.model.parameters() if param.grad is not None]
-        # one norm over all gradients: nan or inf anywhere makes it non-finite, with one sync instead of one per tensor
-        if grads and not torch.isfinite(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))):
-            return "the gradients are not finite"
-        return None
-
-    def _non_finite_parameters_problem(self) -> Optional[str]:
-        """Which of the model's parameters hold nan or inf (None: all finite)."""
-        bad = non_finite_parameters(self.model)
-        if not bad:
-            return None
-        return f"parameters are not finite: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}"
-
-    def _recover_from_non_finite_step(self, problem: str, history: TrainingHistory,
-                                      on_restore: Optional[Callable[[RestoreRecord], None]] = None,
-                                      step_dropped: bool = True) -> None:
-        """Drop this step's gradients (they never reach the optimizer, so they are never averaged with the swarm's)
-        and load the swarm's parameters and optimizer state in place of this peer's.
-
-        If no peer can give its state, training goes on from the local state as long as the parameters are
-        finite (the bad step is simply skipped); with non-finite parameters there is nothing to go on from.
-
-        :param step_dropped: a local step's gradients are dropped (False: found by the check of the parameters after
-          a global step, when no local step is dropped)
-        :raises NonFiniteTrainingError: non-finite parameters and no peer gave its state, or ``max_non_finite_steps``
-          steps in a row were not finite
-        """
-        self.optimizer.zero_grad()
-        history.skipped_steps += int(step_dropped)
-        self._non_finite_streak += 1
-        if self._non_finite_streak > self.max_non_finite_steps:
-            raise NonFiniteTrainingError(
-                f"{problem} for {self._non_finite_streak} local steps in a row, and loading the swarm's state did not "
-                f"help: the fault is likely in the data or the settings (try a lower optimizer.learning_rate)")
-        epoch_before = self.local_epoch
-        logger.warning(f"{problem} after {history.local_steps} local steps (epoch {epoch_before}): dropping this "
-                       f"step's gradients and loading the swarm's parameters and optimizer state")
-        loaded = self.optimizer.load_state_from_peers()
-        record = RestoreRecord(reason="non_finite", problem=problem, loaded=loaded, epoch_before=epoch_before,
-                               epoch_after=self.local_epoch, local_step=history.local_steps)
-        self._record_restore(history, record, on_restore)
-        still_bad = self._non_finite_parameters_problem()
-        if loaded:
-            if still_bad is None:
-                logger.warning(f"loaded the swarm's state (epoch {self.local_epoch}): training goes on")
-            else:  # the next step tries again (another peer may answer), up to max_non_finite_steps times
-                logger.warning(f"the state a peer gave is not finite either ({still_bad}): the swarm may have "
-                               f"diverged")
-            return
-        if still_bad is not None:
-            raise NonFiniteTrainingError(
-                f"{still_bad}, and no peer of run {self.config.swarm.run_id!r} could give its state: restart from a "
-                f"checkpoint (or with peers that train), and consider a lower optimizer.learning_rate")
-        logger.warning("no peer could give its state: this step is skipped, training goes on from the local state "
-                       "(its parameters are finite)")
 
     def _record_step_loads(self, history: TrainingHistory,
                            on_restore: Optional[Callable[[RestoreRecord], None]]) -> List[dict]:
@@ -431,13 +385,6 @@ class Volunteer:
             if left <= 0:
                 return
             self._stop_requested.wait(min(left, 0.2))
-
-    @staticmethod
-    def _record_restore(history: TrainingHistory, record: RestoreRecord,
-                        on_restore: Optional[Callable[[RestoreRecord], None]]) -> None:
-        history.restores.append(record)
-        if on_restore is not None:
-            on_restore(record)
 
     # -- metrics for the monitor -----------------------------------------------------------------
 

@@ -17,7 +17,10 @@
 - ``streams``: the streams of rounds and matchmaking end with the caller's close once it has every message.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
 - ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT.
-- ``membership``: joining a run the same way for every peer (token, client mode, DHT, binding), and leaving it.
+- ``membership``: joining a run the same way for every peer (token, client mode, DHT, the run's card, binding), and
+  leaving it.
+- ``run_card``: the run's shared settings and data, published signed by its first peer; what a joining peer compares
+  its own with, and the data it streams when it names none.
 - ``bindings``: peer ids bound to access tokens in the DHT, and the gate the averagers ask in an authorized run.
 - ``metrics``: each peer's signed metrics record, and what the monitor reads of them.
 """
@@ -37,6 +40,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],
     "anchor": ["Anchor", "AnchorError"],
     "membership": ["SwarmMembership", "authorize"],
+    "run_card": ["RunCard", "RunMismatch", "DataMismatch", "find_run_card", "check_fits_run", "choose_data"],
     "bindings": ["PeerGate", "BindingKeeper", "publish_peer_binding", "authorized_averager_class"],
     "metrics": ["MetricsPublisher", "PeerMetrics", "SwarmSnapshot", "read_metrics", "summarize"],
 })

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import shlex
 import socket
 import threading
 import time
@@ -24,7 +25,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 import psutil
 
-from collab_kit.addresses import parse_initial_peers
+from collab_kit.addresses import all_on_this_machine, is_loopback_host, parse_initial_peers
 
 from collab_kit.config import RunConfig, SwarmConfig, shared_setting_options
 from collab_kit.errors import CollabKitError
@@ -109,21 +110,31 @@ def _has_public_interface_address() -> bool:
 
 def resolve_reachability(config: SwarmConfig, timeout: float = 10.0
                          ) -> Tuple[SwarmConfig, Optional[ReachabilityVerdict]]:
-    """Decide client mode for ``config`` (unless set): ask the initial peers to dial this machine back.
+    """Decide where ``config``'s peer listens and, unless set, its client mode: ask the initial peers to dial back.
 
-    - ``client_mode`` already True or False, or no initial peers (the swarm's first peer), or a peer that listens on
-      loopback only (every peer is on this machine): no question asked;
+    - the host: ``config.listen_host`` (every interface unless the whole swarm is on this machine);
+    - ``client_mode`` already True or False, or no initial peers (the swarm's first peer), or a swarm whose every
+      initial peer is on this machine's loopback: no question asked;
+    - a peer made to listen on loopback while its initial peers are elsewhere: nobody there can dial it, so it is in
+      client mode (and never announces a loopback address);
     - otherwise the probe's verdict decides; a peer the helpers reached announces the address they saw (a port
       forwarded by a router is then what others dial); when no helper could tell (peers of another kit, say), an
       interface address that is routable on the Internet means accepting connections, anything else client mode.
 
-    :returns: the configuration with ``client_mode`` (and the probed ``port``, and announced addresses) set, and the
-      verdict (None when nothing was asked)
+    Shown by tests/swarm/test_swarm.py::test_where_a_peer_listens_and_whether_it_is_asked_to_be_dialled_back.
+
+    :returns: the configuration with ``host``, ``client_mode`` (and the probed ``port``, and announced addresses) set,
+      and the verdict (None when nothing was asked)
     """
+    config = dataclasses.replace(config, host=config.listen_host)
     if config.client_mode is not None:
         return config, None
-    if not config.initial_peers or config.host.startswith("127.") or config.host == "::1":
+    if not config.initial_peers or all_on_this_machine(config.initial_peers):
         return dataclasses.replace(config, client_mode=False), None
+    if is_loopback_host(config.host):
+        logger.warning(f"this peer listens on {config.host} only and its initial peers are on other machines, which "
+                       f"cannot dial it: it joins in client mode (leave --host out to listen where they can)")
+        return dataclasses.replace(config, client_mode=True), None
     verdict = probe_reachability(config.initial_peers, config.host, config.port, timeout=timeout,
                                  extra_ports=[port for port in map(_port_of, config.announce_maddrs) if port])
     if verdict.reachable is None:
@@ -212,22 +223,24 @@ def join_addresses(dht: hivemind.DHT) -> List[str]:
     return others or addresses
 
 
-def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
-    """The command that joins ``config``'s run through ``addresses``: run id, preset, every model and optimizer
-    setting that differs from the preset, the auth server (with a placeholder for the volunteer's token)."""
-    command = " ".join(["collab-kit", "join", *shared_setting_options(config), "--initial-peers", *addresses])
+def join_command(config: RunConfig, addresses: Sequence[str], data: Optional[str] = None) -> str:
+    """The command that joins ``config``'s run through ``addresses``: run id, preset, every shared setting that differs
+    from the preset, the run's data (``data``: what its card names), the auth server (with a placeholder for the
+    volunteer's token)."""
+    options = [*shared_setting_options(config), *(["--data", shlex.quote(data)] if data else [])]
+    command = " ".join(["collab-kit", "join", *options, "--initial-peers", *addresses])
     return f"HF_TOKEN=hf_... {command}" if config.swarm.auth_server else command
 
 
-def join_instructions(dht: hivemind.DHT, config: RunConfig) -> str:
-    """One line that tells others how to join ``config``'s run: through this peer, or, when nobody can dial it,
-    through its initial peers (the addresses it joined through)."""
+def join_instructions(dht: hivemind.DHT, config: RunConfig, data: Optional[str] = None) -> str:
+    """One line that tells others how to join ``config``'s run (on ``data``, the run's data): through this peer, or,
+    when nobody can dial it, through its initial peers (the addresses it joined through)."""
     addresses = join_addresses(dht)
     if addresses:
-        return f"To join this swarm: {join_command(config, addresses)}"
+        return f"To join this swarm: {join_command(config, addresses, data)}"
     through = list(config.swarm.initial_peers) or ["ADDRESS-OF-A-PEER-THAT-ACCEPTS-CONNECTIONS"]
     return (f"This peer accepts no connections (others could not dial it back: behind NAT or a firewall), so nobody "
-            f"can join through it. To join this swarm: {join_command(config, through)}")
+            f"can join through it. To join this swarm: {join_command(config, through, data)}")
 
 
 def announce_presence(dht: hivemind.DHT, run_id: str, ttl: float = 60.0) -> None:

@@ -45,7 +45,8 @@ def prepare_toy_dataset(num_samples: int = 4096, seed: int = 0, cache_dir: Optio
     pictures_folder = os.path.join(folder, "pictures")
     if not os.path.exists(os.path.join(pictures_folder, "captions.jsonl")):
         make_synthetic_images(pictures_folder, num_samples, seed=seed)
-    preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress)
+    preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress,
+               tokenizer="toy")
     with open(done_marker, "w") as f:
         f.write("preprocess finished\n")
     shutil.rmtree(pictures_folder, ignore_errors=True)  # the shards hold all a volunteer reads

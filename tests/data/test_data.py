@@ -1,10 +1,13 @@
 """The code codec, caption tokens, parquet shards and the shuffled stream."""
+import json
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from collab_kit.data.codec import bits_per_code, decode_codes, encode_codes
-from collab_kit.data.shards import list_shards, shard_metadata, write_shard
+from collab_kit.data.shards import SHARD_FORMAT, list_shards, misfit_for_run, shard_metadata, write_shard
 from collab_kit.data.stream import ShardStream, batches
 from collab_kit.data.synthetic import CODE_COLORS as COLORS, CODE_SHAPES as SHAPES, make_synthetic_shards
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
@@ -221,3 +224,28 @@ def test_the_configured_caption_tokenizer(tmp_path):
     # a Hugging Face tokenizer that is neither cached nor reachable (the tests run offline): a clear error
     with pytest.raises(ValueError, match="use 'bytes', 'toy' or a Hugging Face tokenizer"):
         caption_tokenizer("someone/no-such-tokenizer")
+
+
+def test_shards_of_another_codebook_grid_tokenizer_or_format_do_not_fit_a_run(tmp_path):
+    codes = [np.arange(16, dtype=np.int16) % 8]
+
+    def shard(name, **recorded):
+        path = str(tmp_path / name / "shard.parquet")
+        write_shard(path, ["a red cross"], codes, **recorded)
+        return [path]
+
+    run = dict(codebook_size=32, image_side=4, tokenizer="bytes")
+    assert misfit_for_run(shard("fits", codebook_size=32, image_side=4), **run) is None
+    assert misfit_for_run(shard("any_tokenizer", codebook_size=32, image_side=4, tokenizer="bytes"), **run) is None
+    assert misfit_for_run(shard("other_tool"), **run) is None  # nothing recorded: the stream checks each sample
+    smaller = misfit_for_run(shard("smaller", codebook_size=16, image_side=4), **run)
+    assert "a codebook of 16" in smaller and "a codebook of 32" in smaller  # another VQGAN, though its codes fit
+    assert "a codebook of 64" in misfit_for_run(shard("larger", codebook_size=64, image_side=4), **run)
+    assert "8x8 codes" in misfit_for_run(shard("grid", codebook_size=32, image_side=8), **run)
+    toy = misfit_for_run(shard("toy", codebook_size=32, image_side=4, tokenizer="toy"), **run)
+    assert "written for the 'toy' tokenizer" in toy and "'bytes'" in toy
+    newer = shard("newer", codebook_size=32, image_side=4)
+    table = pq.read_table(newer[0])
+    metadata = {b"collab_kit": json.dumps(dict(format=SHARD_FORMAT + 1, codebook_size=32, image_side=4)).encode()}
+    pq.write_table(table.replace_schema_metadata(metadata), newer[0])
+    assert "upgrade collab_kit" in misfit_for_run(newer, **run)

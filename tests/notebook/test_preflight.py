@@ -15,6 +15,7 @@ from collab_kit.units import GiB
 from collab_kit.notebook.preflight import (NOTE, OK, PROBLEM, check_bitsandbytes, check_reachability, check_swarm,
                                   gather_facts, run_preflight)
 from collab_kit.swarm.dht import start_dht
+from collab_kit.swarm.reachability import HelperAnswer, ReachabilityVerdict
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_an_unreachable_swarm_is_named_and_a_live_one_answers():
 
 
 def test_a_peer_without_a_public_address_joins_in_client_mode(facts):
-    peers = ["/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"]
+    peers = ["/ip4/10.77.0.10/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"]  # never dialled
     behind_nat = dataclasses.replace(facts, addresses=("192.168.1.20",))
     joining = get_preset("small", swarm=dict(initial_peers=peers, host="0.0.0.0"))
     found, reachability = check_reachability(behind_nat, joining)
@@ -147,19 +148,27 @@ def test_a_peer_without_a_public_address_joins_in_client_mode(facts):
     assert report.apply(joining).swarm.client_mode
 
 
-def test_reachability_is_asked_of_the_swarms_peers(facts):
-    # the first peer answers reachability checks; on loopback it dials this machine back at 127.0.0.1
+def test_reachability_is_asked_of_the_swarms_peers_elsewhere_not_of_a_swarm_on_this_computer(facts):
+    # a swarm on this computer dials this peer on 127.0.0.1: no probe, no client mode, whatever the address class
     dht = start_dht(SwarmConfig(host="127.0.0.1"))
     try:
         live = [str(maddr) for maddr in dht.get_visible_maddrs()]
-        joining = get_preset("tiny", swarm=dict(host="0.0.0.0", initial_peers=live))
+        joining = get_preset("tiny", swarm=dict(initial_peers=live))
         report = run_preflight(joining, facts=dataclasses.replace(facts, addresses=("192.168.1.20",), gpu_name=None,
                                                                   gpu_memory_bytes=None))
         found = finding(report, "reachability")
-        # a private address, yet reachable: the check, not the address class, decides
-        assert found.status == OK and "dialled this one back at 127.0.0.1" in found.message, found
-        applied = report.apply(joining).swarm
-        assert applied.client_mode is False and applied.port == report.reachability.swarm.port != 0
-        assert applied.announce_maddrs == (f"/ip4/127.0.0.1/tcp/{applied.port}",)
+        assert found.status == OK and "on this computer" in found.message, found
+        assert report.apply(joining).swarm.client_mode is False and report.reachability.swarm is None
     finally:
         dht.shutdown()
+    # peers elsewhere that dialled this one back (the probe against real peers: tests/netlab/test_network_lab.py): a
+    # private address, yet reachable: the check, not the address class, decides, and the address they saw is announced
+    elsewhere = get_preset("tiny", swarm=dict(initial_peers=[
+        "/ip4/10.77.0.10/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"]))
+    verdict = ReachabilityVerdict(True, 4242, [HelperAnswer("12D3KooWDpJ7", "10.77.1.3", {4242: "reachable"})])
+    resolved = dataclasses.replace(elsewhere.swarm, client_mode=False, port=4242,
+                                   announce_maddrs=("/ip4/10.77.1.3/tcp/4242",))
+    found, reachability = check_reachability(dataclasses.replace(facts, addresses=("192.168.1.20",)), elsewhere,
+                                             verdict, resolved)
+    assert found.status == OK and "dialled this one back at 10.77.1.3" in found.message, found
+    assert not reachability.client_mode and reachability.swarm.announce_maddrs == ("/ip4/10.77.1.3/tcp/4242",)

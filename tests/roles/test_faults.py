@@ -79,7 +79,7 @@ FORMED = ("awaiting_trigger", "running_allreduce")  # stages of a round whose gr
 def test_a_peer_killed_while_averaging_leaves_the_others_training_and_comes_back_at_the_swarms_epoch(
         first_peer, start_peer, tiny_shards, tmp_path):
     run_id = "test_fault_kill"
-    _, addresses = first_peer(run_id)
+    _, addresses = first_peer(run_id, *(arg for setting in SETTINGS for arg in ("--set", setting)))
     params = [str(tmp_path / f"params-{i}.pt") for i in range(3)]
     command = [join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3", "--save-params", params[i])
                for i in range(3)]
@@ -165,7 +165,7 @@ def test_a_peer_whose_loss_turns_nan_loads_the_swarms_state_and_the_others_are_n
     from nan_peer import start_nan_peer
 
     run_id = "test_fault_nan"
-    _, addresses = first_peer(run_id)
+    _, addresses = first_peer(run_id, *(arg for setting in SETTINGS for arg in ("--set", setting)))
     params = [str(tmp_path / f"params-{i}.pt") for i in range(3)]
     honest = [start_peer(f"honest-{i}", *join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3",
                                                     "--save-params", params[i])) for i in range(2)]

@@ -56,6 +56,35 @@ def test_behind_nat_with_no_anchor_the_reason_names_the_missing_public_peer():
     assert "client mode" not in observe(watch, epoch(0, averaged=False), anchors_in_swarm=1).reason
 
 
+def test_failed_rounds_of_a_peer_nobody_checked_blame_the_dialling():
+    from collab_kit.config import get_preset
+    from collab_kit.roles.records import undialable_reason
+
+    elsewhere = ["/ip4/10.77.0.10/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"]
+    forced = get_preset("tiny", swarm=dict(initial_peers=elsewhere, client_mode=False, host="0.0.0.0"))
+    why = undialable_reason(forced, reachability=None)
+    assert "--no-client-mode" in why and "never checked" in why
+    # checked by a probe (its verdict, or the address it found announced), in client mode, or a swarm on this
+    # machine: nothing to blame on the dialling
+    probed = get_preset("tiny", swarm=dict(initial_peers=elsewhere, client_mode=False,
+                                           announce_maddrs=["/ip4/10.77.1.3/tcp/4242"]))
+    here = get_preset("tiny", swarm=dict(initial_peers=[elsewhere[0].replace("10.77.0.10", "127.0.0.1")],
+                                         client_mode=False))
+    assert undialable_reason(forced, reachability=object()) is None
+    assert undialable_reason(probed, None) is None and undialable_reason(here, None) is None
+    assert undialable_reason(get_preset("tiny", swarm=dict(initial_peers=elsewhere, client_mode=True)), None) is None
+    watch = LoneTrainingWatch(after_epochs=1)
+    warning = watch.observe(epoch(0, averaged=False, problem="could not find a group"), client_mode=False,
+                            anchors_in_swarm=1, averaging_timeout=30.0, matchmaking_time=3.0, undialable=why)
+    assert "may be unable to dial this one" in warning.reason and "never checked" in warning.reason
+    assert "leave --client-mode and --host out" in warning.advice and "slow or unsteady" not in warning.advice
+    # a peer that was checked: its failing rounds are the link's
+    link = LoneTrainingWatch(after_epochs=1).observe(epoch(0, averaged=False, problem="could not find a group"),
+                                                     client_mode=False, anchors_in_swarm=1, averaging_timeout=30.0,
+                                                     matchmaking_time=3.0)
+    assert "slow or unsteady" in link.advice
+
+
 def test_the_live_view_turns_red_and_prints_the_warning(capsys):
     view = LiveView(target_batch_size=64)
     for n in range(LONE_AFTER_EPOCHS):

@@ -15,19 +15,21 @@ TARGET = "optimizer.target_batch_size=4096"
 EIGHT_BIT = "optimizer.compression_threshold=1024"
 
 
+RUN_SETTINGS = ("--set", TARGET, "--set", EIGHT_BIT)  # the monitor's too: a volunteer checks its own against them
+
+
 def volunteer_args(run_id, addresses, shards, *extra):
     return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers", *addresses,
-            "--data", shards, "--threads", "1", "--events", "--no-progress", "--set", TARGET, "--set", EIGHT_BIT, *extra]
+            "--data", shards, "--threads", "1", "--events", "--no-progress", *RUN_SETTINGS, *extra]
 
 
 def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer, start_peer, tiny_shards, tmp_path):
     run_id = "test_two_peers"
-    _, addresses = first_peer(run_id)
+    exact = ("--set", "optimizer.state_compression='none'")  # exact (fp32) state averaging: peers end bit-for-bit close
+    _, addresses = first_peer(run_id, *RUN_SETTINGS, *exact)
     volunteers = [
         start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "3",
-                                                     "--wait-for-peers", "2",
-                                                     # exact (fp32) state averaging: peers end bit-for-bit close
-                                                     "--set", "optimizer.state_compression='none'",
+                                                     "--wait-for-peers", "2", *exact,
                                                      "--save-params", str(tmp_path / f"params-{i}.pt")))
         for i in range(2)
     ]
@@ -60,7 +62,7 @@ def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer
 
 def test_late_peer_loads_the_swarm_state_and_continues_at_its_epoch(first_peer, start_peer, tiny_shards):
     run_id = "test_late_peer"
-    _, addresses = first_peer(run_id)
+    _, addresses = first_peer(run_id, *RUN_SETTINGS)
     early = [start_peer(f"early-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "12",
                                                       "--wait-for-peers", "2"))
              for i in range(2)]
@@ -93,7 +95,7 @@ def test_the_monitor_reads_the_swarms_progress(first_peer, start_peer, tiny_shar
     from collab_kit.swarm.dht import start_dht
 
     run_id = "test_monitor"
-    _, addresses = first_peer(run_id)
+    _, addresses = first_peer(run_id, *RUN_SETTINGS)
     volunteers = [start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "50",
                                                                "--wait-for-peers", "2")) for i in range(2)]
     volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= 1, timeout=180, what="epoch 2")
@@ -108,7 +110,7 @@ def test_the_monitor_reads_the_swarms_progress(first_peer, start_peer, tiny_shar
 
 def test_ctrl_c_leaves_the_swarm_cleanly(first_peer, start_peer, tiny_shards):
     run_id = "test_ctrl_c"
-    _, addresses = first_peer(run_id)
+    _, addresses = first_peer(run_id, *RUN_SETTINGS)
     volunteer = start_peer("volunteer", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "1000"))
     volunteer.wait_for(lambda e: e["type"] == "epoch", timeout=120, what="a first epoch")
     volunteer.interrupt()

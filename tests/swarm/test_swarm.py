@@ -97,17 +97,36 @@ def test_a_peer_nobody_can_dial_gives_the_addresses_it_joined_through():
         first.shutdown()
 
 
-def test_reachability_is_asked_of_the_swarm_only_where_it_can_differ(monkeypatch):
+def test_where_a_peer_listens_and_whether_it_is_asked_to_be_dialled_back(monkeypatch):
     from collab_kit.swarm import dht as swarm
+    from collab_kit.swarm.reachability import HelperAnswer, ReachabilityVerdict
 
     asked = []
-    monkeypatch.setattr(swarm, "probe_reachability", lambda *args, **kwargs: asked.append(args))
-    peers = [GOOD]
+
+    def probe(initial_peers, host, port, **kwargs):  # the kit's probe (tested against real peers in the lab)
+        asked.append(host)
+        return ReachabilityVerdict(False, 4242, [HelperAnswer("helper", "10.1.2.3", {4242: "refused"})])
+
+    monkeypatch.setattr(swarm, "probe_reachability", probe)
+    elsewhere, here = [GOOD.replace("127.0.0.1", "10.77.0.10")], [GOOD]
+    resolve = swarm.resolve_reachability
     # set by the user, the swarm's first peer, a run on this machine: nothing to ask
-    assert swarm.resolve_reachability(SwarmConfig(client_mode=True, initial_peers=peers))[0].client_mode is True
-    assert swarm.resolve_reachability(SwarmConfig(host="0.0.0.0"))[0].client_mode is False
-    assert swarm.resolve_reachability(SwarmConfig(host="127.0.0.1", initial_peers=peers))[0].client_mode is False
+    assert resolve(SwarmConfig(client_mode=True, initial_peers=elsewhere))[0].client_mode is True
+    first = resolve(SwarmConfig())[0]
+    assert (first.host, first.client_mode) == ("0.0.0.0", False)  # a first peer listens where others can reach it
+    local = resolve(SwarmConfig(initial_peers=here))[0]
+    assert (local.host, local.client_mode) == ("127.0.0.1", False)  # a swarm on this machine stays on loopback
     assert asked == []
+    # made to listen on loopback while the swarm is elsewhere: nobody there can dial it, so client mode, no probe
+    forced = resolve(SwarmConfig(host="127.0.0.1", initial_peers=elsewhere))[0]
+    assert (forced.host, forced.client_mode, forced.announce_maddrs) == ("127.0.0.1", True, ())
+    assert asked == []
+    # whatever the preset, a peer whose initial peers are elsewhere listens on every interface and is probed
+    for preset in ("tiny", "small", "toy", "paper"):
+        swarm_config = get_preset(preset, swarm=dict(initial_peers=elsewhere)).swarm
+        resolved = resolve(swarm_config)[0]
+        assert (resolved.host, resolved.client_mode, resolved.port) == ("0.0.0.0", True, 4242), preset
+    assert asked == ["0.0.0.0"] * 4
 
 
 def test_a_failed_averaging_round_is_one_log_line(caplog):
