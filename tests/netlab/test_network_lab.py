@@ -8,6 +8,7 @@ or iptables), the tests skip with the reason.
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -49,20 +50,39 @@ def lab(tmp_path):
         assert not left, f"the lab left namespaces behind: {left}"
 
 
-def start_monitor(lab, tmp_path, run_id, *extra):
+def start_monitor(lab, tmp_path, run_id, *extra, preset="tiny", data=None, settings=EPOCH_SETTINGS, command=None):
+    """The run's monitor on a public host of the lab, as its organizer starts it (listening where it is told, or on
+    every interface by default); returns (the host, the monitor, the join line it printed, as its words)."""
     server = lab.public_host("server")
-    monitor = server.start("monitor", [*DEBUG_LOGS, "monitor", "--preset", "tiny", "--run-id", run_id, "--host", "0.0.0.0",
-                                       "--events", "--poll-every", "1", "--db", str(tmp_path / "monitor.sqlite"),
-                                       *EPOCH_SETTINGS, *extra], str(tmp_path / "monitor.log"))
+    if command is None:
+        command = ["monitor", "--preset", preset, "--run-id", run_id, *(["--data", data] if data else []), *settings]
+    monitor = server.start("monitor", [*DEBUG_LOGS, *command, "--events", "--poll-every", "1",
+                                       "--db", str(tmp_path / "monitor.sqlite"), *extra], str(tmp_path / "monitor.log"))
     addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")["addresses"]
     assert addresses and all("/ip4/10.77.0." in address for address in addresses), addresses  # no 127.0.0.1
-    return server, monitor, addresses
+    return server, monitor, printed_join_line(monitor)
 
 
-def start_volunteer(host, tmp_path, run_id, addresses, shards, *extra):
-    return host.start(host.name, [*DEBUG_LOGS, "join", "--preset", "tiny", "--run-id", run_id, "--host", "0.0.0.0",
-                                  "--initial-peers", *addresses, "--data", shards, "--threads", "1", "--events", "--no-progress",
-                                  *EPOCH_SETTINGS, *extra], str(tmp_path / f"{host.name}.log"))
+def printed_join_line(peer):
+    """The words of the last "To join this swarm: collab-kit join ..." line ``peer`` printed: what its user shares."""
+    lines = [line for line in log_of(peer).splitlines() if "To join this swarm: " in line]
+    assert lines, f"{peer.name} printed no join line"
+    words = shlex.split(lines[-1].split("To join this swarm: ", 1)[1])
+    assert words[:2] == ["collab-kit", "join"], words
+    return words
+
+
+def start_volunteer(host, tmp_path, line, *extra):
+    """``line`` (a printed join line's words) run in ``host`` as its volunteer would paste it; only what the test
+    observes, how long it stays (``extra``: --max-epochs, --wait-for-peers) and its share of this machine's two cores
+    (a volunteer's own machine is its own: torch's default threads there) are added."""
+    return host.start(host.name, [*DEBUG_LOGS, *line[1:], "--events", "--no-progress", "--threads", "1", *extra],
+                      str(tmp_path / f"{host.name}.log"))
+
+
+def assert_prints_no_loopback_address(peer):
+    printed = [line for line in log_of(peer).splitlines() if "To join this swarm: " in line]
+    assert printed and not any("/ip4/127." in line for line in printed), printed
 
 
 def epochs_of(peer):
@@ -156,7 +176,8 @@ def test_the_lab_puts_homes_behind_nat_caps_and_cuts_links_and_leaves_nothing_be
 @needs_lab
 @pytest.mark.slow
 def test_the_probe_tells_nat_and_firewalls_from_public_and_forwarded_hosts(lab, tmp_path):
-    server, monitor, addresses = start_monitor(lab, tmp_path, "probe", "--checkpoint-every", "0")
+    server, monitor, line = start_monitor(lab, tmp_path, "probe", "--checkpoint-every", "0")
+    addresses = line[line.index("--initial-peers") + 1:]
     hosts = [(lab.home("home"), None, False, None),
              (lab.public_host("firewalled", drop_inbound=True), None, False, None),
              (lab.public_host("public"), None, True, "10.77.0."),
@@ -187,15 +208,20 @@ def test_the_probe_tells_nat_and_firewalls_from_public_and_forwarded_hosts(lab, 
 def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_late_one_gets_the_state(
         lab, tmp_path, tiny_shards):
     run_id, last_epoch = "nat_run", 16
-    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "4",
-                                               "--checkpoints", str(tmp_path / "checkpoints"))
+    # the organizer names the run's data once; each volunteer runs the monitor's printed line as it is (no --host,
+    # --data or mode flag added: the line carries the run's settings and data, and the peer finds out where to listen)
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "4",
+                                          "--checkpoints", str(tmp_path / "checkpoints"), data=tiny_shards)
+    assert "--host" not in line and "--data" in line, line
+    addresses = line[line.index("--initial-peers") + 1:]
     homes = [lab.home(f"home{i}") for i in range(3)]
-    volunteers = [start_volunteer(home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch),
-                                  "--wait-for-peers", "3") for home in homes]
+    volunteers = [start_volunteer(home, tmp_path, line, "--max-epochs", str(last_epoch), "--wait-for-peers", "3")
+                  for home in homes]
     for volunteer in volunteers:  # no flag: each asked the monitor, which could not dial it back
         ready = volunteer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
         assert ready["addresses"] == []  # nobody can join through a peer behind NAT
         assert "accepts no connections" in log_of(volunteer) and "--initial-peers " + addresses[0] in log_of(volunteer)
+        assert_prints_no_loopback_address(volunteer)
     # a fourth volunteer joins late, behind its own NAT on a thin link: downloading the swarm's state (about 6 bytes a
     # parameter) takes it longer than an epoch, as a large model's does on a home link; it starts at the swarm's epoch
     # with that state and goes on from the swarm's epoch of then, rather than downloading again and again
@@ -203,7 +229,7 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
     swarm_epoch = max(event["epoch"] for peer in volunteers for event in epochs_of(peer))
     late_home = lab.home("late")
     late_home.limit(LATE_JOINER_MBIT)
-    late = start_volunteer(late_home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch))
+    late = start_volunteer(late_home, tmp_path, line, "--max-epochs", str(last_epoch))
     restore = late.wait_for(lambda e: e["type"] == "restore" and e["loaded"], timeout=180,
                             what="loading the swarm's state")
     assert restore["reason"] == "behind_swarm" and restore["loaded"], restore
@@ -265,6 +291,53 @@ def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_lat
     assert sum(e["training_peers"] >= 2 for e in rounds) >= 0.9 * (last_epoch - 1), rounds
 
 
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "README.md")
+
+
+def readme_command(start: str, section: str) -> list:
+    """The words of the first command in the README's ``section`` (a "## " heading) that begins with ``start``."""
+    text = open(README).read()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(re.escape(start) + r"[^`\n]*", body)
+    assert found, f"the README's {section!r} section shows no {start!r} command"
+    return shlex.split(found.group(0))
+
+
+@needs_lab
+@pytest.mark.slow
+def test_the_readmes_commands_and_the_printed_line_train_a_small_run_together_behind_nat(lab, tmp_path, small_shards):
+    """The organizer's command and the volunteer's example of the README, as they stand (the data the organizer
+    names is this test's folder, the example's address the monitor's), beside two volunteers that paste the line the
+    monitor printed: the small preset behind NAT, averaged through the monitor's anchor."""
+    organizer = readme_command("collab-kit monitor", "Start your own run")
+    assert "--host" not in organizer and "--data" in organizer, organizer
+    organizer[organizer.index("--data") + 1] = small_shards
+    example = readme_command("collab-kit join", "Join a run as a volunteer")
+    assert "--host" not in example and "--data" not in example, example
+    server, monitor, line = start_monitor(lab, tmp_path, None, "--checkpoint-every", "0", command=organizer[1:])
+    addresses = line[line.index("--initial-peers") + 1:]
+    example = example[:example.index("--initial-peers") + 1] + addresses
+    last_epoch = 8
+    homes = [lab.home(f"home{i}") for i in range(3)]
+    volunteers = [start_volunteer(home, tmp_path, words, "--max-epochs", str(last_epoch), "--wait-for-peers", "3")
+                  for home, words in zip(homes, [line, line, example])]
+    for peer in volunteers:
+        done = peer.wait_for(lambda e: e["type"] == "done", timeout=400, what="the end of training")
+        assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
+    for peer in volunteers:
+        assert "accepts no connections" in log_of(peer)  # probed: behind NAT, so client mode through the anchor
+        assert_prints_no_loopback_address(peer)
+        epochs = [event for event in epochs_of(peer) if event["epoch"] >= 1]  # after the first epoch
+        together = [event for event in epochs if event["averaged"] and event["group_size"] >= 2]
+        assert len(epochs) >= last_epoch - 2, epochs
+        assert len(together) >= 0.9 * len(epochs), (peer.name, [(e["epoch"], e["group_size"], e["problem"])
+                                                                for e in epochs])
+        assert all(math.isfinite(event["loss"]) for event in epochs_of(peer))
+    # the README's volunteer named no data: it streamed the run's, the folder the organizer named
+    assert f"data: training on the run's data {small_shards!r}" in log_of(volunteers[2])
+    assert f"data: training on --data {small_shards!r}" in log_of(volunteers[0])  # the printed line carries it
+
+
 @needs_lab
 @pytest.mark.slow
 def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_monitor(lab, tmp_path, tiny_shards):
@@ -273,10 +346,12 @@ def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_mon
     run_id, last_epoch = "nat_local_run", 6
     # a round of 2 global batches of 4096: as many samples as a synchronous epoch of this lab
     local = ["--set", "optimizer.target_batch_size=4096", "--set", "optimizer.local_steps=2"]
-    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", *local)
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards,
+                                          settings=local)
+    assert "--set optimizer.local_steps=2" in " ".join(line), line  # the printed line carries the mode
     homes = [lab.home(f"home{i}") for i in range(2)]
-    volunteers = [start_volunteer(home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", str(last_epoch),
-                                  "--wait-for-peers", "2", *local) for home in homes]
+    volunteers = [start_volunteer(home, tmp_path, line, "--max-epochs", str(last_epoch), "--wait-for-peers", "2")
+                  for home in homes]
     for volunteer in volunteers:
         volunteer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
         assert "accepts no connections" in log_of(volunteer)
@@ -303,9 +378,10 @@ def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_mon
 @pytest.mark.slow
 def test_volunteers_behind_nat_with_no_anchor_are_told_they_train_alone(lab, tmp_path, tiny_shards):
     run_id = "lone_run"
-    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", "--no-anchor")
-    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, run_id, addresses, tiny_shards,
-                                  "--max-epochs", "5", "--wait-for-peers", "2") for i in range(2)]
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", "--no-anchor",
+                                          data=tiny_shards)
+    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, line, "--max-epochs", "5", "--wait-for-peers", "2")
+                  for i in range(2)]
     for volunteer in volunteers:
         lone = volunteer.wait_for(lambda e: e["type"] == "lone", timeout=300, what="the lone-training warning")
         assert lone["epochs"] >= 3 and lone["training_peers"] == 2
@@ -334,10 +410,10 @@ def test_volunteers_behind_nat_with_no_anchor_are_told_they_train_alone(lab, tmp
 @pytest.mark.slow
 def test_a_link_cut_for_30_s_while_averaging_heals_by_itself(lab, tmp_path, tiny_shards):
     run_id = "cut_run"
-    server, monitor, addresses = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0")
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards)
     homes = [lab.home(f"home{i}") for i in range(3)]
-    volunteers = [start_volunteer(home, tmp_path, run_id, addresses, tiny_shards, "--max-epochs", "40",
-                                  "--wait-for-peers", "3") for home in homes]
+    volunteers = [start_volunteer(home, tmp_path, line, "--max-epochs", "40", "--wait-for-peers", "3")
+                  for home in homes]
     cut_peer, others = volunteers[0], volunteers[1:]
     cut_peer.wait_for(lambda e: e["type"] == "averaging" and e["epoch"] >= 3, timeout=400, what="averaging")
     epoch_at_cut = max(event["epoch"] for peer in volunteers for event in epochs_of(peer))

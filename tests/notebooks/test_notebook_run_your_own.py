@@ -183,7 +183,7 @@ def test_a_monitor_with_a_token_the_hub_does_not_know_fails_with_what_to_do(tmp_
                                       hub_endpoint=hub.endpoint)
         with services.start_auth_server(settings, port=0, log_path=str(tmp_path / "auth.log")) as auth:
             assert auth.running and auth.url.startswith("http://127.0.0.1:")
-            config = get_preset("tiny", swarm=dict(run_id="refused", auth_server=auth.url))
+            config = get_preset("tiny", swarm=dict(run_id="refused", host="127.0.0.1", auth_server=auth.url))
             with pytest.raises(services.ServiceError) as error:
                 services.start_monitor(config, hf_token="hf_not_a_token", log_path=str(tmp_path / "monitor.log"))
             assert [service.name for service in services.running_services()] == ["auth-server"]

@@ -62,7 +62,7 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     import papermill
 
     run_id, max_epochs = "test_join_notebook", 3
-    _, addresses = first_peer(run_id)
+    _, addresses = first_peer(run_id, data=tiny_shards)  # the run names its data: the notebook, naming none, streams it
     # the other volunteer waits until the notebook's peer is ready too, so that both start at epoch 0
     other = start_peer("volunteer", "join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1",
                        "--initial-peers", *addresses, "--data", tiny_shards, "--max-epochs", str(max_epochs),
@@ -107,11 +107,44 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     text = cell_texts(executed)
     assert "ready to train" in text and "chosen for this machine: micro-batch" in text
     assert "To join this swarm:" in text and "/ip4/127.0.0.1/tcp/" in text
+    assert f"training on the run's data {tiny_shards!r}" in text
     assert f"you contributed {summary['contributed_samples']} samples" in text
     assert f"epochs {summary['start_epoch']}->{summary['final_epoch']}: loss" in text
     pictures = [index for index, cell in enumerate(executed.cells) for output in cell.get("outputs", [])
                 if "image/png" in output.get("data", {})]
     assert len(set(pictures)) >= 2, "the live view and the loss plot should both be drawn"
+
+
+@pytest.mark.timeout(300)
+def test_the_join_notebook_refuses_shards_of_another_codebook_before_a_step(first_peer, tiny_shards, tmp_path,
+                                                                              python3_kernel):
+    """DATA_SHARDS made for another codebook than the run's model reads: the cell that joins stops with one sentence
+    that names DATA_SHARDS, and no cell after it (the training) runs."""
+    import papermill
+
+    from collab_kit.config import get_preset
+    from collab_kit.data.synthetic import make_synthetic_shards
+
+    run_id, tiny = "test_join_notebook_codebook", get_preset("tiny")
+    _, addresses = first_peer(run_id, data=tiny_shards)
+    other = tmp_path / "other_codebook"
+    make_synthetic_shards(str(other), 64, tiny.model.image_side, tiny.model.codebook_size // 2, num_shards=1)
+    output_path = tmp_path / "join.out.ipynb"
+    parameters = dict(INITIAL_PEERS=addresses, RUN_ID=run_id, AUTH_SERVER="", PRESET="tiny", MAX_EPOCHS=3,
+                      MAX_STEPS=None, DATA_SHARDS=str(other), SYNTHETIC_SAMPLES=512, LOCAL_SWARM=True, NUM_THREADS=1,
+                      WAIT_FOR_PEERS=1, OPTIMIZER_SETTINGS=dict(target_batch_size=TARGET_BATCH_SIZE),
+                      SUMMARY_PATH=str(tmp_path / "summary.json"))
+    with pytest.raises(papermill.PapermillExecutionError):
+        papermill.execute_notebook(str(JOIN), str(output_path), parameters=parameters, kernel_name=python3_kernel,
+                                   cwd=str(tmp_path), progress_bar=False, start_timeout=120, execution_timeout=180)
+    cells = nbformat.read(str(output_path), as_version=4).cells
+    [(index, error)] = [(index, output) for index, cell in enumerate(cells) for output in cell.get("outputs", [])
+                        if output.output_type == "error"]
+    assert error.ename == "DataMismatch" and len(error.traceback) == 1, error  # the sentence alone
+    assert "DATA_SHARDS" in error.evalue and "codebook of 16" in error.evalue, error.evalue
+    assert "Volunteer.from_config" in cells[index].source
+    assert not [cell for cell in cells[index + 1:] if cell.cell_type == "code" and cell.get("outputs")]
+    assert not (tmp_path / "summary.json").exists()  # no step, no summary
 
 
 class PrintedText(io.TextIOBase):
@@ -153,9 +186,10 @@ class PrintedText(io.TextIOBase):
 def test_a_friend_pastes_the_join_line_the_notebook_printed_and_averages_with_it(start_peer, tiny_shards, tmp_path,
                                                                                  python3_kernel, local_steps,
                                                                                  target_batch_size):
-    """join.ipynb starts a swarm of its own and prints its join line; what a friend pastes into a terminal (only
-    their data and the test's event output added) joins the same run with the same preset and settings, and the
-    two peers average; in both modes (``LOCAL_STEPS``: the local-update mode, which the line must carry too)."""
+    """join.ipynb starts a swarm of its own and prints its join line; what a friend pastes into a terminal (only how
+    long they stay and the test's event output added) joins the same run with the same preset, settings and data
+    (the synthetic shapes the notebook chose, which the friend's peer makes too), and the two peers average; in both
+    modes (``LOCAL_STEPS``: the local-update mode, which the line must carry too)."""
     import papermill
 
     # a target batch the tiny preset does not have, so that the line must carry it (a larger one than the other
@@ -184,8 +218,9 @@ def test_a_friend_pastes_the_join_line_the_notebook_printed_and_averages_with_it
     assert "--preset tiny" in line and f"--set optimizer.target_batch_size={target_batch_size}" in line, line
     assert "/ip4/127.0.0.1/tcp/" in line, line
     assert (f"--set optimizer.local_steps={local_steps}" in line) == (local_steps > 0), line
-    # the friend's own choices: their data, how long to stay, and to start when the notebook's peer does
-    friend = start_peer("friend", *pasted[1:], "--data", tiny_shards, "--max-epochs", str(max_epochs),
+    assert "--data synthetic" in line and "--host" not in line, line
+    # the friend's own choices: how long to stay, and to start when the notebook's peer does
+    friend = start_peer("friend", *pasted[1:], "--max-epochs", str(max_epochs),
                         "--threads", "1", "--wait-for-peers", "2", "--events", "--no-progress")
     friend.wait_for(lambda e: e["type"] == "ready", timeout=90, what="that the pasted line joined the swarm")
     notebook.join(timeout=300)
