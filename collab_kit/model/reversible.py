@@ -12,10 +12,12 @@ layers from the top, rebuilding each layer's inputs and back-propagating through
 The memory of a 64-layer model is then that of one layer.
 
 ``run_plain`` is the same computation with ordinary autograd (every activation kept); tests check
-that both give the same gradients.
+that both give the same gradients, under autocast too, and with stochastic layers (dropout): each call's random
+state is kept in forward and replayed in backward (tests/model/test_model.py).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence, Tuple
 
 import torch
@@ -41,12 +43,42 @@ def run_reversible(x1: torch.Tensor, x2: torch.Tensor, layers: Sequence[Layer]) 
     return _ReversibleFunction.apply(x1, x2, tuple(layers))
 
 
+def _rng_devices(x: torch.Tensor) -> list:
+    return [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.is_cuda else []
+
+
+def _rng_state(devices: list):
+    """The random state a layer's call starts from (the CPU's, and the GPU's it runs on)."""
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(device) for device in devices]
+
+
+@contextlib.contextmanager
+def _replayed(state, devices: list):
+    """Run with the random state a forward call started from, then go back to the state outside: a stochastic layer
+    (dropout) draws in backward what it drew in forward."""
+    with torch.random.fork_rng(devices=devices):
+        cpu_state, gpu_states = state
+        torch.set_rng_state(cpu_state)
+        for device, gpu_state in zip(devices, gpu_states):
+            torch.cuda.set_rng_state(gpu_state, device)
+        yield
+
+
 class _ReversibleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x1: torch.Tensor, x2: torch.Tensor, layers: Tuple[Layer, ...]):
-        # autograd.Function.forward runs without recording a graph: nothing here is kept
-        y1, y2 = run_plain(x1, x2, layers)
-        ctx.layers = layers
+        # autograd.Function.forward runs without recording a graph: nothing here is kept but each call's random state,
+        # which backward replays to rebuild the same activations
+        devices = _rng_devices(x1)
+        states = []
+        y1, y2 = x1, x2
+        for f, g in layers:
+            f_state = _rng_state(devices)
+            y1 = y1 + f(y2)
+            g_state = _rng_state(devices)
+            y2 = y2 + g(y1)
+            states.append((f_state, g_state))
+        ctx.layers, ctx.rng_states, ctx.rng_devices = layers, states, devices
         # backward recomputes the layers: under the same autocast as the forward pass, or the rebuilt
         # inputs would not be the ones the forward pass used
         device_type = x1.device.type
@@ -61,13 +93,13 @@ class _ReversibleFunction(torch.autograd.Function):
         grad_y1 = torch.zeros_like(y1) if grad_y1 is None else grad_y1
         grad_y2 = torch.zeros_like(y2) if grad_y2 is None else grad_y2
         with torch.autocast(**ctx.autocast):
-            return _ReversibleFunction._backward(ctx.layers, y1, y2, grad_y1, grad_y2)
+            return _ReversibleFunction._backward(ctx.layers, ctx.rng_states, ctx.rng_devices, y1, y2, grad_y1, grad_y2)
 
     @staticmethod
-    def _backward(layers, y1, y2, grad_y1, grad_y2):
-        for f, g in reversed(layers):
+    def _backward(layers, rng_states, devices, y1, y2, grad_y1, grad_y2):
+        for (f, g), (f_state, g_state) in zip(reversed(layers), reversed(rng_states)):
             # y2 = x2 + g(y1): rebuild x2, and send grad_y2 through g (to its parameters and to y1)
-            with torch.enable_grad():
+            with torch.enable_grad(), _replayed(g_state, devices):
                 y1 = y1.detach().requires_grad_(True)
                 g_y1 = g(y1)
                 torch.autograd.backward(g_y1, grad_y2)
@@ -75,7 +107,7 @@ class _ReversibleFunction(torch.autograd.Function):
                 x2 = y2 - g_y1
                 grad_y1 = grad_y1 + y1.grad  # the total gradient of y1, hence of x1
             # y1 = x1 + f(x2): rebuild x1, and send that gradient through f (to its parameters and to x2)
-            with torch.enable_grad():
+            with torch.enable_grad(), _replayed(f_state, devices):
                 x2 = x2.detach().requires_grad_(True)
                 f_x2 = f(x2)
                 torch.autograd.backward(f_x2, grad_y1)

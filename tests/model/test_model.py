@@ -264,3 +264,51 @@ def test_reversible_layers_train_under_bf16_autocast():
     for name, grad in grads[1].items():
         assert grads[0][name].dtype == torch.float32
         assert ((grads[0][name] - grad).norm() / grad.norm()).item() < 2e-2, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_reversible_gradients_equal_the_plain_computation_under_autocast(dtype):
+    """As a GPU trains (here torch's CPU autocast): the rebuilt activations are those of the forward pass, so the
+    gradients equal the standard layers' within the 16-bit precision."""
+    torch.manual_seed(0)
+    reversible = TextToImageTransformer(small_config(reversible=True)).train()
+    plain = copy.deepcopy(reversible)
+    plain.config = small_config(reversible=False)
+    text, codes = torch.randint(1, 40, (3, 4)), torch.randint(0, 24, (3, 16))
+    with torch.autocast("cpu", dtype=dtype):
+        loss_r, grads_r = loss_and_gradients(reversible, text, codes)
+        loss_p, grads_p = loss_and_gradients(plain, text, codes)
+    assert loss_r.dtype == torch.float32 and torch.allclose(loss_r, loss_p, atol=1e-6)
+    for name in grads_p:
+        scale = grads_p[name].abs().max()
+        assert scale > 0 and (grads_r[name] - grads_p[name]).abs().max() <= 0.02 * scale, name
+
+
+def test_a_stochastic_layer_draws_in_backward_what_it_drew_in_forward():
+    """Dropout in a reversible layer: backward replays each call's random state, so it rebuilds the forward pass's
+    activations and the gradients are the plain computation's (with fresh draws they would not be)."""
+    from collab_kit.model.reversible import run_plain, run_reversible
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(8, 8) for _ in range(6)]
+    dropout = torch.nn.Dropout(0.3).train()
+    layers = [(lambda x, a=a: dropout(torch.tanh(a(x))), lambda x, b=b: dropout(torch.tanh(b(x))))
+              for a, b in zip(linears[::2], linears[1::2])]
+    x1, x2 = (torch.randn(4, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    for linear in linears:
+        linear.double()
+
+    def run(how, seed):
+        for linear in linears:
+            linear.zero_grad()
+        torch.manual_seed(seed)
+        y1, y2 = how(x1, x2, layers)
+        (y1.square().sum() + y2.sum()).backward()
+        return (y1.detach(), y2.detach()), [linear.weight.grad.clone() for linear in linears]
+
+    (plain_y, plain_grads), (rev_y, rev_grads) = run(run_plain, 1), run(run_reversible, 1)
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(plain_y, rev_y))
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(plain_grads, rev_grads))
+    # another seed draws other masks: the gradients differ, so the equality above is the replay's doing
+    _, other = run(run_plain, 2)
+    assert not all(torch.allclose(a, b) for a, b in zip(other, plain_grads))
