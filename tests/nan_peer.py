@@ -8,7 +8,9 @@ step at global epoch E or later that is its K-th step or later goes wrong:
   pass, as a numerical blow-up or a memory fault would leave it; every loss after it is nan until the
   peer loads sound parameters from somewhere;
 - ``--what loss``: that step's loss (and the ``N - 1`` next ones) is multiplied by nan, the parameters
-  are left alone.
+  are left alone;
+- ``--what overflow``: that step's gradients come out infinite (a hook on its loss multiplies the gradient
+  flowing back by inf), as an fp16 step whose scaled gradients overflow does; its loss stays finite.
 
 It prints ``@event {"type": "fault", ...}`` when it does. Nothing of this is in collab_kit: the
 fault is injected here, by patching the model's forward pass in this process only.
@@ -47,7 +49,7 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="nan_peer.py")
     parser.add_argument("--nan-at-epoch", type=int, default=0, help="the global epoch at which a step goes wrong")
     parser.add_argument("--nan-at-step", type=int, default=1, help="and not before this local step")
-    parser.add_argument("--what", choices=("parameters", "loss"), default="parameters")
+    parser.add_argument("--what", choices=("parameters", "loss", "overflow"), default="parameters")
     parser.add_argument("--steps", type=int, default=1, help="with --what loss: steps in a row with a nan loss")
     options, rest = parser.parse_known_args(argv)
     if not rest or rest[0] != "join":
@@ -65,13 +67,17 @@ def main(argv: List[str]) -> int:
                 return super().forward(*args, **kwargs)
             self.calls += 1
             step, epoch = self.calls, self.volunteer.local_epoch
-            if len(self.faulty) < (1 if options.what == "parameters" else options.steps) and \
+            if len(self.faulty) < (options.steps if options.what == "loss" else 1) and \
                     (self.faulty or (epoch >= options.nan_at_epoch and step >= options.nan_at_step)):
                 self.faulty.append(step)
                 emit_event("fault", what=options.what, step=step, epoch=epoch)
                 if options.what == "parameters":
                     with torch.no_grad():
                         self.text_embedding.weight.fill_(float("nan"))
+                elif options.what == "overflow":
+                    output = super().forward(*args, **kwargs)
+                    output.loss.register_hook(lambda grad: grad * float("inf"))
+                    return output
                 else:
                     output = super().forward(*args, **kwargs)
                     output.loss = output.loss * float("nan")

@@ -20,6 +20,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                            "which try to dial this one back)")
     join.add_argument("--data", help="parquet shards: a folder, a glob, a Hub dataset id (user/name), or 'synthetic' "
                                      "(default: the run's data, as its organizer named it)")
+    join.add_argument("--device", default="auto",
+                      help="where the model trains: auto (the GPU when there is one), cpu, cuda or cuda:N")
+    join.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                      help="auto: bf16 on Ampere and newer GPUs, fp16 with loss scaling on older ones (T4, P100, "
+                           "V100), fp32 on the CPU")
     join.add_argument("--epochs", type=int, help="train this many global epochs from the swarm's current one")
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
     join.add_argument("--max-steps", type=int, help="stop after this many local steps")
@@ -51,19 +56,22 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
         # the whole schedule: its global batches, which in local-update mode come H to a round (a global epoch)
         args.max_epochs = -(-config.optimizer.total_steps // max(1, config.optimizer.local_steps))
     # a swarm out of reach, a refused token, a setting to change: CollabKitErrors, one line from main()
-    volunteer = (make_volunteer or Volunteer.from_config)(config, num_threads=args.threads, verbose=args.verbose)
+    volunteer = (make_volunteer or Volunteer.from_config)(config, num_threads=args.threads, verbose=args.verbose,
+                                                          device=args.device, precision=args.precision)
     with volunteer:
         handle_stop_signals(volunteer.request_stop)
         if volunteer.reachability is not None:
             print(f"reachability: {volunteer.reachability.explain()}", flush=True)
         print(volunteer.join_line, flush=True)
         print(f"data: {volunteer.data_description}", flush=True)
+        print(f"device: {volunteer.plan.describe()}", flush=True)
         if config.optimizer.local_updates:
             print(f"local-update mode: this peer takes its own steps and averages with the swarm once every "
                   f"{config.optimizer.local_steps} global batches ({config.optimizer.round_samples} samples of the "
                   f"swarm's)", flush=True)
         if args.events:
-            emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht))
+            emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht),
+                       device=str(volunteer.plan.device), precision=volunteer.plan.precision)
         on_epoch = (lambda record: emit_event("epoch", **record.to_dict())) if args.events else None
         on_restore = (lambda record: emit_event("restore", **record.to_dict())) if args.events else None
         on_lone = (lambda warning: emit_event("lone", **warning.to_dict())) if args.events else None
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
                        local_steps=history.local_steps, averaged_rounds=history.averaged_rounds,
                        bytes_sent=history.bytes_sent, bytes_served=history.bytes_served,
                        interrupted=history.interrupted, skipped_steps=history.skipped_steps,
-                       link_outages=history.link_outages)
+                       link_outages=history.link_outages, overflow_steps=history.overflow_steps,
+                       device=history.device, precision=history.precision)
     print(f"join: {history.summary()}", flush=True)
     return 130 if history.interrupted else 0

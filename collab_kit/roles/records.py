@@ -173,6 +173,10 @@ class TrainingHistory:
     bytes_sent: int = 0
     bytes_served: int = 0
     interrupted: bool = False
+    # where it trained, and in what precision (collab_kit.model.device); local steps an fp16 overflow skipped
+    device: str = "cpu"
+    precision: str = "fp32"
+    overflow_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,10 +185,11 @@ class TrainingHistory:
         """One line: epochs trained, loss from first to last epoch, rounds averaged with peers, bytes sent to them."""
         if not self.epochs:
             return f"no global epoch completed (epochs {self.start_epoch}->{self.final_epoch})"
+        overflows = f", {self.overflow_steps} fp16 overflow(s) skipped" if self.overflow_steps else ""
         return (f"epochs {self.start_epoch}->{self.final_epoch}: loss {self.epochs[0].loss:.4f} -> "
                 f"{self.epochs[-1].loss:.4f}, {self.averaged_rounds} of {len(self.epochs)} global steps averaged "
-                f"with other peers, {format_bytes(self.bytes_sent)} sent to them"
-                f"{' (interrupted)' if self.interrupted else ''}")
+                f"with other peers, {format_bytes(self.bytes_sent)} sent to them, on {self.device} in "
+                f"{self.precision}{overflows}{' (interrupted)' if self.interrupted else ''}")
 
     def plot(self, ax=None):
         """Loss per global epoch; epochs averaged with other peers in green, lone ones in grey.

@@ -28,6 +28,7 @@ from collab_kit.config import RunConfig
 from collab_kit.data.stream import ShardStream, batches, peer_data_seed, peer_stream
 from collab_kit.data.synthetic import SYNTHETIC_SAMPLES
 from collab_kit.model.checkpoint import save_checkpoint
+from collab_kit.model.device import DevicePlan, LossScaler, choose_device, fp32_plan
 from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
 from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
@@ -62,12 +63,18 @@ class Volunteer(NonFiniteRecoveryMixin):
     :param stream: this peer's stream of samples (collab_kit.data.stream.ShardStream)
     :param optimizer: the collaborative optimizer of ``model`` on ``membership.dht`` (collab_kit.swarm.optimizer)
     :param metrics: this peer's signed metrics record for the monitor (None: a publisher on the membership's DHT)
+    :param plan: the device and precision it trains with (collab_kit.model.device; None: fp32 where the model is)
     """
 
     def __init__(self, config: RunConfig, membership: SwarmMembership, model: TextToImageTransformer,
-                 stream: ShardStream, optimizer: CollaborativeOptimizer, metrics: Optional[MetricsPublisher] = None):
+                 stream: ShardStream, optimizer: CollaborativeOptimizer, metrics: Optional[MetricsPublisher] = None,
+                 plan: Optional[DevicePlan] = None):
         self.config, self.membership, self.model, self.stream, self.optimizer = config, membership, model, stream, \
             optimizer
+        # where the model, the batches, the loss and the gradients live, and in what precision (the optimizer's
+        # offloaded state stays on the CPU); fp16's loss scale is this peer's own
+        self.plan = plan if plan is not None else fp32_plan(next(model.parameters()).device)
+        self.scaler = LossScaler(self.plan, model.parameters())
         self.dht, self.authorizer, self.reachability = membership.dht, membership.authorizer, membership.reachability
         run_card = membership.run_card
         self.join_line = join_instructions(self.dht, config, data=run_card.data if run_card is not None else None)
@@ -91,7 +98,8 @@ class Volunteer(NonFiniteRecoveryMixin):
                     model: Optional[TextToImageTransformer] = None,
                     optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer,
                     data_setting: str = "--data", synthetic_fallback: bool = False,
-                    synthetic_samples: int = SYNTHETIC_SAMPLES) -> "Volunteer":
+                    synthetic_samples: int = SYNTHETIC_SAMPLES, device: str = "auto",
+                    precision: str = "auto") -> "Volunteer":
         """Join the run and build every part of a volunteer from its configuration.
 
         Before it builds anything, the peer checks that it fits the run (collab_kit.swarm.run_card: run id, preset,
@@ -111,11 +119,15 @@ class Volunteer(NonFiniteRecoveryMixin):
         :param synthetic_fallback: with no data named by this peer or the run, train on synthetic data, for a swarm of
           its own or one on this machine (never for a run elsewhere that did not choose it)
         :param synthetic_samples: samples of synthetic data to make, when it trains on them
+        :param device: "auto" (the GPU when there is one), "cpu", "cuda" or "cuda:N" (collab_kit.model.device)
+        :param precision: "auto" (bf16 on Ampere and newer, fp16 with loss scaling on older cards, fp32 on the CPU),
+          "fp32", "bf16" or "fp16"
         :raises collab_kit.errors.CollabKitError: the run refused this peer, no initial peer answered, the run is
           another or has other settings, or the data cannot be read or does not fit (each message says what to do)
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        plan = choose_device(device, precision)  # a device that is not here: one sentence, before anything starts
         membership = SwarmMembership(config, authorizer=authorizer)
         try:
             config = membership.config
@@ -125,13 +137,14 @@ class Volunteer(NonFiniteRecoveryMixin):
                 membership.announce_run(data.source)
             if model is None:
                 model = initial_model(config.model, config.swarm.run_id)
+            model.to(plan.device)  # before the optimizer: hivemind keeps its offloaded copy on the CPU
             if data_seed is None:
                 data_seed = peer_data_seed(membership.dht.peer_id.to_bytes(), config.data.seed)
             stream = peer_stream(config, data.shards, data_seed)
             optimizer = optimizer_factory(model, membership.dht, config.swarm.run_id, config.optimizer,
                                           client_mode=config.swarm.client_mode, verbose=verbose,
                                           peer_gate=membership.peer_gate)
-            volunteer = cls(config, membership, model, stream, optimizer)
+            volunteer = cls(config, membership, model, stream, optimizer, plan=plan)
             volunteer.data_description = data.description
             return volunteer
         except BaseException:
@@ -237,6 +250,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                                                   stop=self._stop_requested)
                 logger.info(f"{present} peers are ready to train")
             history.start_epoch = self.local_epoch
+            history.device, history.precision = str(self.plan.device), self.plan.precision
             bar = tqdm(total=max(0, max_epochs - self.local_epoch) if max_epochs is not None else max_steps,
                        disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
                        dynamic_ncols=True)
@@ -277,9 +291,15 @@ class Volunteer(NonFiniteRecoveryMixin):
             if limit_reached():
                 return
             epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
-            loss = self.model(**batch).loss
-            loss.backward()
-            problem = self._non_finite_step_problem(loss)
+            with self.plan.autocast():
+                loss = self.model(**self.plan.move(batch)).loss
+            if torch.isfinite(loss.detach()) and not self.scaler.backward_and_unscale(loss):
+                # fp16 gradients that overflowed: the scaler skipped the step and lowered its scale (a normal event of
+                # fp16 training, not a fault: nothing is reloaded, and the swarm never sees them)
+                self.optimizer.zero_grad()
+                history.overflow_steps += 1
+                continue
+            problem = self._non_finite_step_problem(loss)  # the loss, or the true (unscaled) gradients
             if problem is not None:
                 self._recover_from_non_finite_step(problem, history, on_restore)
                 # the losses so far belong to the state just replaced
@@ -395,7 +415,8 @@ class Volunteer(NonFiniteRecoveryMixin):
             self.metrics.publish(epoch=self.local_epoch, loss=record.loss, mini_steps=record.local_steps,
                                  samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False,
                                  averaged_with=record.group_size - 1, lone_epochs=self._lone_watch.streak,
-                                 lone_reason=self._lone_watch.reason)
+                                 lone_reason=self._lone_watch.reason, device=self.plan.name,
+                                 precision=self.plan.precision)
         except Exception as e:  # the DHT may be shutting down or unreachable for a moment
             logger.warning(f"could not publish this peer's metrics: {e}")
 

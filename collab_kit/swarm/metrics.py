@@ -57,6 +57,9 @@ class PeerMetrics(BaseModel):
     averaged_with: Optional[conint(ge=0, strict=True)] = None
     lone_epochs: Optional[conint(ge=0, strict=True)] = None
     lone_reason: Optional[constr(strict=True, max_length=300)] = None
+    # where it trains and in what precision ("Tesla T4", "fp16"; collab_kit.model.device), for the leaderboard
+    device: Optional[constr(strict=True, max_length=64)] = None
+    precision: Optional[constr(strict=True, regex=r"^(fp32|bf16|fp16)$")] = None
 
     @validator("loss", "samples_per_second", "compute_seconds", "time")
     def _finite(cls, value: float) -> float:
@@ -130,7 +133,8 @@ class MetricsPublisher:
 
     def publish(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float,
                 wait: bool = True, averaged_with: Optional[int] = None, lone_epochs: Optional[int] = None,
-                lone_reason: Optional[str] = None) -> bool:
+                lone_reason: Optional[str] = None, device: Optional[str] = None,
+                precision: Optional[str] = None) -> bool:
         """Store this peer's record now; returns whether the DHT accepted it.
 
         A non-finite loss is not published (the schema would refuse it): the record is skipped with a
@@ -141,6 +145,7 @@ class MetricsPublisher:
         :param averaged_with: other training peers in its last gradient round (0: it stepped alone)
         :param lone_epochs: global epochs in a row not averaged while other peers trained
         :param lone_reason: why they were not (None when averaged)
+        :param device: the device it trains on, by name; ``precision``: fp32, bf16 or fp16
         """
         if not math.isfinite(loss):
             logger.warning(f"not publishing metrics for epoch {epoch}: the loss is {loss}")
@@ -151,7 +156,8 @@ class MetricsPublisher:
             loss=float(loss), mini_steps=int(mini_steps), compute_seconds=self.compute_seconds, time=get_dht_time(),
             averaged_with=None if averaged_with is None else max(0, int(averaged_with)),
             lone_epochs=None if lone_epochs is None else int(lone_epochs),
-            lone_reason=None if lone_reason is None else str(lone_reason)[:300])
+            lone_reason=None if lone_reason is None else str(lone_reason)[:300],
+            device=None if device is None else str(device)[:64], precision=precision)
         stored = self.dht.store(metrics_key(self.run_id), subkey=self.public_key_subkey, value=record.dict(),
                                 expiration_time=get_dht_time() + self.expiration, return_future=not wait)
         if not wait:

@@ -404,6 +404,10 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     if peer_gate is not None:
         averager_class = authorized_averager_class(averager_class, peer_gate)
     averager_kwargs = dict(request_timeout=request_timeout,
+                           # in local-update mode the accumulators hold the pseudo-gradient, global (CPU) minus local
+                           # parameters: computed on the CPU, tensor by tensor, so no second device copy of the model
+                           # exists (synchronous training accumulates gradients where they are computed)
+                           **(dict(accumulate_grads_on=torch.device("cpu")) if config.local_updates else {}),
                            # hivemind would have a peer that loads the swarm's state download the last averaged
                            # gradients too (as many bytes again as the parameters, in fp32), which nothing uses after
                            # a download: on a slow link that made catching up take 1.7x as long

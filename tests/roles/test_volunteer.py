@@ -123,3 +123,25 @@ def test_each_epoch_publishes_this_peers_metrics(volunteer_with):
     assert record.epoch == 2 and record.mini_steps == history.epochs[-1].local_steps
     assert record.loss == pytest.approx(history.epochs[-1].loss)
     assert record.samples_per_second > 0 and record.averaged_with == 0
+
+
+def test_a_volunteer_trains_where_its_device_plan_says(tiny_shards):
+    """Built with an explicit device (the CPU here; cuda in benchmarks/gpu_check.py) and bf16: the model's
+    parameters, the batch and the gradients are there at the step, the matrix products in bf16, the gradients fp32."""
+    config = get_preset("tiny", swarm=dict(host="127.0.0.1", run_id="unit_device"),
+                        optimizer=dict(target_batch_size=TARGET_BATCH))
+    with Volunteer.from_config(config, data_shards=tiny_shards, device="cpu", precision="bf16",
+                               num_threads=1) as volunteer:
+        seen = dict(batch=set(), products=set(), grads=set())
+        model = volunteer.model
+        model.register_forward_pre_hook(lambda module, args, kwargs: seen["batch"].update(
+            (str(value.device), value.dtype) for value in kwargs.values()), with_kwargs=True)
+        linear = next(module for module in model.modules() if isinstance(module, torch.nn.Linear))
+        linear.register_forward_hook(lambda module, inputs, output: seen["products"].add(output.dtype))
+        for param in model.parameters():
+            param.register_hook(lambda grad: seen["grads"].add((str(grad.device), grad.dtype)))
+        history = volunteer.train(max_steps=3, progress=False)
+        assert {str(param.device) for param in model.parameters()} == {"cpu"}
+    assert seen["batch"] == {("cpu", torch.long)} and seen["products"] == {torch.bfloat16}
+    assert seen["grads"] == {("cpu", torch.float32)}
+    assert (history.device, history.precision, history.local_steps) == ("cpu", "bf16", 3)
