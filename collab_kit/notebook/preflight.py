@@ -36,6 +36,7 @@ import torch
 from collab_kit import memory
 from collab_kit.addresses import all_on_this_machine
 from collab_kit.config import RunConfig, SwarmConfig
+from collab_kit.model.device import DeviceFacts, DevicePlan, DeviceProblem, GpuFacts, choose_device
 from collab_kit.quiet import import_bitsandbytes
 from collab_kit.swarm.dht import resolve_reachability
 from collab_kit.swarm.reachability import ReachabilityVerdict
@@ -76,6 +77,9 @@ class MachineFacts:
     :param disk_free_bytes: free space where checkpoints and the data cache are written
     :param disk_path: the folder whose disk was measured
     :param addresses: this machine's IPv4 addresses, loopback excluded
+    :param gpu_capability: that device's compute capability (None: unknown, taken as a card without bf16)
+    :param cuda_build: the CUDA version torch was built with (None: a CPU-only torch)
+    :param nvidia_driver: an NVIDIA driver is installed (a GPU torch may not see, with a CPU-only build)
     """
 
     gpu_name: Optional[str]
@@ -85,15 +89,26 @@ class MachineFacts:
     disk_free_bytes: int
     disk_path: str
     addresses: Tuple[str, ...] = ()
+    gpu_capability: Optional[Tuple[int, int]] = None
+    cuda_build: Optional[str] = None
+    nvidia_driver: bool = False
+
+    def device_facts(self) -> DeviceFacts:
+        """What collab_kit.model.device chooses from: torch's CUDA build and the GPU."""
+        if self.gpu_name is None:
+            return DeviceFacts(cuda_build=self.cuda_build)
+        gpu = GpuFacts(self.gpu_name, int(self.gpu_memory_bytes or 0), self.gpu_capability or (0, 0))
+        return DeviceFacts(cuda_build=self.cuda_build or "unknown", gpus=(gpu,))
 
 
 def gather_facts(disk_path: str = ".") -> MachineFacts:
     """Read this machine: the GPU through torch.cuda, memory through psutil, the disk holding ``disk_path``."""
 
-    gpu_name = gpu_memory = None
+    gpu_name = gpu_memory = capability = None
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
         gpu_name, gpu_memory = properties.name, int(properties.total_memory)
+        capability = (properties.major, properties.minor)
     memory = psutil.virtual_memory()
     folder = os.path.abspath(disk_path)
     while not os.path.exists(folder):  # a folder the run will create: measure the disk it will be on
@@ -102,7 +117,8 @@ def gather_facts(disk_path: str = ".") -> MachineFacts:
                               if entry.family == socket.AF_INET and not entry.address.startswith("127.")}))
     return MachineFacts(gpu_name=gpu_name, gpu_memory_bytes=gpu_memory, ram_bytes=int(memory.total),
                         ram_available_bytes=int(memory.available), disk_free_bytes=int(shutil.disk_usage(folder).free),
-                        disk_path=folder, addresses=addresses)
+                        disk_path=folder, addresses=addresses, gpu_capability=capability,
+                        cuda_build=torch.version.cuda, nvidia_driver=os.path.exists("/proc/driver/nvidia/version"))
 
 
 # -- the checks ---------------------------------------------------------------------------------------
@@ -119,9 +135,10 @@ def check_gpu(facts: MachineFacts, preset: str) -> Finding:
     return Finding("gpu", NOTE, f"no GPU found: the {preset!r} preset trains on the CPU (fine for it)", "")
 
 
-def check_memory(recommendation, facts: MachineFacts) -> Finding:
+def check_memory(recommendation, facts: MachineFacts, plan: Optional[DevicePlan] = None) -> Finding:
     """Whether the model, its gradients and its activations fit the device that trains (GPU, else RAM)."""
-    device = "GPU memory" if facts.gpu_name is not None else "RAM"
+    on_gpu = plan.device.type == "cuda" if plan is not None else facts.gpu_name is not None
+    device = "GPU memory" if on_gpu else "RAM"
     if recommendation.fits:
         return Finding("memory", OK, f"{device}: micro-batch {recommendation.micro_batch}, "
                                      f"checkpointing {'on' if recommendation.checkpointing else 'off'}, "
@@ -306,6 +323,7 @@ class PreflightReport:
     facts: MachineFacts
     recommendation: object  # collab_kit.memory.recommend.Recommendation
     reachability: Reachability
+    plan: Optional[DevicePlan] = None  # where and in what precision this peer trains (collab_kit.model.device)
 
     @property
     def problems(self) -> List[Finding]:
@@ -363,9 +381,58 @@ def disk_needed_bytes(estimate) -> int:
     return int(2 * estimate.weights_bytes + GiB)
 
 
+def _recommend(config: RunConfig, facts: MachineFacts, plan: DevicePlan):
+    """The micro-batch and checkpointing for ``plan``'s device: the GPU's memory, or the RAM free now."""
+    on_gpu = plan.device.type == "cuda"
+    budget = (plan.memory_bytes or facts.gpu_memory_bytes) if on_gpu else facts.ram_available_bytes
+    # a GPU computes a larger micro-batch in about the time of a small one, so it takes the largest that fits;
+    # a CPU does not, so there the preset's micro-batch is kept unless memory is short
+    largest = 64 if on_gpu else config.optimizer.batch_size_per_step
+    return memory.recommend_settings(config, budget, optimizer="8bit", max_micro_batch=largest,
+                                     offload=config.optimizer.offload_optimizer,
+                                     precision="fp32" if plan.precision == "fp32" else "mixed")
+
+
+def check_device(config: RunConfig, facts: MachineFacts, device: str = "auto", precision: str = "auto"):
+    """Where this peer trains, in what precision and why, with the micro-batch that fits there: (finding, plan,
+    recommendation). A GPU that cannot be used (no CUDA build of torch, too little memory for one sample) is said in
+    one sentence, and the peer trains on the CPU; a device asked for that is not here is a problem."""
+    problem = None
+    try:
+        plan = choose_device(device, precision, facts.device_facts())
+    except DeviceProblem as e:
+        problem, plan = str(e), choose_device("cpu", "auto", facts.device_facts())
+    recommendation = _recommend(config, facts, plan)
+    note = None
+    if plan.device.type == "cuda" and not recommendation.fits and str(device).lower() == "auto":
+        note = (f"the {plan.name}'s {format_bytes(plan.memory_bytes)} cannot hold this model "
+                f"({recommendation.reason}): training on the CPU")
+        plan = dataclasses.replace(choose_device("cpu", "auto", facts.device_facts()),
+                                   reason="the GPU cannot hold the model")
+        recommendation = _recommend(config, facts, plan)
+    elif plan.device.type == "cpu" and facts.nvidia_driver and facts.cuda_build is None:
+        note = ("this machine has an NVIDIA GPU, but this PyTorch is a CPU-only build: training on the CPU (install "
+                "a CUDA build of torch to use the GPU)")
+        plan = dataclasses.replace(plan, reason="torch sees no GPU")
+    layers = "reversible layers" if recommendation.checkpointing else "no checkpointing"
+    where = (f"of {format_bytes(plan.memory_bytes)}" if plan.device.type == "cuda" else
+             f"of the {format_bytes(facts.ram_available_bytes)} RAM free")
+    how = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16 with loss scaling"}[plan.precision]
+    summary = (f"{plan.name}: {how} ({plan.reason}), micro-batch {recommendation.micro_batch}, {layers}, about "
+               f"{format_bytes(recommendation.estimate.gpu_bytes)} {where}")
+    if problem is not None:
+        return Finding("device", PROBLEM, f"{problem}; the CPU instead: {summary}",
+                       "Set DEVICE = 'auto' (or --device auto) to train where this machine can"), plan, recommendation
+    if note is not None:
+        return Finding("device", NOTE, f"{note}; {summary}"), plan, recommendation
+    return Finding("device", OK, summary), plan, recommendation
+
+
 def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, disk_path: str = ".",
-                  check_peers: bool = True, peer_timeout: float = 5.0) -> PreflightReport:
-    """Check this machine against ``config``'s run, and choose its micro-batch, checkpointing and client mode.
+                  check_peers: bool = True, peer_timeout: float = 5.0, device: str = "auto",
+                  precision: str = "auto") -> PreflightReport:
+    """Check this machine against ``config``'s run, and choose its device and precision, micro-batch, checkpointing
+    and client mode.
 
     :param config: the run to join (its preset sets the model whose memory is estimated)
     :param facts: the machine's facts; None reads this machine (``gather_facts``)
@@ -373,19 +440,15 @@ def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, di
     :param check_peers: try to connect to the initial peers, and ask them to dial this machine back (off: no network
       at all; reachability is then judged by the address class)
     :param peer_timeout: seconds to wait for each initial peer
+    :param device: "auto", "cpu", "cuda" or "cuda:N" (collab_kit.model.device.choose_device)
+    :param precision: "auto", "fp32", "bf16" or "fp16"
     """
 
     facts = facts if facts is not None else gather_facts(disk_path)
-    device = "cuda" if facts.gpu_name is not None else "cpu"
-    # on a GPU, the device's memory decides; on a CPU, the RAM free now (the model trains there)
-    budget = facts.gpu_memory_bytes if facts.gpu_name is not None else facts.ram_available_bytes
-    # a GPU computes a larger micro-batch in about the time of a small one, so it takes the largest that fits;
-    # a CPU does not, so there the preset's micro-batch is kept unless memory is short
-    largest = 64 if facts.gpu_name is not None else config.optimizer.batch_size_per_step
-    recommendation = memory.recommend_settings(config, budget, optimizer="8bit", max_micro_batch=largest,
-                                               offload=config.optimizer.offload_optimizer)
-    findings = [check_gpu(facts, config.preset), check_memory(recommendation, facts)]
-    if facts.gpu_name is not None:  # the CPU holds the offloaded optimizer
+    device_finding, plan, recommendation = check_device(config, facts, device, precision)
+    device = plan.device.type
+    findings = [check_gpu(facts, config.preset), device_finding, check_memory(recommendation, facts, plan)]
+    if device == "cuda":  # the CPU holds the offloaded optimizer
         findings.append(check_ram(facts, recommendation.estimate.cpu_bytes))
     findings.append(check_disk(facts, disk_needed_bytes(recommendation.estimate)))
     # the run's 8-bit LAMB steps on the CPU when offloaded (the paper's setting), else on the GPU
@@ -402,4 +465,5 @@ def run_preflight(config: RunConfig, *, facts: Optional[MachineFacts] = None, di
     findings.append(reachability_finding)
     for finding in findings:  # the report is what a reader sees (a notebook displays it): the log holds a copy
         logger.debug(f"{finding.check}: {finding.status}: {finding.message}")
-    return PreflightReport(findings=findings, facts=facts, recommendation=recommendation, reachability=reachability)
+    return PreflightReport(findings=findings, facts=facts, recommendation=recommendation, reachability=reachability,
+                           plan=plan)

@@ -69,8 +69,14 @@ def test_no_gpu_for_the_paper_preset_is_a_problem_that_says_where_to_get_one(fac
 
 
 def test_a_gpu_too_small_for_the_model_is_named_with_the_memory_it_has(facts):
-    small_gpu = dataclasses.replace(facts, gpu_name="a 1 GiB GPU", gpu_memory_bytes=1 * GiB)
-    report = run_preflight(get_preset("paper"), facts=small_gpu, check_peers=False)
+    small_gpu = dataclasses.replace(facts, gpu_name="Tiny GPU", gpu_memory_bytes=1 * GiB, cuda_build="12.4")
+    # on its own choice, the peer says why it cannot use the GPU, and trains on the CPU
+    fallback = run_preflight(get_preset("paper"), facts=small_gpu, check_peers=False)
+    device = finding(fallback, "device")
+    assert device.status == NOTE and "the Tiny GPU's 1.00 GiB cannot hold this model" in device.message, device
+    assert "training on the CPU" in device.message and fallback.plan.device.type == "cpu"
+    # made to use it, the memory it lacks is the problem
+    report = run_preflight(get_preset("paper"), facts=small_gpu, check_peers=False, device="cuda")
     memory = finding(report, "memory")
     assert memory.status == PROBLEM and "too little GPU memory" in memory.message
     assert memory.advice
@@ -95,6 +101,39 @@ def test_too_little_ram_or_disk_is_named(facts):
                              facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None,
                                                        ram_available_bytes=1024 ** 2))
     assert finding(cpu_only, "memory").status == PROBLEM and "too little RAM:" in finding(cpu_only, "memory").message
+
+
+T4 = dict(gpu_name="Tesla T4", gpu_memory_bytes=15 * GiB, gpu_capability=(7, 5), cuda_build="12.4",
+          ram_available_bytes=12 * GiB)
+A100 = dict(gpu_name="NVIDIA A100-SXM4-40GB", gpu_memory_bytes=40 * GiB, gpu_capability=(8, 0), cuda_build="12.4",
+            ram_available_bytes=64 * GiB)
+
+
+def test_the_preflight_chooses_the_device_and_precision_and_says_why(facts):
+    paper = get_preset("paper")
+    t4 = run_preflight(paper, facts=dataclasses.replace(facts, **T4), check_peers=False)
+    said = finding(t4, "device")
+    assert said.status == OK and said.message.startswith("Tesla T4: fp16 with loss scaling (compute capability 7.5 "
+                                                         "has no bf16), micro-batch ")
+    assert "of 15.00 GiB" in said.message and (t4.plan.device.type, t4.plan.precision) == ("cuda", "fp16")
+    assert f"micro-batch {t4.recommendation.micro_batch}," in said.message
+    a100 = run_preflight(paper, facts=dataclasses.replace(facts, **A100), check_peers=False)
+    assert a100.plan.precision == "bf16" and "bf16 (compute capability 8.0" in finding(a100, "device").message
+    cpu = run_preflight(get_preset("tiny"), facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None),
+                        check_peers=False)
+    assert (cpu.plan.device.type, cpu.plan.precision) == ("cpu", "fp32")
+    assert finding(cpu, "device").message.startswith("CPU: fp32 (no GPU")
+    # asked for a GPU this machine does not have: one sentence, and the CPU instead
+    none = run_preflight(get_preset("tiny"), facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None,
+                                                                      cuda_build="12.4"),
+                         check_peers=False, device="cuda")
+    assert finding(none, "device").status == PROBLEM and "no CUDA GPU is visible" in finding(none, "device").message
+    assert none.plan.device.type == "cpu" and not none.ok
+    # a GPU that a CPU-only torch cannot see: said, and the CPU
+    hidden = run_preflight(get_preset("tiny"), check_peers=False,
+                           facts=dataclasses.replace(facts, gpu_name=None, gpu_memory_bytes=None, cuda_build=None,
+                                                     nvidia_driver=True))
+    assert "CPU-only build" in finding(hidden, "device").message and hidden.plan.device.type == "cpu"
 
 
 def test_bitsandbytes_that_cannot_step_on_a_device_is_a_problem():

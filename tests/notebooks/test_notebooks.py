@@ -100,6 +100,7 @@ def test_join_notebook_trains_together_with_another_peer(first_peer, start_peer,
     assert {"gpu", "memory", "disk", "bitsandbytes", "swarm", "reachability"} <= set(checks), checks
     assert "problem" not in checks.values() and checks["swarm"] == "ok", summary["preflight"]
     assert summary["micro_batch"] >= 1 and not summary["client_mode"]  # LOCAL_SWARM: peers on 127.0.0.1 dial it
+    assert (summary["device"], summary["precision"]) == ("cpu", "fp32")  # DEVICE = "auto" on a machine with no GPU
     assert summary["contributed_samples"] == sum(e["samples"] for e in epochs) > 0
 
     # what a volunteer sees: the preflight, the join line, the live view, the loss plot and the summary
