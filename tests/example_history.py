@@ -36,7 +36,9 @@ def write_example_history(path: str, polls: int = 24, names: Sequence[str] = NAM
                 record = PeerMetrics(peer_id=f"12D3KooWPeer{i}", username=name, epoch=poll, samples_per_second=speed,
                                      samples_accumulated=int(speed * POLL_EVERY * polls_alive),
                                      loss=6.0 * math.exp(-poll / 10) + 0.5 + 0.05 * i, mini_steps=4 + i,
-                                     compute_seconds=POLL_EVERY * polls_alive * 0.9, time=now - 1.0)
+                                     compute_seconds=POLL_EVERY * polls_alive * 0.9, time=now - 1.0,
+                                     # alice brings a GPU, the others their CPUs
+                                     device="Tesla T4" if i == 0 else "cpu", precision="fp16" if i == 0 else "fp32")
                 records.append((f"key-{i}".encode(), record, name))
             history.record(summarize([record for _, record, _ in records], now=now),
                            [(key, record, name) for key, record, name in records])

@@ -175,6 +175,7 @@ class LeaderboardRow:
     compute: str  # human-readable compute time
     first_seen: str
     last_seen: str
+    device: str = ""  # "Tesla T4, fp16" (empty: not reported)
 
 
 def leaderboard_rows(contributors: Sequence[Contributor]) -> List[LeaderboardRow]:
@@ -182,7 +183,7 @@ def leaderboard_rows(contributors: Sequence[Contributor]) -> List[LeaderboardRow
     total = sum(contributor.samples for contributor in contributors)
     return [LeaderboardRow(rank=rank, name=c.name, samples=c.samples, share=c.samples / total if total else 0.0,
                            compute=format_duration(c.compute_seconds), first_seen=format_time(c.first_seen),
-                           last_seen=format_time(c.last_seen))
+                           last_seen=format_time(c.last_seen), device=c.device or "")
             for rank, c in enumerate(contributors, start=1)]
 
 
@@ -351,12 +352,14 @@ def leaderboard_html(rows: Sequence[LeaderboardRow], limit: Optional[int] = None
     body = "\n".join(
         f'<tr><td class="number">{row.rank}</td><td class="name">{_e(row.name)}</td>'
         f'<td class="number">{row.samples:,}</td><td class="number">{row.share:.1%}</td>'
-        f'<td class="number">{_e(row.compute)}</td><td>{_e(row.first_seen)}</td><td>{_e(row.last_seen)}</td></tr>'
+        f'<td class="number">{_e(row.compute)}</td><td>{_e(row.device)}</td><td>{_e(row.first_seen)}</td>'
+        f'<td>{_e(row.last_seen)}</td></tr>'
         for row in shown)
     more = f"<p>... and {len(rows) - len(shown)} more contributors.</p>" if len(shown) < len(rows) else ""
     return ('<table class="ck-table leaderboard"><thead><tr><th class="number">#</th><th>contributor</th>'
             '<th class="number">samples</th><th class="number">share</th><th class="number">compute time</th>'
-            f'<th>first seen</th><th>last seen</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>{more}')
+            '<th>device</th><th>first seen</th><th>last seen</th></tr></thead>\n'
+            f'<tbody>\n{body}\n</tbody></table>{more}')
 
 
 def checkpoints_html(checkpoints: Sequence[CheckpointRow]) -> str:

@@ -8,7 +8,8 @@ Tables (the file is the interface: the dashboard and notebooks read it, possibly
 writes it, which SQLite's WAL mode allows):
 
     swarm(time, epoch, loss, alive_peers, samples_per_second)           one row per poll
-    contributors(name, samples, compute_seconds, first_seen, last_seen)  the leaderboard
+    contributors(name, samples, compute_seconds, first_seen, last_seen, device)  the leaderboard (device: the
+        last one its records named, with its precision: "Tesla T4, fp16")
     peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, lone_epochs, lone_reason)
         the last counters seen from each signed record, so that only their growth is credited, and how the
         peer's last gradient round went (with how many other training peers, or alone for how long and why)
@@ -47,7 +48,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # columns added after the first release: added to a file that lacks them (name, SQL type)
-LATER_PEER_COLUMNS = (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT"))
+LATER_COLUMNS = {"peers": (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT")),
+                 "contributors": (("device", "TEXT"),)}
 
 
 @dataclass
@@ -59,6 +61,13 @@ class Contributor:
     compute_seconds: float
     first_seen: float
     last_seen: float
+    device: Optional[str] = None  # where it trained last, and in what precision (None: its records do not say)
+
+
+def device_label(record: PeerMetrics) -> Optional[str]:
+    """"Tesla T4, fp16", "cpu, fp32", or None for a record that names neither."""
+    named = [part for part in (record.device, record.precision) if part]
+    return ", ".join(named) if named else None
 
 
 @dataclass
@@ -122,11 +131,12 @@ class RunHistory:
             self._connection.execute("PRAGMA journal_mode=WAL")  # readers (the dashboard) never block the monitor
             self._connection.execute("PRAGMA synchronous=FULL")  # a committed poll survives a power cut
             self._connection.executescript(SCHEMA)
-            present = {row[1] for row in self._connection.execute("PRAGMA table_info(peers)")}
             with self._connection:
-                for column, kind in LATER_PEER_COLUMNS:
-                    if column not in present:
-                        self._connection.execute(f"ALTER TABLE peers ADD COLUMN {column} {kind}")
+                for table, columns in LATER_COLUMNS.items():
+                    present = {row[1] for row in self._connection.execute(f"PRAGMA table_info({table})")}
+                    for column, kind in columns:
+                        if column not in present:
+                            self._connection.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self._lock = threading.Lock()
         if run_id is not None and not read_only:
             self._claim(run_id)
@@ -198,11 +208,12 @@ class RunHistory:
             (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time,
              record.averaged_with, record.lone_epochs, record.lone_reason))
         self._connection.execute(
-            "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen) VALUES (?, ?, ?, ?, ?) "
-            "ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
+            "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen, device) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
             "compute_seconds = compute_seconds + excluded.compute_seconds, "
-            "first_seen = MIN(first_seen, excluded.first_seen), last_seen = MAX(last_seen, excluded.last_seen)",
-            (name, new_samples, new_seconds, record.time, record.time))
+            "first_seen = MIN(first_seen, excluded.first_seen), last_seen = MAX(last_seen, excluded.last_seen), "
+            "device = COALESCE(excluded.device, device)",
+            (name, new_samples, new_seconds, record.time, record.time, device_label(record)))
 
     def record_checkpoint(self, epoch: int, path: str, time: float, pushed_to: Optional[str] = None) -> None:
         with self._lock, self._connection:
@@ -222,11 +233,14 @@ class RunHistory:
 
     def leaderboard(self, limit: Optional[int] = None) -> List[Contributor]:
         """Contributors, most samples first."""
-        query = "SELECT name, samples, compute_seconds, first_seen, last_seen FROM contributors " \
-                "ORDER BY samples DESC, name"
+        columns = "name, samples, compute_seconds, first_seen, last_seen"
+        query = " FROM contributors ORDER BY samples DESC, name" + (" LIMIT ?" if limit else "")
         with self._lock:
-            rows = self._connection.execute(query + (" LIMIT ?" if limit else ""),
-                                            (limit,) if limit else ()).fetchall()
+            try:
+                rows = self._connection.execute(f"SELECT {columns}, device" + query, (limit,) if limit else ())
+            except sqlite3.OperationalError:  # a file from before the device column, opened read-only
+                rows = self._connection.execute(f"SELECT {columns}" + query, (limit,) if limit else ())
+            rows = rows.fetchall()
         return [Contributor(*row) for row in rows]
 
     def peer_averaging(self, since: Optional[float] = None) -> List[PeerAveraging]:

@@ -220,7 +220,7 @@ def test_cli_writes_a_page_with_plots_leaderboard_and_latest_figures(cli_page, e
     assert page.title == TITLE and "&lt;script&gt;" in text and "&amp;amp;" in text
     assert [row[1] for row in page.rows("leaderboard")] == list(NAMES)
     alice = page.rows("leaderboard")[0]
-    assert alice == ["1", "alice", "28,800", "48.6%", "10 min 48 s", "2023-11-14 22:13:19 UTC",
+    assert alice == ["1", "alice", "28,800", "48.6%", "10 min 48 s", "Tesla T4, fp16", "2023-11-14 22:13:19 UTC",
                      "2023-11-14 22:24:49 UTC"]
     # the latest figures, the checkpoints, when it was made
     for figure in ("global epoch", "alive peers", "samples/s", "91.3", "1.2182", "59,240"):

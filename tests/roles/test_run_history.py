@@ -77,3 +77,21 @@ def test_a_file_belongs_to_one_run(tmp_path):
         RunHistory(path, run_id="run_b")
     with RunHistory(path, read_only=True) as reader:
         assert reader.run_id == "run_a" and len(reader.series()) == 1
+
+
+def test_the_leaderboard_names_each_contributors_last_device_and_an_older_file_gains_the_column(tmp_path):
+    path = str(tmp_path / "run.sqlite")
+    with sqlite3.connect(path) as old:  # a file written before the device column existed
+        old.execute("CREATE TABLE contributors (name TEXT PRIMARY KEY, samples INTEGER NOT NULL, "
+                    "compute_seconds REAL NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL)")
+        old.execute("INSERT INTO contributors VALUES ('bob', 10, 1.0, 1.0, 1.0)")
+    assert [row.device for row in RunHistory(path, read_only=True).leaderboard()] == [None]
+    with RunHistory(path) as history:
+        history.record(point(2.0), [(b"key-a", record("peer-a", 64, 2.0, 2.0, device="Tesla T4",
+                                                      precision="fp16"), "alice")])
+        # a record that names no device (an older peer) keeps the one seen before
+        history.record(point(3.0), [(b"key-a", record("peer-a", 96, 3.0, 3.0), "alice")])
+        history.record(point(4.0), [(b"key-b", record("peer-b", 8, 1.0, 4.0, device="cpu", precision="fp32"),
+                                     "bob")])
+        assert {row.name: row.device for row in history.leaderboard()} == {"alice": "Tesla T4, fp16",
+                                                                         "bob": "cpu, fp32"}
