@@ -12,7 +12,7 @@ import threading
 from typing import Optional
 
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,14 @@ class SwarmProgressTracker(ProgressTracker):
                 store_task.cancel()
 
     def _parse_swarm_progress_data(self, metadata):
+        own_entry = metadata.get(self._local_public_key) if isinstance(metadata, dict) else None
+        if own_entry is not None and own_entry.value is not None:
+            # this peer's own record, as the DHT holds it, is up to min_report_period old: hivemind would take its
+            # samples for the swarm's count and drop the steps taken since, so a lone peer's epoch ran 1-3 micro-
+            # batches past the target; its progress as it is now stands in for that copy
+            metadata = dict(metadata)
+            metadata[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(),
+                                                                   own_entry.expiration_time)
         progress = super()._parse_swarm_progress_data(metadata)
         trainers, anchors, clients = [], 0, 0
         if isinstance(metadata, dict):
