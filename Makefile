@@ -59,7 +59,7 @@ netlab:
 # the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite
 test: $(STAMP) chromium netlab
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -ra --durations=15
+	$(BIN)/python -m pytest -ra --durations=15 --file-times=.test-times.json
 
 test-fast: $(STAMP) chromium netlab
 	$(BIN)/lint-imports

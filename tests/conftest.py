@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from collab_kit.config import get_preset  # noqa: E402
 from collab_kit.data.synthetic import make_synthetic_shards  # noqa: E402
 from collab_kit.roles.processes import PeerProcess  # noqa: E402
-pytest_plugins = ["hub_server"]  # the stand-in Hub on 127.0.0.1: the `hub_server` fixture
+pytest_plugins = ["hub_server", "file_times"]  # the stand-in Hub on 127.0.0.1 (`hub_server`); --file-times
 
 
 def _shards_for(tmp_path_factory, preset: str, num_samples: int) -> str:
