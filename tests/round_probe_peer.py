@@ -5,8 +5,10 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
 
 - after each round prints ``@event {"type": "round", "epoch": E, "weight": ..., "group_size": ..., "global": DIGEST,
   "momentum": DIGEST, "model": DIGEST}``, E being the epoch the round ended (the global parameters, the outer momentum
-  and the model's parameters after the round), and saves its own pseudo-gradient, its weight (samples), the average
-  the round gave back and the global parameters after it in ``FOLDER/NAME-R.pt``, R = E - 1 being the round's epoch;
+  and the model's parameters after the round, ``"file"``: NAME-R.pt or null), and saves its own pseudo-gradient, its
+  weight (samples), the average the round gave back and the global parameters after it in ``FOLDER/NAME-R.pt``, R
+  being the peer's epoch when the round began: E - 1, or less for a late joiner that was behind (its update goes to
+  the swarm's epoch);
 - after each download of the swarm's state prints ``@event {"type": "loaded", "epoch": ..., "global": DIGEST,
   "momentum": DIGEST}``;
 - with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
@@ -88,13 +90,15 @@ def main(argv: List[str]) -> int:
         def probed_update(grad_scaler):
             record.clear()
             update(grad_scaler)
+            saved = None
             if "epoch" in record:
                 record["global"] = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
                                     for p in group["params"]]
-                torch.save(record, os.path.join(options.out, f"{options.name}-{record['epoch']}.pt"))
+                saved = f"{options.name}-{record['epoch']}.pt"
+                torch.save(record, os.path.join(options.out, saved))
             global_digest, momentum_digest = global_state(optimizer)
             model_digest = digest(optimizer.state_averager.main_parameters)  # the model's, in the groups' order
-            emit_event("round", epoch=optimizer.local_epoch, weight=record.get("weight"),
+            emit_event("round", epoch=optimizer.local_epoch, weight=record.get("weight"), file=saved,
                        group_size=optimizer.last_group_size, problem=optimizer.last_round_problem,
                        **{"global": global_digest, "momentum": momentum_digest, "model": model_digest})
 

@@ -63,6 +63,13 @@ def _rounds(events, name):
     return {e["epoch"]: e for e in events[name] if e["type"] == "round"}
 
 
+def _round_file(out, round_event):
+    """The round's saved pseudo-gradient and global parameters (a late joiner's first round may have begun epochs
+    before the one it ended at, so the file is named by the peer, not by the event's epoch)."""
+    assert round_event["file"], round_event
+    return torch.load(os.path.join(out, round_event["file"]))
+
+
 def _distance(first, second) -> float:
     return math.sqrt(sum(float((x - y).norm() ** 2) for x, y in zip(first, second)))
 
@@ -85,7 +92,7 @@ def test_peers_end_every_round_with_equal_global_parameters(uneven_swarm):
     for epoch in together:
         # after the outer step each peer's model goes on from its global parameters
         assert rounds["A"][epoch]["model"] == rounds["A"][epoch]["global"], epoch
-        a, b = (torch.load(os.path.join(out, f"{name}-{epoch - 1}.pt")) for name in ("A", "B"))
+        a, b = (_round_file(out, rounds[name][epoch]) for name in ("A", "B"))
         change = _norm(a["averaged"])  # the round's averaged pseudo-gradient: what the peers' parameters differed by
         gaps[epoch] = _distance(a["global"], b["global"]) / change
     print(f"global parameters of A and B: distance / the averaged pseudo-gradient's norm, by epoch: {gaps}")
@@ -93,7 +100,7 @@ def test_peers_end_every_round_with_equal_global_parameters(uneven_swarm):
     with_c = [epoch for epoch in rounds["C"] if epoch in rounds["A"] and rounds["C"][epoch]["group_size"] == 3]
     assert with_c, rounds["C"]
     for epoch in with_c:
-        a, c = (torch.load(os.path.join(out, f"{name}-{epoch - 1}.pt")) for name in ("A", "C"))
+        a, c = (_round_file(out, rounds[name][epoch]) for name in ("A", "C"))
         change = _norm(a["averaged"])
         assert _distance(a["global"], c["global"]) < 0.01 * change, epoch
 
@@ -102,11 +109,12 @@ def test_peers_end_every_round_with_equal_global_parameters(uneven_swarm):
 def test_pseudo_gradients_are_weighted_by_the_samples_each_peer_processed(uneven_swarm):
     events, out = uneven_swarm
     checked = 0
+    rounds_b = _rounds(events, "B")
     for epoch, round_a in sorted(_rounds(events, "A").items()):
-        paths = [os.path.join(out, f"{name}-{epoch - 1}.pt") for name in ("A", "B")]
-        if round_a["group_size"] != 2 or not all(os.path.exists(path) for path in paths):
+        round_b = rounds_b.get(epoch)
+        if round_a["group_size"] != 2 or round_b is None or not (round_a["file"] and round_b["file"]):
             continue  # a round of all three (A and B alone are checked), or one a peer did not take part in
-        a, b = (torch.load(path) for path in paths)
+        a, b = _round_file(out, round_a), _round_file(out, round_b)
         share_b = b["weight"] / (a["weight"] + b["weight"])
         # B steps half as often as A: it processes about half as many samples, and weighs half as much
         assert 0.2 < share_b < 0.45, (epoch, a["weight"], b["weight"])
@@ -118,7 +126,8 @@ def test_pseudo_gradients_are_weighted_by_the_samples_each_peer_processed(uneven
             return math.sqrt(sum(float((got - want).norm() ** 2) for got, want in zip(a["averaged"], expected))) / \
                 math.sqrt(sum(float(want.norm() ** 2) for want in expected))
 
-        print(f"round {epoch - 1}: B's share {share_b:.3f}, error from the weighted mean {error(weighted):.5f}, "
+        print(f"round ending at epoch {epoch}:"
+              f" B's share {share_b:.3f}, error from the weighted mean {error(weighted):.5f}, "
               f"from the plain mean {error(plain):.5f}")
         assert error(weighted) < 0.01  # fp16 on the way
         assert error(plain) > 5 * error(weighted)
@@ -169,7 +178,7 @@ def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_fro
         common = [epoch for epoch in rounds_a if epoch in rounds_b and epoch > fault["epoch"]]
         assert common
         for epoch in common:
-            a, b = (torch.load(os.path.join(out, f"{name}-{epoch - 1}.pt")) for name in ("A", "B"))
+            a, b = _round_file(out, rounds_a[epoch]), _round_file(out, rounds_b[epoch])
             assert all(bool(torch.isfinite(t).all()) for t in b["global"])
             change = _norm(a["averaged"])
             assert _distance(a["global"], b["global"]) < 0.01 * change, epoch
