@@ -4,13 +4,15 @@ Run as ``python tests/round_probe_peer.py --out FOLDER [--step-period S] [--nan-
 peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.local_steps=H``), which also
 
 - after each round prints ``@event {"type": "round", "epoch": E, "weight": ..., "group_size": ..., "global": DIGEST,
-  "momentum": DIGEST, "model": DIGEST}``, E being the epoch the round ended (the global parameters, the outer momentum
-  and the model's parameters after the round, ``"file"``: NAME-R.pt or null), and saves its own pseudo-gradient, its
+  "momentum": DIGEST, "model": DIGEST, "resync": ...}``, E being the epoch the round ended (the global parameters, the outer momentum
+  and the model's parameters after the round, ``"file"``: NAME-R.pt or null, ``"resync"``: whether the peer loads
+  the swarm's state next instead of going on from its own), and saves its own pseudo-gradient, its
   weight (samples), the average the round gave back and the global parameters after it in ``FOLDER/NAME-R.pt``, R
   being the peer's epoch when the round began: E - 1, or less for a late joiner that was behind (its update goes to
   the swarm's epoch);
-- after each download of the swarm's state prints ``@event {"type": "loaded", "epoch": ..., "global": DIGEST,
-  "momentum": DIGEST}``;
+- after each download of the swarm's state prints ``@event {"type": "loaded", "epoch": ..., "downloaded": ...,
+  "global": DIGEST, "momentum": DIGEST}`` ("downloaded": the epoch of the state a peer gave, which hivemind moves a peer
+  one epoch behind past);
 - with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
 - with ``--nan-at-epoch E``, fills its model's token embedding with nan at the end of round E, after its last inner
   step (an inner step that blew up): its pseudo-gradient of that round is not finite.
@@ -100,12 +102,14 @@ def main(argv: List[str]) -> int:
             model_digest = digest(optimizer.state_averager.main_parameters)  # the model's, in the groups' order
             emit_event("round", epoch=optimizer.local_epoch, weight=record.get("weight"), file=saved,
                        group_size=optimizer.last_group_size, problem=optimizer.last_round_problem,
+                       resync=optimizer._resync_requested,
                        **{"global": global_digest, "momentum": momentum_digest, "model": model_digest})
 
         def probed_load_state(**kwargs):
             loaded = load_state(**kwargs)
             global_digest, momentum_digest = global_state(optimizer)
             emit_event("loaded", epoch=optimizer.local_epoch, loaded=loaded,
+                       downloaded=optimizer.state_averager.last_downloaded_epoch,
                        **{"global": global_digest, "momentum": momentum_digest})
             return loaded
 

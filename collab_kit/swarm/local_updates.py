@@ -144,6 +144,35 @@ class LocalUpdatesMixin:
         self.tracker.report_local_progress(self.local_epoch, averager.local_samples_accumulated)
         return True
 
+    # A peer's outer step must start from the swarm's global parameters: nothing else brings a peer back in this mode
+    # (state averaging is rare or off). hivemind lets a peer one epoch behind go on, and the synchronous mode follows the
+    # swarm's round with parameters a few updates old; here such a peer's global parameters would stay one round apart
+    # for good. So a training peer behind the swarm's epoch, or holding a state older than its epoch, loads the swarm's
+    # state (tests/swarm/test_local_updates.py::test_peers_end_every_round_with_equal_global_parameters).
+
+    def _should_load_state_from_peers(self) -> bool:
+        if self.inner_optimizer is not None and not self._resync_requested \
+                and self.local_epoch < self.tracker.global_epoch:
+            self._loaded = None  # a download that the swarm overtook is not gone on from, as the synchronous mode does
+            self.request_resync(f"the swarm is at epoch {self.tracker.global_epoch}, this peer at {self.local_epoch}: "
+                                f"its next outer step must start from the swarm's global parameters")
+        return super()._should_load_state_from_peers()
+
+    def load_state_from_peers(self, **kwargs) -> bool:
+        loaded = super().load_state_from_peers(**kwargs)
+        downloaded = self.state_averager.last_downloaded_epoch
+        if self.inner_optimizer is not None and loaded and downloaded is not None and downloaded < self.local_epoch:
+            # hivemind moved this peer on to the swarm's epoch after a download one epoch older
+            self.request_resync(f"the state downloaded was of epoch {downloaded}, the swarm's of {self.local_epoch}")
+        return loaded
+
+    def _follow_round_epoch(self, result, parameters_from_swarm: bool) -> None:
+        if self.inner_optimizer is not None and result.epoch() == self.local_epoch + 1:
+            self.request_resync(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1}, and its "
+                                f"global parameters were of epoch {self.local_epoch}")
+            return
+        super()._follow_round_epoch(result, parameters_from_swarm)
+
     def _update_global_epoch(self, grad_scaler) -> None:
         if self.inner_optimizer is not None:
             self._load_pseudo_gradient()
