@@ -56,14 +56,20 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
         # the whole schedule: its global batches, which in local-update mode come H to a round (a global epoch)
         args.max_epochs = -(-config.optimizer.total_steps // max(1, config.optimizer.local_steps))
     # a swarm out of reach, a refused token, a setting to change: CollabKitErrors, one line from main()
+    # a micro-batch or reversible layers set on the command line are kept; otherwise a GPU takes what fits it
+    fit_settings = not any(setting.split("=", 1)[0].strip() in ("optimizer.batch_size_per_step", "model.reversible")
+                           for setting in args.set or [])
     volunteer = (make_volunteer or Volunteer.from_config)(config, num_threads=args.threads, verbose=args.verbose,
-                                                          device=args.device, precision=args.precision)
+                                                          device=args.device, precision=args.precision,
+                                                          fit_settings=fit_settings)
     with volunteer:
         handle_stop_signals(volunteer.request_stop)
         if volunteer.reachability is not None:
             print(f"reachability: {volunteer.reachability.explain()}", flush=True)
         print(volunteer.join_line, flush=True)
         print(f"data: {volunteer.data_description}", flush=True)
+        if volunteer.device_note is not None:
+            print(f"device: {volunteer.device_note}", flush=True)
         print(f"device: {volunteer.plan.describe()}", flush=True)
         if config.optimizer.local_updates:
             print(f"local-update mode: this peer takes its own steps and averages with the swarm once every "

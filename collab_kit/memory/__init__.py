@@ -8,7 +8,8 @@
 - ``architecture``: what a model is made of (tensors, dimensions), whatever it was given as.
 - ``estimator``: ``estimate`` and ``compare``: weights, gradients, optimizer state (exact) and activations
   (a per-layer formula) of a named shape, a preset, a config or any torch module.
-- ``recommend``: ``recommend_settings``, the largest micro-batch that fits, with or without checkpointing.
+- ``recommend``: ``recommend_settings``, the largest micro-batch that fits, with or without checkpointing;
+  ``fit_to_device``, a peer's device plan with those settings (the CPU when its GPU cannot hold the model).
 - ``measured``: the bytes torch and bitsandbytes really allocated, to check the estimate against.
 - ``widgets``: the stacked bar chart and the notebook's interactive calculator.
 """
@@ -19,7 +20,8 @@ __getattr__, _lazy_names = lazy_exports(__name__, {
     "catalogue": ["CATALOGUE", "ModelShape", "known_models"],
     "estimator": ["estimate", "compare", "MemoryEstimate", "optimizer_bytes_for", "OPTIMIZERS", "OPTIMIZER_NAMES",
                   "PRECISIONS", "BNB_MIN_8BIT_SIZE"],
-    "recommend": ["recommend_settings", "Recommendation", "MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING"],
+    "recommend": ["recommend_settings", "Recommendation", "MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING", "fit_to_device",
+                  "DeviceFit"],
     "measured": ["parameter_bytes", "gradient_bytes", "optimizer_state_bytes"],
     "widgets": ["plot_estimates", "figure_png", "calculator_widget", "MemoryCalculator", "summary"],
 })

@@ -1,14 +1,17 @@
 """Settings for a GPU: the largest micro-batch that fits, with or without gradient checkpointing, and why.
 
 ``recommend_settings`` tries the estimate (collab_kit.memory.estimator) at growing micro-batches and says what it
-chose, what it left out and, when nothing fits, which setting would make it fit.
+chose, what it left out and, when nothing fits, which setting would make it fit. ``fit_to_device`` applies it to a
+peer's device plan: the preflight and ``Volunteer.from_config`` decide the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from collab_kit.memory.estimator import MemoryEstimate, check_positive_int, estimate
+from collab_kit.model.device import DeviceFacts, DevicePlan, choose_device
 from collab_kit.units import format_bytes
 
 
@@ -130,3 +133,57 @@ def _what_would_fit(at: Callable[..., MemoryEstimate], smallest: MemoryEstimate,
     advice = ("it would fit with " + "; or ".join(fixes) + ". Otherwise try " if fixes else "try ")
     return advice + ("a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more "
                      "memory")
+
+
+# ---------------------------------------------------------------------------------------------
+# a peer's device and the settings that fit it
+
+
+@dataclass
+class DeviceFit:
+    """Where a peer trains and what fits there (``fit_to_device``).
+
+    :param plan: the device plan to train with (the CPU's when the GPU cannot hold the model)
+    :param recommendation: the micro-batch and checkpointing for that device
+    :param note: why the plan differs from the one asked for, in one sentence (None: it does not)
+    """
+
+    plan: DevicePlan
+    recommendation: Recommendation
+    note: Optional[str] = None
+
+    def apply(self, config):
+        """``config`` (a RunConfig) with the micro-batch and reversible layers chosen for a GPU; on the CPU it is
+        returned as it is (a CPU computes a large micro-batch no faster, so the preset's stays)."""
+        if self.plan.device.type == "cpu":
+            return config
+        return dataclasses.replace(
+            config, model=dataclasses.replace(config.model, reversible=bool(self.recommendation.checkpointing)),
+            optimizer=dataclasses.replace(config.optimizer,
+                                          batch_size_per_step=int(self.recommendation.micro_batch)))
+
+
+def recommend_for_plan(config, plan: DevicePlan, ram_available_bytes: int) -> Recommendation:
+    """The micro-batch and checkpointing for ``plan``'s device: the GPU's memory, or the RAM free now."""
+    on_gpu = plan.device.type == "cuda"
+    budget = plan.memory_bytes if on_gpu else ram_available_bytes
+    # a GPU computes a larger micro-batch in about the time of a small one, so it takes the largest that fits;
+    # a CPU does not, so there the preset's micro-batch is kept unless memory is short
+    largest = 64 if on_gpu else config.optimizer.batch_size_per_step
+    return recommend_settings(config, budget, optimizer="8bit", max_micro_batch=largest,
+                              offload=config.optimizer.offload_optimizer,
+                              precision="fp32" if plan.precision == "fp32" else "mixed")
+
+
+def fit_to_device(config, plan: DevicePlan, facts: DeviceFacts, ram_available_bytes: int,
+                  device_asked: str = "auto") -> DeviceFit:
+    """``plan`` with the settings that fit its device; a GPU that "auto" chose and that cannot hold one sample of the
+    model (with checkpointing) is given up for the CPU, and the note says so. A GPU asked for by name is kept: the
+    caller asked, and the out-of-memory error will say the rest (tests/memory/test_recommend.py)."""
+    recommendation = recommend_for_plan(config, plan, ram_available_bytes)
+    if plan.device.type == "cuda" and not recommendation.fits and str(device_asked).strip().lower() == "auto":
+        note = (f"the {plan.name}'s {format_bytes(plan.memory_bytes)} cannot hold this model "
+                f"({recommendation.reason}): training on the CPU")
+        cpu = dataclasses.replace(choose_device("cpu", "auto", facts), reason="the GPU cannot hold the model")
+        return DeviceFit(cpu, recommend_for_plan(config, cpu, ram_available_bytes), note)
+    return DeviceFit(plan, recommendation)

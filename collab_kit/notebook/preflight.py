@@ -381,18 +381,6 @@ def disk_needed_bytes(estimate) -> int:
     return int(2 * estimate.weights_bytes + GiB)
 
 
-def _recommend(config: RunConfig, facts: MachineFacts, plan: DevicePlan):
-    """The micro-batch and checkpointing for ``plan``'s device: the GPU's memory, or the RAM free now."""
-    on_gpu = plan.device.type == "cuda"
-    budget = (plan.memory_bytes or facts.gpu_memory_bytes) if on_gpu else facts.ram_available_bytes
-    # a GPU computes a larger micro-batch in about the time of a small one, so it takes the largest that fits;
-    # a CPU does not, so there the preset's micro-batch is kept unless memory is short
-    largest = 64 if on_gpu else config.optimizer.batch_size_per_step
-    return memory.recommend_settings(config, budget, optimizer="8bit", max_micro_batch=largest,
-                                     offload=config.optimizer.offload_optimizer,
-                                     precision="fp32" if plan.precision == "fp32" else "mixed")
-
-
 def check_device(config: RunConfig, facts: MachineFacts, device: str = "auto", precision: str = "auto"):
     """Where this peer trains, in what precision and why, with the micro-batch that fits there: (finding, plan,
     recommendation). A GPU that cannot be used (no CUDA build of torch, too little memory for one sample) is said in
@@ -402,15 +390,9 @@ def check_device(config: RunConfig, facts: MachineFacts, device: str = "auto", p
         plan = choose_device(device, precision, facts.device_facts())
     except DeviceProblem as e:
         problem, plan = str(e), choose_device("cpu", "auto", facts.device_facts())
-    recommendation = _recommend(config, facts, plan)
-    note = None
-    if plan.device.type == "cuda" and not recommendation.fits and str(device).lower() == "auto":
-        note = (f"the {plan.name}'s {format_bytes(plan.memory_bytes)} cannot hold this model "
-                f"({recommendation.reason}): training on the CPU")
-        plan = dataclasses.replace(choose_device("cpu", "auto", facts.device_facts()),
-                                   reason="the GPU cannot hold the model")
-        recommendation = _recommend(config, facts, plan)
-    elif plan.device.type == "cpu" and facts.nvidia_driver and facts.cuda_build is None:
+    fit = memory.fit_to_device(config, plan, facts.device_facts(), facts.ram_available_bytes, device)
+    plan, recommendation, note = fit.plan, fit.recommendation, fit.note
+    if note is None and plan.device.type == "cpu" and facts.nvidia_driver and facts.cuda_build is None:
         note = ("this machine has an NVIDIA GPU, but this PyTorch is a CPU-only build: training on the CPU (install "
                 "a CUDA build of torch to use the GPU)")
         plan = dataclasses.replace(plan, reason="torch sees no GPU")

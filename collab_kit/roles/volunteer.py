@@ -21,14 +21,16 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
+import psutil
 import torch
 from tqdm.auto import tqdm
 
+from collab_kit import memory
 from collab_kit.config import RunConfig
 from collab_kit.data.stream import ShardStream, batches, peer_data_seed, peer_stream
 from collab_kit.data.synthetic import SYNTHETIC_SAMPLES
 from collab_kit.model.checkpoint import save_checkpoint
-from collab_kit.model.device import DevicePlan, LossScaler, choose_device, fp32_plan
+from collab_kit.model.device import DeviceFacts, DevicePlan, LossScaler, choose_device, fp32_plan, read_device_facts
 from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
 from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
@@ -91,6 +93,7 @@ class Volunteer(NonFiniteRecoveryMixin):
         self._lone_watch = LoneTrainingWatch()
         self._undialable = undialable_reason(config, self.reachability)
         self.data_description = "training on its own stream"  # what from_config chose, in words
+        self.device_note: Optional[str] = None  # why from_config trains elsewhere than asked (a GPU too small)
 
     @classmethod
     def from_config(cls, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
@@ -99,7 +102,8 @@ class Volunteer(NonFiniteRecoveryMixin):
                     optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer,
                     data_setting: str = "--data", synthetic_fallback: bool = False,
                     synthetic_samples: int = SYNTHETIC_SAMPLES, device: str = "auto",
-                    precision: str = "auto") -> "Volunteer":
+                    precision: str = "auto", fit_settings: bool = True,
+                    device_facts: Optional[DeviceFacts] = None) -> "Volunteer":
         """Join the run and build every part of a volunteer from its configuration.
 
         Before it builds anything, the peer checks that it fits the run (collab_kit.swarm.run_card: run id, preset,
@@ -122,15 +126,28 @@ class Volunteer(NonFiniteRecoveryMixin):
         :param device: "auto" (the GPU when there is one), "cpu", "cuda" or "cuda:N" (collab_kit.model.device)
         :param precision: "auto" (bf16 on Ampere and newer, fp16 with loss scaling on older cards, fp32 on the CPU),
           "fp32", "bf16" or "fp16"
+        :param fit_settings: on a GPU, train with the micro-batch and reversible layers that fit its memory, as the
+          preflight chooses them (collab_kit.memory.fit_to_device); False keeps ``config``'s. Whatever this says, a GPU
+          that "auto" chose and that cannot hold the model is given up for the CPU, with a warning that says why
+        :param device_facts: the machine's GPUs (None: read from torch); a test gives a card this machine lacks
         :raises collab_kit.errors.CollabKitError: the run refused this peer, no initial peer answered, the run is
           another or has other settings, or the data cannot be read or does not fit (each message says what to do)
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        plan = choose_device(device, precision)  # a device that is not here: one sentence, before anything starts
+        device_facts = device_facts if device_facts is not None else read_device_facts()
+        plan = choose_device(device, precision, device_facts)  # a device not here: one sentence, before anything starts
+        fit = None
+        if plan.device.type == "cuda":
+            fit = memory.fit_to_device(config, plan, device_facts, int(psutil.virtual_memory().available), device)
+            if fit.note is not None:
+                logger.warning(fit.note)
+            plan = fit.plan
         membership = SwarmMembership(config, authorizer=authorizer)
         try:
             config = membership.config
+            if fit is not None and fit_settings:  # a peer's own settings: after the run's card was compared
+                config = fit.apply(config)
             data = data_for_peer(data_shards or config.data.shards, membership.run_card, config, data_setting,
                                  synthetic_fallback, synthetic_samples)
             if membership.is_first_peer:  # others join this swarm through this peer: they read its card
@@ -146,6 +163,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                                           peer_gate=membership.peer_gate)
             volunteer = cls(config, membership, model, stream, optimizer, plan=plan)
             volunteer.data_description = data.description
+            volunteer.device_note = fit.note if fit is not None else None
             return volunteer
         except BaseException:
             membership.close()

@@ -12,7 +12,8 @@ from collab_kit.config import get_preset
 from collab_kit.memory.catalogue import CATALOGUE, ModelShape
 from collab_kit.memory.estimator import estimate
 from collab_kit.memory.measured import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from collab_kit.memory.recommend import recommend_settings
+from collab_kit.memory.recommend import fit_to_device, recommend_settings
+from collab_kit.model.device import DeviceFacts, GpuFacts, choose_device
 from collab_kit.model.transformer import TextToImageTransformer, count_parameters
 
 GiB = 2 ** 30
@@ -397,3 +398,24 @@ def test_the_calculator_widget_follows_its_controls():
     assert ("do NOT fit" in calculator.text.value) == (calculator.estimate.gpu_bytes > 80 * GiB)
     with pytest.raises(ValueError, match="the calculator offers"):
         memory.calculator_widget(model="gpt-5")
+
+
+def test_a_device_plan_takes_what_fits_its_gpu_and_gives_up_one_too_small():
+    """collab_kit.memory.fit_to_device, as the preflight and ``Volunteer.from_config`` apply it."""
+    config = get_preset("paper")
+    t4 = DeviceFacts(cuda_build="12.4", gpus=(GpuFacts("Tesla T4", 15 * GiB, (7, 5)),))
+    fit = fit_to_device(config, choose_device("auto", "auto", t4), t4, 12 * GiB)
+    assert fit.note is None and fit.plan.device.type == "cuda" and fit.plan.precision == "fp16"
+    assert fit.recommendation.fits and fit.recommendation.micro_batch >= 1
+    applied = fit.apply(config)
+    assert applied.optimizer.batch_size_per_step == fit.recommendation.micro_batch
+    assert applied.model.reversible == fit.recommendation.checkpointing
+    assert applied.optimizer.target_batch_size == config.optimizer.target_batch_size  # the run's settings stay
+    small = DeviceFacts(cuda_build="12.4", gpus=(GpuFacts("Small GPU", GiB // 4, (8, 6)),))
+    fallen = fit_to_device(config, choose_device("auto", "auto", small), small, 12 * GiB)
+    assert fallen.plan.device.type == "cpu" and fallen.plan.precision == "fp32"
+    assert fallen.note.startswith("the Small GPU's 256.00 MiB cannot hold this model (does not fit")
+    assert fallen.apply(config) is config  # on the CPU the preset's micro-batch stays
+    # a GPU asked for by name is kept: the user chose it
+    kept = fit_to_device(config, choose_device("cuda", "auto", small), small, 12 * GiB, device_asked="cuda")
+    assert kept.note is None and kept.plan.device.type == "cuda" and not kept.recommendation.fits

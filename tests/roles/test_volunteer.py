@@ -10,6 +10,7 @@ import torch
 from collab_kit.config import get_preset
 from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.data.stream import peer_stream
+from collab_kit.model.device import DeviceFacts, GpuFacts
 from collab_kit.roles.volunteer import NonFiniteTrainingError, Volunteer
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import read_metrics
@@ -145,3 +146,21 @@ def test_a_volunteer_trains_where_its_device_plan_says(tiny_shards):
     assert seen["batch"] == {("cpu", torch.long)} and seen["products"] == {torch.bfloat16}
     assert seen["grads"] == {("cpu", torch.float32)}
     assert (history.device, history.precision, history.local_steps) == ("cpu", "bf16", 3)
+
+
+def test_a_gpu_too_small_for_the_model_is_given_up_for_the_cpu_in_one_sentence(tiny_shards, caplog):
+    """``--device auto`` on a card that cannot hold one sample (a 64 KiB GPU, given as the machine's facts): the
+    volunteer trains on the CPU with the preset's micro-batch, and says why."""
+    config = get_preset("tiny", swarm=dict(host="127.0.0.1", run_id="unit_small_gpu"),
+                        optimizer=dict(target_batch_size=TARGET_BATCH))
+    small_gpu = DeviceFacts(cuda_build="12.4", gpus=(GpuFacts("Tiny GPU", 2 ** 16, (7, 5)),))
+    with caplog.at_level("WARNING", logger="collab_kit.roles.volunteer"):
+        with Volunteer.from_config(config, data_shards=tiny_shards, device_facts=small_gpu,
+                                   num_threads=1) as volunteer:
+            history = volunteer.train(max_steps=1, progress=False)
+    assert (volunteer.plan.device.type, volunteer.plan.precision) == ("cpu", "fp32")
+    assert volunteer.device_note.startswith("the Tiny GPU's 64.00 KiB cannot hold this model") \
+        and volunteer.device_note.endswith("training on the CPU"), volunteer.device_note
+    assert volunteer.device_note in caplog.text and "\n" not in volunteer.device_note
+    assert volunteer.config.optimizer.batch_size_per_step == config.optimizer.batch_size_per_step
+    assert (history.device, history.local_steps) == ("cpu", 1)
