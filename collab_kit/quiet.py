@@ -30,10 +30,33 @@ def without_log_messages(logger_name: str, fragment: str) -> Iterator[None]:
         logger.removeFilter(dropped)
 
 
+@contextlib.contextmanager
+def without_torch_compile() -> Iterator[None]:
+    """``torch.compile`` raises inside the ``with`` block, so that what a library compiles at import stays plain Python
+    (bitsandbytes falls back to the function itself when compiling fails)."""
+    import torch  # lazy: this module is below every layer that imports torch, and `collab-kit --help` loads no torch
+
+    compile_function = torch.compile
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("torch.compile is off while bitsandbytes is imported")
+
+    torch.compile = refuse
+    try:
+        yield
+    finally:
+        torch.compile = compile_function
+
+
 def import_bitsandbytes() -> ModuleType:
-    """bitsandbytes, imported without its warning that the optional CPU kernels of 4-bit layers are missing: the kit
-    uses its 8-bit optimizers only (the warning comes once, at the first import)."""
-    with without_log_messages("bitsandbytes.backends.cpu.ops", "gemm_4bit"):
+    """bitsandbytes, imported without its warning that the optional CPU kernels of 4-bit layers are missing (the kit
+    uses its 8-bit optimizers only; the warning comes once, at the first import), and without compiling the default
+    backend's fallbacks.
+
+    Those fallbacks serve devices that have no kernels of their own; the 8-bit and 32-bit optimizer steps run the CPU
+    and CUDA backends' kernels. Wrapping them in ``torch.compile`` at import loads TorchDynamo and Inductor: about 2.5 s
+    of every peer process's start on these machines, for nothing it runs."""
+    with without_log_messages("bitsandbytes.backends.cpu.ops", "gemm_4bit"), without_torch_compile():
         # lazy: imported inside the silence, which only a function can scope
         import bitsandbytes
 
