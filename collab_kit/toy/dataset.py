@@ -6,6 +6,7 @@ makes them once and every later run reads them at once.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -42,12 +43,19 @@ def prepare_toy_dataset(num_samples: int = 4096, seed: int = 0, cache_dir: Optio
     done_marker = os.path.join(folder, "complete")
     if os.path.exists(done_marker):
         return shards
-    pictures_folder = os.path.join(folder, "pictures")
-    if not os.path.exists(os.path.join(pictures_folder, "captions.jsonl")):
-        make_synthetic_images(pictures_folder, num_samples, seed=seed)
-    preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress,
-               tokenizer="toy")
-    with open(done_marker, "w") as f:
-        f.write("preprocess finished\n")
-    shutil.rmtree(pictures_folder, ignore_errors=True)  # the shards hold all a volunteer reads
+    os.makedirs(folder, exist_ok=True)
+    # two processes that want the same dataset (two notebooks, a demo and a test) make it once: the second waits for
+    # the first, then finds it complete (tests/data/test_synthetic.py)
+    with open(os.path.join(folder, "making.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(done_marker):
+            return shards
+        pictures_folder = os.path.join(folder, "pictures")
+        if not os.path.exists(os.path.join(pictures_folder, "captions.jsonl")):
+            make_synthetic_images(pictures_folder, num_samples, seed=seed)
+        preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress,
+                   tokenizer="toy")
+        with open(done_marker, "w") as f:
+            f.write("preprocess finished\n")
+        shutil.rmtree(pictures_folder, ignore_errors=True)  # the shards hold all a volunteer reads
     return shards

@@ -131,3 +131,34 @@ def test_the_toy_dataset_is_made_by_preprocess_once_and_streamed_with_the_toy_to
     stream = iter(ShardStream(shards, 12, 64, tokenizer=tokenizer, codebook_size=512, shuffle_buffer=8))
     captions = sorted(tokenizer.decode(next(stream)["text_tokens"].tolist()) for _ in range(40))
     assert captions == sorted(caption for _, caption in pictures(40, seed=1))
+
+
+def test_two_processes_that_want_the_toy_dataset_make_it_once(tmp_path):
+    """Two makers at once (here two threads; a lock file is per open file, so they exclude each other as two processes
+    would): the second waits for the first and finds the dataset complete, with the first's shards untouched."""
+    import os
+    import threading
+
+    from collab_kit.model.vqgan import untrained_vqgan
+    from collab_kit.toy.dataset import prepare_toy_dataset
+
+    vqgan = untrained_vqgan(grid_size=8, codebook_size=512)
+    results, errors = [], []
+
+    def make():
+        try:
+            shards = prepare_toy_dataset(40, seed=2, cache_dir=str(tmp_path), vqgan=vqgan, rows_per_shard=16,
+                                         progress=False)
+            results.append((shards, {name: os.stat(os.path.join(shards, name)).st_mtime_ns
+                                     for name in sorted(os.listdir(shards))}))
+        except BaseException as error:  # noqa: B902 (reported below, in the test's thread)
+            errors.append(error)
+
+    makers = [threading.Thread(target=make) for _ in range(2)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join(timeout=120)
+    assert not errors and len(results) == 2, errors
+    (first, first_files), (second, second_files) = results
+    assert first == second and first_files == second_files and len(first_files) == 3
