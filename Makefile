@@ -56,10 +56,14 @@ netlab:
 		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null; } || \
 		echo "could not install iproute2 and iptables: the network lab's tests will skip (install them as root)"
 
-# the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite
+# the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite.
+# Test files run side by side in TEST_WORKERS processes (pytest-xdist), each file whole in one worker: a file's
+# module-scoped swarm is started once, and the tests of one file (the network lab's namespaces) never overlap.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) chromium netlab
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -ra --durations=15 --file-times=.test-times.json
+	$(BIN)/python -m pytest $(PARALLEL) -ra --durations=15 --file-times=.test-times.json
 
 test-fast: $(STAMP) chromium netlab
 	$(BIN)/lint-imports
@@ -82,7 +86,7 @@ PEER_TESTS := tests/roles/test_processes.py tests/roles/test_swarm_training.py t
 
 soak: $(STAMP) chromium netlab
 	@for run in $$(seq $(REPEAT)); do echo "== run $$run of $(REPEAT)"; \
-		$(BIN)/python -m pytest -q -x --durations=5 $(PEER_TESTS) || exit 1; done
+		$(BIN)/python -m pytest $(PARALLEL) -q -x --durations=5 $(PEER_TESTS) || exit 1; done
 
 # the benchmarks also need scikit-image, for the real photographs it ships (not needed by demo or test)
 $(BENCH_STAMP): $(STAMP)
