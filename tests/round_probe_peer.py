@@ -14,6 +14,8 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
   "global": DIGEST, "momentum": DIGEST}`` ("downloaded": the epoch of the state a peer gave, which hivemind moves a peer
   one epoch behind past);
 - with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
+- with ``--join-when PATH``, joins only once PATH exists: a late joiner whose process has started (and imported
+  torch and hivemind) before, so that it joins at the moment the test chooses, however busy the machine;
 - with ``--nan-at-epoch E``, fills its model's token embedding with nan at the end of round E, after its last inner
   step (an inner step that blew up): its pseudo-gradient of that round is not finite.
 
@@ -54,6 +56,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--name", default=str(os.getpid()), help="this peer's name in the files")
     parser.add_argument("--step-period", type=float, default=0.0, help="seconds per local step, at least")
     parser.add_argument("--nan-at-epoch", type=int, default=None)
+    parser.add_argument("--join-when", metavar="PATH", help="join only once PATH exists (its imports done by then)")
     options, rest = parser.parse_known_args(argv)
     if not rest or rest[0] != "join":
         parser.error("expected: --out FOLDER [--name N] [--step-period S] [--nan-at-epoch E] join OPTIONS...")
@@ -133,6 +136,12 @@ def main(argv: List[str]) -> int:
             return super().forward(*args, **kwargs)
 
     def make_volunteer(config, **kwargs):
+        if options.join_when is not None:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(options.join_when):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{options.join_when} did not appear in 600 s")
+                time.sleep(0.05)
         model = initial_model(config.model, config.swarm.run_id, model_class=PacedTransformer)
         return Volunteer.from_config(config, model=model, optimizer_factory=probing_make_optimizer, **kwargs)
 

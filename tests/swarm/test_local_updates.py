@@ -48,8 +48,12 @@ def uneven_swarm(tiny_shards, tmp_path_factory):
         addresses = peers["A"].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
         joining = _join_args("test_local_updates", tiny_shards, 2, ROUNDS) + ["--initial-peers", *addresses]
         peers["B"] = _probe("B", out, logs, 0.10, joining)
+        # C's process starts now and joins once A has ended three rounds: started then, on a busy machine its imports
+        # alone outlasted A's last five rounds, and it found A gone
+        go = str(folder / "C.go")
+        peers["C"] = _probe("C", out, logs, 0.05, joining, "--join-when", go)
         peers["A"].wait_for(lambda e: e["type"] == "round" and e["epoch"] >= 3, timeout=120, what="its third round")
-        peers["C"] = _probe("C", out, logs, 0.05, joining)
+        open(go, "w").close()
         for name, peer in peers.items():
             code = peer.wait_exit(timeout=180)
             assert code == 0, f"{name} exited with {code}:\n{peer.log_tail()}"
