@@ -33,7 +33,7 @@ one), under 8 minutes:
   positions per sample, plus the attention scores as the axial layouts compute them (4 x hidden per score, x 3 for
   training), against the card's dense 16-bit peak. A missed target names the profile's top kernels;
 - the largest micro-batch within 15 GiB (`torch.cuda.set_per_process_memory_fraction`, standing for a T4), beside the
-  preflight's choice for that budget (`collab_kit.memory.recommend_settings`), and the peak memory per micro-batch;
+  preflight's choice for that budget (`collab_kit.memory.recommend_for_plan`), and the peak memory per micro-batch;
 - GPU memory measured / `collab_kit.memory.estimate` for the paper preset (reversible and not) and GPT-2 small,
   medium and large with 32-bit and 8-bit Adam, with and without checkpointing (benchmarks/memory_gpu.py);
 - two volunteers of the `small` preset train on the GPU through `collab-kit join --device cuda` with a monitor on
@@ -249,14 +249,17 @@ def largest_within(config, plan, budget_bytes: int, limit: int = 128) -> int:
 
 def budget_rows(shapes: Shapes, rows: List[dict]) -> None:
     """The largest micro-batch within 15 GiB, beside the preflight's choice for that budget."""
+    import dataclasses
+
     from collab_kit import memory
     from collab_kit.config import get_preset
     from collab_kit.model.device import choose_device
 
     run = get_preset(shapes.preset)
     plan = choose_device(shapes.device, "fp16")  # a T4 trains in fp16
-    chosen = memory.recommend_settings(run, shapes.budget_bytes, optimizer="8bit", max_micro_batch=64, offload=True,
-                                       precision="mixed", checkpointing=True)
+    # what the preflight and `collab-kit join` choose for a card of that memory (collab_kit.memory.fit_to_device)
+    chosen = memory.recommend_for_plan(run, dataclasses.replace(plan, memory_bytes=shapes.budget_bytes),
+                                       shapes.budget_bytes)
     largest = largest_within(run.model, plan, shapes.budget_bytes, limit=8 if plan.device.type == "cpu" else 128)
     rows.append(common.make_row(
         __spec__.name, f"{shapes.preset} preset: largest micro-batch within 15 GiB (fp16, reversible)", largest, ">= 1",

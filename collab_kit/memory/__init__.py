@@ -21,7 +21,7 @@ __getattr__, _lazy_names = lazy_exports(__name__, {
     "estimator": ["estimate", "compare", "MemoryEstimate", "optimizer_bytes_for", "OPTIMIZERS", "OPTIMIZER_NAMES",
                   "PRECISIONS", "BNB_MIN_8BIT_SIZE"],
     "recommend": ["recommend_settings", "Recommendation", "MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING", "fit_to_device",
-                  "DeviceFit"],
+                  "DeviceFit", "recommend_for_plan"],
     "measured": ["parameter_bytes", "gradient_bytes", "optimizer_state_bytes"],
     "widgets": ["plot_estimates", "figure_png", "calculator_widget", "MemoryCalculator", "summary"],
 })

@@ -164,7 +164,13 @@ class DeviceFit:
 
 
 def recommend_for_plan(config, plan: DevicePlan, ram_available_bytes: int) -> Recommendation:
-    """The micro-batch and checkpointing for ``plan``'s device: the GPU's memory, or the RAM free now."""
+    """The micro-batch and checkpointing for ``plan``'s device: the GPU's memory, or the RAM free now.
+
+    The kit's checkpointing is its reversible layers, so the choice is made for the model with plain layers: with
+    checkpointing means reversible layers (which keep fewer activations than checkpointing counts), without means plain
+    ones. Estimated as the preset's reversible model, every choice came out "without checkpointing", and applying it
+    turned reversible layers off under a micro-batch sized for them."""
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, reversible=False))
     on_gpu = plan.device.type == "cuda"
     budget = plan.memory_bytes if on_gpu else ram_available_bytes
     # a GPU computes a larger micro-batch in about the time of a small one, so it takes the largest that fits;
