@@ -296,6 +296,9 @@ class RoundReportMixin:
     round_epoch: Callable[[], Optional[int]] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
     join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
     client_join_timeout: Optional[float] = None  # in client mode, a round's timeout when its caller gave none
+    # in client mode, the seconds kept between the latest start a peer asks for and the end of its timeout (10% of
+    # the timeout, at least this): the leader's message that starts the group must reach it within them
+    client_start_margin = 2.0
     _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
     _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
     _follower_deadlines: Optional[dict] = None  # in the averager's process: followers let in before their time
@@ -307,15 +310,16 @@ class RoundReportMixin:
             # A peer in client mode never leads: its schedule only says until when it may join a group, and a leader
             # turns away a peer that asks to start before the leader's own time (hivemind's BAD_EXPIRATION_TIME): a
             # peer whose estimate of the epoch's end is a few seconds early (it just loaded the state, its link is
-            # slow) would find no group. So it asks for the latest start its timeout allows; the anchor starts the
-            # group as soon as its expected peers are in, so nobody waits longer for it. A round that was not
-            # scheduled ahead (hivemind's step at the epoch's end, after a download say) comes with no timeout and
-            # would ask to start within min_matchmaking_time, before the anchor's time (its time holds a chunk's
-            # timeout for late peers): it gets the optimizer's averaging timeout
+            # slow) would find no group. So it asks for the latest start its timeout allows, less client_start_margin;
+            # the anchor starts the group as soon as its expected peers are in, so nobody waits longer for it. A round
+            # that was not scheduled ahead (hivemind's step at the epoch's end, after a download say) comes with no
+            # timeout and would ask to start within min_matchmaking_time, before the anchor's time (its time holds a
+            # chunk's timeout for late peers): it gets the optimizer's averaging timeout
             if kwargs.get("timeout") is None:
                 kwargs["timeout"] = self.client_join_timeout
             if kwargs["timeout"] is not None:
-                scheduled_time = get_dht_time() + 0.9 * kwargs["timeout"]
+                margin = max(0.1 * kwargs["timeout"], self.client_start_margin)
+                scheduled_time = get_dht_time() + max(0.0, kwargs["timeout"] - margin)
         return super().schedule_step(scheduled_time, **kwargs)
 
     def expect_peers(self, peer_ids: Iterable[bytes]) -> None:
