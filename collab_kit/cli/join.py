@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Callable, Optional
 
-from collab_kit.cli.common import add_swarm_options, build_config, handle_stop_signals
+from collab_kit.cli.common import CommandError, add_swarm_options, build_config, handle_stop_signals
 from collab_kit.roles.processes import emit_event
 
 if TYPE_CHECKING:  # for the annotation only: the command loads the volunteer when it runs
@@ -29,6 +29,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--max-epochs", type=int, help="stop when the swarm reaches this global epoch")
     join.add_argument("--max-steps", type=int, help="stop after this many local steps")
     join.add_argument("--threads", type=int, help="CPU threads for torch")
+    join.add_argument("--max-load", type=float, default=1.0, metavar="SHARE",
+                      help="the share of its time this peer computes, more than 0 and at most 1 (default: 1): 0.5 "
+                           "pauses after each step as long as the step took, leaving the machine half free")
     join.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
                       help="start training once N peers (this one included) are ready (default: 1)")
     join.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -51,6 +54,9 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
     from collab_kit.roles.volunteer import Volunteer
     from collab_kit.swarm.dht import join_addresses
 
+    if not 0.0 < args.max_load <= 1.0:  # before the swarm is joined
+        raise CommandError(f"--max-load {args.max_load:g}: give the share of its time this peer computes, more than 0 "
+                           f"and at most 1 (1: all of it)")
     config = build_config(args)
     if args.epochs is None and args.max_epochs is None and args.max_steps is None:
         # the whole schedule: its global batches, which in local-update mode come H to a round (a global epoch)
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
             volunteer.optimizer.on_averaging_start = on_averaging_start
         history = volunteer.train(epochs=args.epochs, max_epochs=args.max_epochs, max_steps=args.max_steps,
                                   progress=not args.no_progress, on_epoch=on_epoch, wait_for_peers=args.wait_for_peers,
-                                  on_restore=on_restore, on_lone=on_lone, on_link=on_link)
+                                  on_restore=on_restore, on_lone=on_lone, on_link=on_link, max_load=args.max_load)
         if args.save_params:
             torch.save(volunteer.parameters_snapshot(), args.save_params)
         if args.save_checkpoint:

@@ -177,6 +177,9 @@ class TrainingHistory:
     device: str = "cpu"
     precision: str = "fp32"
     overflow_steps: int = 0
+    # seconds of the local steps' forward and backward passes, and of the pauses after them (train's max_load)
+    compute_seconds: float = 0.0
+    paused_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_kit import memory
-from collab_kit.config import RunConfig
+from collab_kit.config import RunConfig, SettingProblem
 from collab_kit.data.stream import ShardStream, batches, peer_data_seed, peer_stream
 from collab_kit.data.synthetic import SYNTHETIC_SAMPLES
 from collab_kit.model.checkpoint import save_checkpoint
@@ -222,7 +222,7 @@ class Volunteer(NonFiniteRecoveryMixin):
               wait_for_peers: int = 1, wait_timeout: float = 120.0,
               on_restore: Optional[Callable[[RestoreRecord], None]] = None,
               on_lone: Optional[Callable[[LoneWarning], None]] = None,
-              on_link: Optional[Callable[[str], None]] = None) -> TrainingHistory:
+              on_link: Optional[Callable[[str], None]] = None, max_load: float = 1.0) -> TrainingHistory:
         """Train with the swarm until one of the limits is reached.
 
         Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
@@ -243,11 +243,18 @@ class Volunteer(NonFiniteRecoveryMixin):
           others train (also logged as a warning, whatever this is)
         :param on_link: called with "down" when training stops to wait for the link to the swarm (no initial peer
           accepts a connection), and with "back" when it goes on
+        :param max_load: the share of its time this peer computes, in (0, 1]: below 1 it pauses after each local step
+          for as long again as the step's passes took, times ``1 / max_load - 1`` (a machine its owner keeps using, or
+          a slower one: the swarm sees the lower throughput and plans its epochs with it;
+          tests/roles/test_volunteer.py::test_a_volunteer_at_a_quarter_load_pauses_three_times_as_long_as_it_computes)
         :raises NonFiniteTrainingError: the model is not finite and no peer can give its state, or the loss stays
           non-finite for ``max_non_finite_steps`` steps in a row
         """
         if epochs is None and max_epochs is None and max_steps is None:
             raise ValueError("train() needs epochs, max_epochs or max_steps, otherwise it would never stop")
+        if not 0.0 < max_load <= 1.0:
+            raise SettingProblem(f"max_load={max_load!r} is not allowed: give the share of its time this peer computes, "
+                                 f"more than 0 and at most 1 (1: all of it)")
         history = TrainingHistory()
         bar = None
         try:
@@ -273,7 +280,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                        disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
                        dynamic_ncols=True)
             self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch,
-                            on_restore, on_lone, on_link)
+                            on_restore, on_lone, on_link, max_load)
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
             history.interrupted = True
@@ -289,7 +296,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                    max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]],
                    on_restore: Optional[Callable[[RestoreRecord], None]] = None,
                    on_lone: Optional[Callable[[LoneWarning], None]] = None,
-                   on_link: Optional[Callable[[str], None]] = None) -> None:
+                   on_link: Optional[Callable[[str], None]] = None, max_load: float = 1.0) -> None:
         """The training loop proper: one local step per batch until a limit is reached."""
         epoch_losses: List[float] = []
         epoch_start = time.perf_counter()
@@ -309,9 +316,13 @@ class Volunteer(NonFiniteRecoveryMixin):
             if limit_reached():
                 return
             epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
+            passes_start = time.perf_counter()
             with self.plan.autocast():
                 loss = self.model(**self.plan.move(batch)).loss
-            if torch.isfinite(loss.detach()) and not self.scaler.backward_and_unscale(loss):
+            finite_loss = bool(torch.isfinite(loss.detach()))
+            scaled_step_taken = finite_loss and self.scaler.backward_and_unscale(loss)
+            self._pause_for_load(time.perf_counter() - passes_start, max_load, history)
+            if finite_loss and not scaled_step_taken:
                 # fp16 gradients that overflowed: the scaler skipped the step and lowered its scale (a normal event of
                 # fp16 training, not a fault: nothing is reloaded, and the swarm never sees them)
                 self.optimizer.zero_grad()
@@ -352,6 +363,15 @@ class Volunteer(NonFiniteRecoveryMixin):
             bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
                             samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
                             refresh=False)
+
+    def _pause_for_load(self, passes_seconds: float, max_load: float, history: TrainingHistory) -> None:
+        """After a step's passes that took ``passes_seconds``: wait so that computing is ``max_load`` of the time (a
+        stop request ends the wait)."""
+        history.compute_seconds += passes_seconds
+        if max_load < 1.0:
+            pause = passes_seconds * (1.0 / max_load - 1.0)
+            self._stop_requested.wait(pause)
+            history.paused_seconds += pause
 
     def _epoch_record(self, epoch_before: int, rounds_before: int, losses: List[float], seconds: float) -> EpochRecord:
         """What this peer saw of the global epoch its last step ended: its loss, samples, and the round that ended

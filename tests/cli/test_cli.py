@@ -51,6 +51,12 @@ def test_an_unreachable_peer_and_bad_settings_are_clear_errors(tmp_path):
     assert result.returncode == 2 and "--device cuda: " in result.stderr and "use --device cpu" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
+    # a share of the machine that is none or more than all of it: one sentence, before anything starts
+    for share in ("0", "1.5"):
+        result = run_cli("join", "--preset", "tiny", "--host", "127.0.0.1", "--max-load", share, "--data", str(tmp_path))
+        assert result.returncode == 2 and f"--max-load {share}: " in result.stderr and "at most 1" in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
 
 def test_overrides_parse_values_and_reject_bad_syntax():
     assert parse_overrides(["optimizer.target_batch_size=64", "swarm.run_id=abc", "optimizer.betas=(0.9, 0.95)"]) == {

@@ -79,6 +79,20 @@ def test_the_step_loop_trains_alone_and_records_each_epoch(volunteer_with):
     assert any(not torch.equal(before[name], after[name]) for name in before), "two global steps changed nothing"
 
 
+def test_a_volunteer_at_a_quarter_load_pauses_three_times_as_long_as_it_computes(volunteer_with):
+    volunteer = volunteer_with()
+    started = time.perf_counter()
+    history = volunteer.train(max_epochs=1, progress=False, max_load=0.25)
+    elapsed = time.perf_counter() - started
+    assert history.final_epoch == 1 and history.compute_seconds > 0
+    assert history.paused_seconds == pytest.approx(3 * history.compute_seconds, rel=1e-6)
+    assert elapsed >= history.compute_seconds + history.paused_seconds  # the pauses were waited, not only counted
+    with pytest.raises(ValueError, match="max_load=0 is not allowed"):
+        volunteer.train(max_steps=1, progress=False, max_load=0)
+    at_full_load = volunteer.train(max_steps=2, progress=False)
+    assert at_full_load.compute_seconds > 0 and at_full_load.paused_seconds == 0
+
+
 def test_a_step_with_a_nan_loss_is_dropped_and_training_goes_on(volunteer_with):
     volunteer = volunteer_with(FaultyTransformer, nan_loss_at=(3,))
     restores = []
