@@ -59,8 +59,8 @@ netlab:
 # the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite.
 # Test files run side by side in TEST_WORKERS processes (pytest-xdist), each file whole in one worker: a file's
 # module-scoped swarm is started once, and the tests of one file (the network lab's namespaces) never overlap.
-TEST_WORKERS ?= 2
-PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+TEST_WORKERS ?= 3
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) chromium netlab
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PARALLEL) -ra --durations=15 --file-times=.test-times.json

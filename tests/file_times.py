@@ -1,6 +1,8 @@
-"""Where the suite's time goes: wall time against CPU time, per test file (tests/README.md's table).
+"""Where the suite's time goes: wall time against CPU time, per test file (tests/README.md's table); and the order
+the files run in, longest first.
 
     python -m pytest --file-times=times.json        # then: python tests/file_times.py times.json
+    python tests/file_times.py times.json --weights tests/file_weights.json    # keep a run's file times for the order
 
 A test's wall time is its setup, call and teardown; its CPU time is that of the process that ran it and of the
 children it waited for (the peers, kernels and services it started), from ``resource.getrusage``: a file whose CPU
@@ -63,6 +65,27 @@ class FileTimes:
 CPU_AT_START = pytest.StashKey[float]()
 
 
+WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_weights.json")
+
+
+def file_weights(path: str = WEIGHTS) -> dict:
+    """Each test file's wall seconds in a measured run (``--weights`` writes them), for the order files run in."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the files that took longest first, the rest in their own order after them: the workers of ``make test``
+    (which keeps this order, ``--no-loadscope-reorder``) then end together, with no long file left to one of them at
+    the end. Every worker sorts the same collection with the same weights, as xdist requires."""
+    weights = file_weights()
+    position = {item: index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-weights.get(item.nodeid.split("::")[0], 0.0), position[item]))
+
+
 def pytest_configure(config):
     path = config.getoption("--file-times", default=None)
     if path and not os.environ.get("PYTEST_XDIST_WORKER"):
@@ -91,5 +114,20 @@ def table(path: str, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def write_weights(times_path: str, weights_path: str) -> None:
+    """Keep each file's wall seconds of the run in ``times_path`` (``--file-times``) as the order's weights."""
+    with open(times_path, encoding="utf-8") as f:
+        rows = json.load(f)
+    walls = defaultdict(float)
+    for row in rows:
+        walls[row["file"]] += row["wall"]
+    with open(weights_path, "w", encoding="utf-8") as f:
+        json.dump({name: round(wall) for name, wall in sorted(walls.items(), key=lambda item: -item[1])}, f, indent=1)
+        f.write("\n")
+
+
 if __name__ == "__main__":
-    print(table(sys.argv[1]))
+    if len(sys.argv) == 4 and sys.argv[2] == "--weights":
+        write_weights(sys.argv[1], sys.argv[3])
+    else:
+        print(table(sys.argv[1]))

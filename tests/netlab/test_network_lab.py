@@ -22,9 +22,12 @@ from collab_kit.roles.run_history import RunHistory
 REASON = lab_unavailable()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"no network lab on this machine: {REASON}")
 
-# tiny steps take milliseconds: a larger batch makes each global epoch last a few seconds, long against matchmaking
-# and the peers' progress readings, as epochs of the real presets are (minutes against 15 s)
-EPOCH_SETTINGS = ["--set", "optimizer.target_batch_size=8192"]
+# tiny steps take milliseconds: each volunteer computes a quarter of its time (--max-load 0.25, as a machine four times
+# slower would, or one its owner keeps using), so that a global epoch of the tiny preset's 2048 samples lasts a few
+# seconds, long against matchmaking and the peers' progress readings, as epochs of the real presets are (minutes
+# against 15 s): as long as 8192 samples at full speed, for a quarter of the computing
+VOLUNTEER_LOAD = 0.25
+EPOCH_SETTINGS = []  # the run's settings: the tiny preset's own
 # the late joiner's link in the NAT scenario, each way: the tiny model's state (~0.3 MB) then takes longer than an epoch
 LATE_JOINER_MBIT = 0.25
 # what each peer's log says about matchmaking and the link, for a failure to be read from the logs alone
@@ -72,12 +75,13 @@ def printed_join_line(peer):
     return words
 
 
-def start_volunteer(host, tmp_path, line, *extra):
+def start_volunteer(host, tmp_path, line, *extra, load=VOLUNTEER_LOAD):
     """``line`` (a printed join line's words) run in ``host`` as its volunteer would paste it; only what the test
     observes, how long it stays (``extra``: --max-epochs, --wait-for-peers) and its share of this machine's two cores
-    (a volunteer's own machine is its own: torch's default threads there) are added."""
-    return host.start(host.name, [*DEBUG_LOGS, *line[1:], "--events", "--no-progress", "--threads", "1", *extra],
-                      str(tmp_path / f"{host.name}.log"))
+    (a volunteer's own machine is its own: torch's default threads there; ``load``: the share of its time it computes)
+    are added."""
+    return host.start(host.name, [*DEBUG_LOGS, *line[1:], "--events", "--no-progress", "--threads", "1",
+                                  "--max-load", str(load), *extra], str(tmp_path / f"{host.name}.log"))
 
 
 def assert_prints_no_loopback_address(peer):
@@ -207,7 +211,7 @@ def test_the_probe_tells_nat_and_firewalls_from_public_and_forwarded_hosts(lab, 
 @pytest.mark.slow
 def test_volunteers_behind_nat_average_every_round_through_the_monitor_and_a_late_one_gets_the_state(
         lab, tmp_path, tiny_shards):
-    run_id, last_epoch = "nat_run", 16
+    run_id, last_epoch = "nat_run", 12
     # the organizer names the run's data once; each volunteer runs the monitor's printed line as it is (no --host,
     # --data or mode flag added: the line carries the run's settings and data, and the peer finds out where to listen)
     server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "4",
@@ -319,7 +323,8 @@ def test_the_readmes_commands_and_the_printed_line_train_a_small_run_together_be
     example = example[:example.index("--initial-peers") + 1] + addresses
     last_epoch = 8
     homes = [lab.home(f"home{i}") for i in range(3)]
-    volunteers = [start_volunteer(home, tmp_path, words, "--max-epochs", str(last_epoch), "--wait-for-peers", "3")
+    volunteers = [start_volunteer(home, tmp_path, words, "--max-epochs", str(last_epoch), "--wait-for-peers", "3",
+                                  load=1.0)  # the small preset's steps are long enough at full load
                   for home, words in zip(homes, [line, line, example])]
     for peer in volunteers:
         done = peer.wait_for(lambda e: e["type"] == "done", timeout=400, what="the end of training")
@@ -344,8 +349,8 @@ def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_mon
     """The local-update mode (DiLoCo) behind NAT: the monitor's anchor leads and reduces the rounds of pseudo-gradients
     as it does gradients, and the volunteers end each round together."""
     run_id, last_epoch = "nat_local_run", 6
-    # a round of 2 global batches of 4096: as many samples as a synchronous epoch of this lab
-    local = ["--set", "optimizer.target_batch_size=4096", "--set", "optimizer.local_steps=2"]
+    # a round of 2 global batches of 1024: as many samples as a synchronous epoch of this lab
+    local = ["--set", "optimizer.target_batch_size=1024", "--set", "optimizer.local_steps=2"]
     server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards,
                                           settings=local)
     assert "--set optimizer.local_steps=2" in " ".join(line), line  # the printed line carries the mode
