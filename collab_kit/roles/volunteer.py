@@ -127,7 +127,8 @@ class Volunteer(NonFiniteRecoveryMixin):
         :param precision: "auto" (bf16 on Ampere and newer, fp16 with loss scaling on older cards, fp32 on the CPU),
           "fp32", "bf16" or "fp16"
         :param fit_settings: on a GPU, train with the micro-batch and reversible layers that fit its memory, as the
-          preflight chooses them (collab_kit.memory.fit_to_device); False keeps ``config``'s. Whatever this says, a GPU
+          preflight chooses them (collab_kit.memory.fit_to_device); on the CPU, without reversible layers when the RAM
+          holds the preset's micro-batch without them; False keeps ``config``'s. Whatever this says, a GPU
           that "auto" chose and that cannot hold the model is given up for the CPU, with a warning that says why
         :param device_facts: the machine's GPUs (None: read from torch); a test gives a card this machine lacks
         :raises collab_kit.errors.CollabKitError: the run refused this peer, no initial peer answered, the run is
@@ -137,17 +138,18 @@ class Volunteer(NonFiniteRecoveryMixin):
             torch.set_num_threads(num_threads)
         device_facts = device_facts if device_facts is not None else read_device_facts()
         plan = choose_device(device, precision, device_facts)  # a device not here: one sentence, before anything starts
-        fit = None
-        if plan.device.type == "cuda":
-            fit = memory.fit_to_device(config, plan, device_facts, int(psutil.virtual_memory().available), device)
-            if fit.note is not None:
-                logger.warning(fit.note)
-            plan = fit.plan
+        fit = memory.fit_to_device(config, plan, device_facts, int(psutil.virtual_memory().available), device)
+        if fit.note is not None:
+            logger.warning(fit.note)
+        plan = fit.plan
         membership = SwarmMembership(config, authorizer=authorizer)
         try:
             config = membership.config
-            if fit is not None and fit_settings:  # a peer's own settings: after the run's card was compared
-                config = fit.apply(config)
+            if fit_settings:  # a peer's own settings: after the run's card was compared
+                fitted = fit.apply(config)
+                if fitted.model.reversible != config.model.reversible and plan.device.type == "cpu":
+                    logger.info(f"training without reversible layers: {fit.recommendation}")
+                config = fitted
             data = data_for_peer(data_shards or config.data.shards, membership.run_card, config, data_setting,
                                  synthetic_fallback, synthetic_samples)
             if membership.is_first_peer:  # others join this swarm through this peer: they read its card
@@ -163,7 +165,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                                           peer_gate=membership.peer_gate)
             volunteer = cls(config, membership, model, stream, optimizer, plan=plan)
             volunteer.data_description = data.description
-            volunteer.device_note = fit.note if fit is not None else None
+            volunteer.device_note = fit.note
             return volunteer
         except BaseException:
             membership.close()

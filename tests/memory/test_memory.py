@@ -400,6 +400,25 @@ def test_the_calculator_widget_follows_its_controls():
         memory.calculator_widget(model="gpt-5")
 
 
+def test_a_cpu_with_ram_to_spare_trains_without_reversible_layers():
+    """On the CPU the preset's micro-batch stays, and reversible layers go where the RAM holds its activations without
+    them (they cost a second forward pass); the paper's model at 12 GiB needs them and keeps them."""
+    cpu = DeviceFacts(cuda_build=None, gpus=())
+    toy = get_preset("toy")
+    fit = fit_to_device(toy, choose_device("auto", "auto", cpu), cpu, 12 * GiB)
+    applied = fit.apply(toy)
+    assert fit.plan.device.type == "cpu" and fit.note is None
+    assert toy.model.reversible and not applied.model.reversible
+    assert applied.optimizer.batch_size_per_step == toy.optimizer.batch_size_per_step
+    assert dataclasses.replace(applied.model, reversible=True) == toy.model  # nothing else of the model changed
+    paper = get_preset("paper")
+    fit = fit_to_device(paper, choose_device("auto", "auto", cpu), cpu, 12 * GiB)
+    assert fit.recommendation.checkpointing and fit.apply(paper) is paper
+    # RAM too short for the preset's micro-batch without them: reversible layers stay
+    fit = fit_to_device(toy, choose_device("auto", "auto", cpu), cpu, 64 * 2 ** 20)
+    assert fit.apply(toy) is toy, fit.recommendation
+
+
 def test_a_device_plan_takes_what_fits_its_gpu_and_gives_up_one_too_small():
     """collab_kit.memory.fit_to_device, as the preflight and ``Volunteer.from_config`` apply it."""
     config = get_preset("paper")

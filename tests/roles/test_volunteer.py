@@ -177,4 +177,5 @@ def test_a_gpu_too_small_for_the_model_is_given_up_for_the_cpu_in_one_sentence(t
         and volunteer.device_note.endswith("training on the CPU"), volunteer.device_note
     assert volunteer.device_note in caplog.text and "\n" not in volunteer.device_note
     assert volunteer.config.optimizer.batch_size_per_step == config.optimizer.batch_size_per_step
+    assert config.model.reversible and not volunteer.config.model.reversible  # the RAM holds the tiny activations
     assert (history.device, history.local_steps) == ("cpu", 1)
