@@ -59,7 +59,8 @@ netlab:
 # the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite.
 # Test files run side by side in TEST_WORKERS processes (pytest-xdist), each file whole in one worker: a file's
 # module-scoped swarm is started once, and the tests of one file (the network lab's namespaces) never overlap.
-TEST_WORKERS ?= 3
+# Two, one a core: the suite is bound by CPU, and a third starved the toy demo's peers (tests/README.md).
+TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) chromium netlab
 	$(BIN)/lint-imports
