@@ -5,9 +5,22 @@ from nan_peer import start_nan_peer
 
 
 def join_args(run_id, shards, precision, *extra):
+    # A 6 s matchmaking window, not the tiny preset's 2 s: a group assembles that long after its first peer
+    # scheduled it, and the others must ask to join before. Sharing 2 cores with another test file, a peer's step
+    # can lag the others' by more than 2 s; it then misses the group and loads the state, as it should, but this test
+    # asks that every round holds all three. Each peer schedules at its first step of an epoch either way.
     return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--data", shards, "--threads", "1",
             "--events", "--no-progress", "--max-epochs", "4", "--wait-for-peers", "3", "--precision", precision,
-            *extra]
+            "--set", "optimizer.matchmaking_time=6.0", *extra]
+
+
+def rounds_of(peers):
+    """Each peer's epochs in one line each (epoch, local steps, averaged, group size, problem): what a failed
+    assertion needs to tell a peer late to a round from a round that failed for all."""
+    return "\n".join(f"{name}: " + "; ".join(f"{e['epoch']} {e['local_steps']} steps {e['averaged']} "
+                                             f"{e['group_size']} {e['problem']}"
+                                             for e in peer.events if e["type"] == "epoch")
+                     for name, peer in peers.items())
 
 
 @pytest.mark.slow
@@ -26,11 +39,13 @@ def test_fp32_bf16_and_fp16_peers_average_every_round_and_an_overflow_is_only_a_
         for name, peer in peers.items():
             ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its start")
             assert (ready["device"], ready["precision"]) == ("cpu", name), ready
+        dones = {name: peer.wait_for(lambda e: e["type"] == "done", timeout=300, what="the end of training")
+                 for name, peer in peers.items()}
         for name, peer in peers.items():
-            done = peer.wait_for(lambda e: e["type"] == "done", timeout=300, what="the end of training")
+            done = dones[name]
             assert done["final_epoch"] >= 4 and done["precision"] == name and not done["interrupted"], done
             epochs = [event for event in peer.events if event["type"] == "epoch"]
-            assert epochs and all(e["averaged"] and e["group_size"] == 3 for e in epochs), (name, epochs)
+            assert epochs and all(e["averaged"] and e["group_size"] == 3 for e in epochs), rounds_of(peers)
             assert not [e for e in peer.events if e["type"] in ("restore", "lone")], (name, peer.events)
             assert done["overflow_steps"] == (1 if name == "fp16" else 0) and done["skipped_steps"] == 0, done
         fault = fp16.wait_for(lambda e: e["type"] == "fault", timeout=1, what="the injected overflow")
