@@ -14,6 +14,12 @@ _HF_HOME = tempfile.mkdtemp(prefix="collab_kit_test_hf_")
 atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)  # each run's cache goes with it, not left in /tmp
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=_HF_HOME,
                   HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false")
+# Side by side (pytest-xdist), each worker's share of the cores is its torch threads, here and in every process it
+# starts (kernels, monitors, the demo drawing its samples): two workers whose processes each spun two threads on
+# two cores ran them up to 3x slower than one thread each. Before torch is imported; a count set outside stays.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 import pytest  # noqa: E402
 
