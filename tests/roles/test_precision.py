@@ -5,10 +5,8 @@ from nan_peer import start_nan_peer
 
 
 def join_args(run_id, shards, precision, *extra):
-    # A 6 s matchmaking window, not the tiny preset's 2 s: a group assembles that long after its first peer
-    # scheduled it, and the others must ask to join before. Sharing 2 cores with another test file, a peer's step
-    # can lag the others' by more than 2 s; it then misses the group and loads the state, as it should, but this test
-    # asks that every round holds all three. Each peer schedules at its first step of an epoch either way.
+    # a 6 s matchmaking window, not the tiny preset's 2 s: on 2 shared cores a peer's step can lag the others' by more
+    # than 2 s, and a late peer rightly misses the group, while this test asks that every round hold all three
     return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--data", shards, "--threads", "1",
             "--events", "--no-progress", "--max-epochs", "4", "--wait-for-peers", "3", "--precision", precision,
             "--set", "optimizer.matchmaking_time=6.0", *extra]
