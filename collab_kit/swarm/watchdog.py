@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -57,8 +57,14 @@ async def _ping_answers(node, peer_id: PeerID, timeout: float) -> bool:
         return False
 
 
+def _is_another_peer(error: BaseException) -> bool:
+    """Whether a libp2p dial failed because another peer than the one dialled answered at the address (the daemon's
+    "peer id mismatch": a peer started again there with a new identity)."""
+    return "peer id mismatch" in str(error) or "remote key matches" in str(error)
+
+
 async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: bool, timeout: float, probe_link: bool,
-                            _dht, node) -> Tuple[int, bool]:
+                            impostors_before: Sequence[str], _dht, node) -> Tuple[int, bool, List[str]]:
     """In the DHT's process: tell whether the link to the swarm works, and with no peer left in the routing table,
     dial the initial peers that a TCP connection reaches and ping them (which puts them back in the table).
 
@@ -67,13 +73,16 @@ async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: boo
       is back)
     :param probe_link: check the link even while the routing table holds peers (with an empty table it is always
       checked): a TCP connection to each initial peer and a ping to a few neighbours, any answer meaning the link works
-    :returns: peers in the routing table afterwards, and whether the link works (True when not checked)
+    :param impostors_before: the initial peers at whose address another peer answered at the last check: a dial that
+      libp2p holds back after a failed one (its dial backoff) tells nothing new, and they stay so
+    :returns: peers in the routing table afterwards, whether the link works (True when not checked), and the initial
+      peers at whose address another peer answers
     """
     table = node.protocol.routing_table
     neighbours = list(table.uid_to_peer_id.values())[:3]
     if neighbours and not probe_link:
-        return len(table.uid_to_peer_id), True
-    peers = []
+        return len(table.uid_to_peer_id), True, list(impostors_before)
+    peers, impostors = [], []
     for address in initial_peers:
         try:
             maddr = Multiaddr(address)
@@ -89,9 +98,11 @@ async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: boo
                 logger.debug(f"could not drop the connection to {peer_id}: {e!r}")
     answers = await asyncio.gather(*(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers),
                                    *(_ping_answers(node, peer_id, timeout) for peer_id in neighbours))
-    tcp_answers = answers[:len(peers)]
-    if fresh_connections or not neighbours:
-        for (peer_id, transport, _), answered in zip(peers, tcp_answers):
+    tcp_answers, ping_answers = list(answers[:len(peers)]), answers[len(peers):]
+    if fresh_connections or not neighbours or not any(ping_answers):
+        # dial the initial peers whose port answers: it puts them back in the table, and tells the right peer answering
+        # from another one that listens there now (a peer started again with a new identity), which is no link back
+        for index, ((peer_id, transport, _), answered) in enumerate(zip(peers, tcp_answers)):
             if not answered:
                 continue
             try:
@@ -100,7 +111,11 @@ async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: boo
                     logger.debug(f"initial peer {peer_id} accepts TCP connections but did not answer a ping")
             except Exception as e:  # not yet: the next check tries again
                 logger.debug(f"could not reach initial peer {peer_id}: {e!r}")
-    return len(table.uid_to_peer_id), any(answers)
+                address = f"{transport}/p2p/{peer_id}"
+                if _is_another_peer(e) or (address in impostors_before and "dial backoff" in str(e)):
+                    tcp_answers[index] = False
+                    impostors.append(address)
+    return len(table.uid_to_peer_id), any(tcp_answers) or any(ping_answers), impostors
 
 
 class SwarmWatchdog:
@@ -121,7 +136,8 @@ class SwarmWatchdog:
       volunteer gives up its averaging round, which cannot finish, and waits). The table is no sign here: hivemind
       empties it only when a request of the peer's own times out, tens of seconds into a cut. When an initial peer
       answers again, it drops libp2p's old connections, dials afresh and calls ``on_link_back`` (the volunteer loads
-      the swarm's state and goes on).
+      the swarm's state and goes on). An address that answers as another peer (a first peer started again with a
+      new identity) is no return of the link, and is said as such.
 
     :param dht: this peer's DHT
     :param initial_peers: the addresses it joined through
@@ -144,6 +160,8 @@ class SwarmWatchdog:
         self.link_outages = 0  # times the link went down
         self.link_down = threading.Event()  # set while nothing of the swarm answers
         self.link_down_since: Optional[float] = None  # time.time() when the link went down
+        self._impostors = set()  # initial peers at whose address another peer answers now
+        self._told_impostors = set()  # those said already, once each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-swarm-watchdog")
         if self.initial_peers:
@@ -156,8 +174,9 @@ class SwarmWatchdog:
             started = time.monotonic()
             probe = self.link_down.is_set() or unanswered_since is not None or started >= next_probe
             try:
-                known, reachable = self.dht.run_coroutine(partial(
-                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout, probe))
+                known, reachable, impostors = self.dht.run_coroutine(partial(
+                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout, probe,
+                    sorted(self._impostors)))
             except Exception as e:  # the DHT is shutting down, or busy: the next check comes as usual
                 logger.debug(f"the swarm watchdog could not check the DHT: {e!r}")
                 continue
@@ -172,6 +191,13 @@ class SwarmWatchdog:
             elif not known and alone_since is None:
                 alone_since = now
                 logger.info("this peer's DHT lost every neighbour (a request timed out): dialling the initial peers")
+            self._impostors = set(impostors)
+            for address in self._impostors - self._told_impostors:
+                self._told_impostors.add(address)
+                logger.warning(f"another peer answers at the address of initial peer {address}: the peer there was "
+                               f"started again with a new identity, and this line no longer reaches the run. Its "
+                               f"organizer keeps the identity by starting it with the same --db (the key file beside "
+                               f"it); otherwise ask for the new join line")
             if self.link_down.is_set():
                 if known and reachable:
                     logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")
