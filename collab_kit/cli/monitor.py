@@ -17,8 +17,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "contributors' leaderboard in SQLite (--db, what `collab-kit dashboard` draws), and every "
                     "--checkpoint-every global epochs downloads the swarm's state from a peer and saves it as "
                     "CHECKPOINTS/epoch-NNNNNN (the newest --keep are kept; --push-to also uploads them). Started "
-                    "again with the same --db and --checkpoints, it goes on where it was (pass --initial-peers of "
-                    "a volunteer to rejoin a swarm that went on without it).")
+                    "again with the same command, it goes on where it was: the same peer id (its key beside --db) "
+                    "and port, so every join line it printed still works, and its anchor takes the newest state of "
+                    "the swarm (pass --initial-peers of a volunteer to rejoin a swarm of public peers that went on "
+                    "without it).")
     add_swarm_options(monitor)
     monitor.add_argument("--data", metavar="SHARDS",
                          help="the run's data: a Hub dataset id (user/name), a folder or glob of parquet shards, or "
@@ -31,7 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     monitor.add_argument("--poll-every", dest="poll_every", type=float, default=10.0,
                          metavar="SECONDS", help="seconds between two readings of the swarm (default: 10)")
     monitor.add_argument("--db", default=os.path.join("monitor", "run.sqlite"), metavar="PATH",
-                         help="SQLite file of the run's history and leaderboard, continued if it exists "
+                         help="SQLite file of the run's history and leaderboard, continued if it exists; the "
+                              "monitor's key (run.key) and port (run.port) are kept beside it "
                               "(default: monitor/run.sqlite; '' for none)")
     monitor.add_argument("--checkpoints", default=os.path.join("monitor", "checkpoints"), metavar="FOLDER",
                          help="where checkpoints go, one folder per global epoch (default: monitor/checkpoints)")

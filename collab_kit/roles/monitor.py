@@ -29,15 +29,20 @@ them to a Hugging Face Hub model repository. A download that fails (no peer shar
 a state that does not fit) is logged and retried with exponential backoff; polling goes on meanwhile.
 
 A monitor killed at any moment and started again with the same database and checkpoint folder goes on
-where it was: every poll is one transaction, the per-peer counters make sure nothing is credited twice,
-and the checkpoint series continues from the newest one on disk or in the database.
+where it was: it keeps its peer id and port (a key file and the port beside the database: ``lasting_address``),
+so every join line it printed stays valid; its anchor starts from the newest checkpoint and takes the volunteers'
+state when they are ahead; every poll is one transaction, the per-peer counters make sure nothing is credited
+twice, the run's epoch never goes back, and the checkpoint series continues from the newest one on disk or in
+the database.
 
 Its checkpoints are collab_kit.roles.checkpointer.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -130,6 +135,53 @@ def write_address_file(path: str, dht: hivemind.DHT) -> None:
     os.replace(tmp_path, path)
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether this machine can listen on ``host``:``port`` now (a port left by a process that died is free)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def lasting_address(config: RunConfig, settings: MonitorSettings) -> RunConfig:
+    """``config`` with the monitor's peer identity and port kept across restarts: its key file beside the database
+    (created at the first start; unless swarm.identity_path names one) and the port it listened on last (unless --port
+    names one, and while it is free). Every join line the monitor printed then stays valid after a crash.
+
+    Shown by tests/roles/test_monitor.py::test_a_monitor_keeps_its_identity_and_port_beside_its_database and behind NAT
+    by tests/netlab/test_network_lab.py::
+    test_a_monitor_killed_and_started_again_with_the_same_command_loses_nothing.
+    """
+    swarm, changes = config.swarm, {}
+    if swarm.identity_path is None and settings.identity_file:
+        os.makedirs(os.path.dirname(os.path.abspath(settings.identity_file)), exist_ok=True)
+        changes["identity_path"] = settings.identity_file
+    if swarm.port == 0 and settings.port_file and os.path.isfile(settings.port_file):
+        with open(settings.port_file) as f:
+            noted = f.read().strip()
+        if noted.isdigit() and port_is_free(swarm.listen_host, int(noted)):
+            changes["port"] = int(noted)
+        elif noted.isdigit():
+            logger.warning(f"port {noted}, where this monitor listened before, is taken by another program: it listens "
+                           f"on another port, so the join lines it printed before no longer work (pass --port to "
+                           f"choose one)")
+    return dataclasses.replace(config, swarm=dataclasses.replace(swarm, **changes)) if changes else config
+
+
+def note_port(path: str, dht: hivemind.DHT) -> None:
+    """Write the TCP port ``dht`` listens on to ``path`` (atomically), for ``lasting_address`` after a restart."""
+    ports = {address.split("/tcp/", 1)[1].split("/", 1)[0] for address in map(str, dht.get_visible_maddrs())
+             if "/tcp/" in address}
+    if len(ports) != 1:
+        return  # announced addresses with ports of their own (a router's forward): nothing to note
+    with open(path + ".tmp", "w") as f:
+        f.write(ports.pop() + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def verified_username(subkey: bytes, record: PeerMetrics, binding_value, server_public_key) -> Optional[str]:
     """The Hugging Face username a metrics record may be credited to, or None when nothing proves one.
 
@@ -204,7 +256,8 @@ class Monitor:
     :param config: the run's configuration (its swarm section says where to listen; its model and optimizer
       must be the volunteers' for checkpoints)
     :param settings: what to keep and how often (MonitorSettings)
-    :param on_event: called as ``on_event(kind, **fields)`` for "ready", "poll", "anchor_round", "checkpoint",
+    :param on_event: called as ``on_event(kind, **fields)`` for "ready", "poll", "anchor_round", "anchor_resumed"
+      (the state the anchor goes on from after a restart: its checkpoint, or the swarm's when newer), "checkpoint",
       "state_download_failed" and "push_failed" (``collab-kit monitor --events`` prints them); calls are serialized
     :raises MonitorError: W&B asked for but not installed, or an anchor asked for in client mode
     :raises collab_kit.auth.client.AuthorizationError: an authorized run refused this peer
@@ -218,6 +271,7 @@ class Monitor:
         self.wandb = None
         if self.settings.wandb_project:
             require_wandb(self.settings.wandb_project)  # a missing package fails before anything starts
+        config = lasting_address(config, self.settings)
         # the first peer of a swarm accepts connections; a monitor started again through a volunteer asks the swarm
         self.membership = SwarmMembership(config, record_validators=monitor_validators(self.run_id))
         self.config = config = self.membership.config
@@ -226,13 +280,19 @@ class Monitor:
         peer_gate = self.membership.peer_gate
         self.checkpointer, self.history, self.anchor = None, None, None
         self._verified: Dict[bytes, str] = {}  # record subkey -> the username a binding proved for it
+        # the highest global epoch seen: after a restart the DHT holds no record until the peers publish again, and
+        # the run's epoch does not go back meanwhile
+        self._last_epoch = 0
         try:
+            if self.settings.port_file and not self.dht.client_mode and not config.swarm.announce_maddrs:
+                note_port(self.settings.port_file, self.dht)
             self._announce_run()
             if self.settings.anchor and self.dht.client_mode:
                 raise MonitorError("an anchor must accept connections, and this monitor is in client mode: run it on "
                                    "a machine others can dial, or without --anchor")
             if self.settings.anchor is not False and not self.dht.client_mode:
-                self.anchor = Anchor(config, self.dht, peer_gate=peer_gate, on_round=self._on_anchor_round)
+                self.anchor = Anchor(config, self.dht, peer_gate=peer_gate, on_round=self._on_anchor_round,
+                                     on_state=self._on_anchor_state)
             elif not self.settings.anchor:
                 logger.warning("this monitor runs no anchor: volunteers behind NAT can average only through "
                                "another peer that accepts connections")
@@ -242,6 +302,7 @@ class Monitor:
                 self.checkpointer = Checkpointer(config, self.dht, self.settings, emit=self._emit, anchor=self.anchor)
             if self.settings.db_path:
                 self.history = RunHistory(self.settings.db_path, run_id=self.run_id)
+                self._last_epoch = self.history.last_epoch()
             if self.checkpointer is not None:
                 self.checkpointer.start(self.history)
             if self.settings.wandb_project:
@@ -279,9 +340,13 @@ class Monitor:
             if metadata.get("run_id") != self.run_id:
                 return  # another run's series (the checkpointer says so)
             self.anchor.resume_from(dict(model.named_parameters()), int(metadata["global_epoch"]))
+            self._emit("anchor_resumed", epoch=int(metadata["global_epoch"]), source="checkpoint", path=path)
         except Exception as e:  # a series that does not fit this run's model: the anchor starts afresh
             logger.warning(f"the anchor could not resume from the checkpoints in {folder} ({type(e).__name__}: {e}); "
                            f"it starts from the run's initial parameters")
+
+    def _on_anchor_state(self, held_epoch: int, epoch: int) -> None:
+        self._emit("anchor_resumed", epoch=epoch, source="swarm", held_epoch=held_epoch)
 
     def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
         self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem)
@@ -327,7 +392,7 @@ class Monitor:
         progress = read_swarm_progress(self.dht, self.run_id)
         names = self._credited_names(records)
         snapshot = summarize([record for _, record in records])
-        snapshot.epoch = max(snapshot.epoch, progress.epoch)
+        snapshot.epoch = self._last_epoch = max(snapshot.epoch, progress.epoch, self._last_epoch)
         if progress.num_peers:  # hivemind's records expire sooner after a peer leaves: the better "alive" count
             snapshot.alive_peers, snapshot.samples_per_second = progress.num_peers, progress.samples_per_second
         contributors = 0

@@ -6,6 +6,7 @@ change (``MonitorError``) rather than after it has joined the swarm.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,6 +53,18 @@ class MonitorSettings:
     download_timeout: float = 300.0
     address_file: Optional[str] = None
     anchor: Optional[bool] = None
+
+    @property
+    def identity_file(self) -> Optional[str]:
+        """The monitor's private key, beside its database (``monitor/run.key`` for ``monitor/run.sqlite``): the same
+        peer id after a restart, so every join line it printed stays valid. None without a database."""
+        return os.path.splitext(self.db_path)[0] + ".key" if self.db_path else None
+
+    @property
+    def port_file(self) -> Optional[str]:
+        """Where the monitor notes the port it listens on, beside its database: it listens there again after a
+        restart unless --port says otherwise. None without a database."""
+        return os.path.splitext(self.db_path)[0] + ".port" if self.db_path else None
 
     def __post_init__(self):
         def require(condition: bool, what: str):

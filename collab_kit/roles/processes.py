@@ -153,6 +153,16 @@ class PeerProcess:
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGINT)
 
+    def crash(self) -> None:
+        """Kill the peer and everything it started at once (SIGKILL to its process group), as a machine that dies
+        would: nothing of it says goodbye."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._reader.join(5)
+
     def kill(self, grace: float = 5.0):
         """End the peer and everything it started (p2p daemons, averager processes)."""
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):

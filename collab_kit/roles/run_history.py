@@ -231,6 +231,12 @@ class RunHistory:
                 "SELECT time, epoch, loss, alive_peers, samples_per_second FROM swarm ORDER BY time").fetchall()
         return [SwarmSnapshot(*row) for row in rows]
 
+    def last_epoch(self) -> int:
+        """The highest global epoch of the polled points (0 before the first)."""
+        with self._lock:
+            row = self._connection.execute("SELECT MAX(epoch) FROM swarm").fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
     def leaderboard(self, limit: Optional[int] = None) -> List[Contributor]:
         """Contributors, most samples first."""
         columns = "name, samples, compute_seconds, first_seen, last_seen"

@@ -140,6 +140,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
         self._next_state_attempt = 0.0
         self.dropped_rounds = 0  # rounds whose averaged gradients were not finite (set to zero instead)
         self._triggered_early = None  # the round the anchor let start as soon as its group formed
+        self.state_loads: List[Tuple[int, int]] = []  # (epoch before, epoch after) of each newer state it took
         super().__init__(**kwargs)
 
     @property
@@ -233,9 +234,20 @@ class AnchorOptimizer(CollaborativeOptimizer):
         return True
 
     def load_state_from_peers(self, **kwargs) -> bool:
-        """Download the swarm's state; when no peer shares it (every volunteer behind NAT: an anchor started again while
-        they trained), take the swarm's epoch with the anchor's own parameters (from the monitor's newest checkpoint)."""
+        """Download the swarm's state, first from the training peers ahead of the anchor (volunteers behind NAT serve
+        it over the connections they opened to it: collab_kit.swarm.averagers.DirectStateMixin), then from hivemind's
+        sharers; when nobody gives it, take the swarm's epoch with the anchor's own parameters (from the monitor's
+        newest checkpoint)."""
+        epoch_before = self.local_epoch
+        ahead = sorted((record for record in self.tracker.trainer_records if record[1] > epoch_before),
+                       key=lambda record: -record[1])
+        if ahead:
+            self.state_averager.download_first_from([peer_id for peer_id, _ in ahead])
         loaded = super().load_state_from_peers(**kwargs)
+        if loaded and self.local_epoch > epoch_before:
+            self.state_loads.append((epoch_before, self.local_epoch))
+            logger.info(f"the anchor resumes from the state of epoch {self.local_epoch}, the swarm's newest (it held "
+                        f"epoch {epoch_before})")
         if not loaded and self.local_epoch < self.swarm_epoch:
             logger.warning(f"no peer shares the swarm's state: the anchor goes on at the swarm's epoch "
                            f"{self.swarm_epoch} with its own parameters (from epoch {self.local_epoch})")
@@ -269,15 +281,18 @@ class Anchor:
     :param peer_gate: in an authorized run, a collab_kit.swarm.bindings.PeerGate (only bound peers average through it)
     :param tick: seconds between two steps (how soon it notices the end of an epoch)
     :param on_round: called with (epoch, training peers in the group, problem or None) after each gradient round
+    :param on_state: called with (the epoch it held, the epoch of the state) when it takes a newer state from the swarm
+      (after a restart: the volunteers', who trained on meanwhile)
     :raises AnchorError: the DHT is in client mode
     """
 
     def __init__(self, config: RunConfig, dht: hivemind.DHT, peer_gate=None, tick: float = 0.1,
-                 on_round: Optional[Callable[[int, int, Optional[str]], None]] = None):
+                 on_round: Optional[Callable[[int, int, Optional[str]], None]] = None,
+                 on_state: Optional[Callable[[int, int], None]] = None):
         if dht.client_mode:
             raise AnchorError("an anchor must accept connections, and this peer is in client mode: run it on a "
                               "machine others can dial (a public address, or a forwarded port)")
-        self.config, self.tick, self.on_round = config, tick, on_round
+        self.config, self.tick, self.on_round, self.on_state = config, tick, on_round, on_state
         self.model = initial_model(config.model, config.swarm.run_id)  # the volunteers' initial parameters
         self.optimizer: AnchorOptimizer = make_optimizer(
             self.model, dht, config.swarm.run_id, config.optimizer, client_mode=False, peer_gate=peer_gate,
@@ -316,10 +331,12 @@ class Anchor:
                     if not self.optimizer.leads_rounds:
                         self.optimizer.stand_by()
                     else:
-                        epoch = self.local_epoch
+                        epoch, loads = self.local_epoch, len(self.optimizer.state_loads)
                         self.optimizer.trigger_formed_round()
                         self.optimizer.step()
-                        if self.local_epoch != epoch:
+                        if len(self.optimizer.state_loads) != loads:  # a step that loads the state takes no round
+                            self._report_state(*self.optimizer.state_loads[-1])
+                        elif self.local_epoch != epoch:
                             self._report_round(epoch)
             except Exception as e:  # the swarm goes on: the next step tries again
                 logger.warning(f"the anchor's step failed ({type(e).__name__}: {e}); it goes on",
@@ -337,13 +354,20 @@ class Anchor:
         if self.on_round is not None:
             self.on_round(epoch, trainers, problem)
 
+    def _report_state(self, held_epoch: int, epoch: int) -> None:
+        if self.on_state is not None:
+            self.on_state(held_epoch, epoch)
+
     def snapshot(self) -> Tuple[int, Dict[str, torch.Tensor]]:
         """The swarm's parameters as the anchor holds them between two steps (a pending update applied) and their
         global epoch; an anchor that stands by (every training peer accepts connections) downloads them first."""
         with self._lock:
             optimizer = self.optimizer
             if not optimizer.leads_rounds and optimizer.local_epoch < optimizer.swarm_epoch:
+                loads = len(optimizer.state_loads)
                 optimizer.load_state_from_peers()
+                if len(optimizer.state_loads) != loads:
+                    self._report_state(*optimizer.state_loads[-1])
             optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
             return self.local_epoch, {name: param.detach().clone() for name, param in self.model.named_parameters()}
 

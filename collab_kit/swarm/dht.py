@@ -22,6 +22,7 @@ import time
 from typing import List, Optional, Sequence, Tuple
 
 import hivemind
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 import psutil
 
@@ -194,6 +195,11 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
             ) from None
         raise
     except hivemind.p2p.P2PDaemonError as e:
+        if "is already taken" in str(e):
+            raise SwarmConnectionError(
+                f"a peer of the swarm runs with this peer's identity ({config.identity_path}) now: is the same monitor "
+                f"(or peer) already running? Stop it, or give this one a database of its own (--db: a monitor keeps "
+                f"its key beside it) or a key of its own (--set swarm.identity_path=FILE)") from None
         if initial_peers and "bootstrap" in str(e):
             raise SwarmConnectionError(
                 f"could not reach any initial peer ({', '.join(initial_peers)}): check that the first peer is "
@@ -208,6 +214,16 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
             raise
     logger.info(f"DHT started, peer id {dht.peer_id}")
     return dht
+
+
+def initial_peer_ids(addresses: Sequence[str]) -> List[PeerID]:
+    """The peer ids of full multiaddrs (``.../p2p/<peer id>``), each once, in order."""
+    peer_ids = []
+    for address in parse_initial_peers(addresses):
+        peer_id = PeerID.from_base58(address.rstrip("/").rsplit("/p2p/", 1)[1].split("/", 1)[0])
+        if peer_id not in peer_ids:
+            peer_ids.append(peer_id)
+    return peer_ids
 
 
 def join_addresses(dht: hivemind.DHT) -> List[str]:

@@ -453,6 +453,68 @@ def test_a_link_cut_for_30_s_while_averaging_heals_by_itself(lab, tmp_path, tiny
         peer.interrupt()
 
 
+# -- the organizer's machine crashes -------------------------------------------------------------------------
+
+
+@needs_lab
+@pytest.mark.slow
+def test_a_monitor_killed_and_started_again_with_the_same_command_loses_nothing(lab, tmp_path, tiny_shards):
+    """The organizer's machine dies (SIGKILL of the monitor and everything it started) in the middle of the run, and
+    20 s later the organizer types the same command again: the line shared before stays valid, the volunteers come
+    back by themselves, and the swarm goes on from its newest state (the volunteers', ahead of any checkpoint)."""
+    run_id, last_epoch = "restart_run", 12
+    organizer = ["monitor", "--preset", "tiny", "--run-id", run_id, "--data", tiny_shards, "--port", "31337",
+                 "--checkpoints", str(tmp_path / "checkpoints"), "--checkpoint-every", "4"]
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, command=organizer)
+    addresses = line[line.index("--initial-peers") + 1:]
+    homes = [lab.home(f"home{i}") for i in range(3)]
+    volunteers = [start_volunteer(home, tmp_path, line, "--max-epochs", str(last_epoch), "--wait-for-peers", "3")
+                  for home in homes]
+    # killed once a checkpoint is written and the swarm has gone on past it, two epochs before the next: the
+    # volunteers' state is the newest
+    checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=400, what="a checkpoint")
+    volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= checkpoint["epoch"] + 1, timeout=200,
+                           what="an epoch past the checkpoint")
+    monitor.crash()
+    assert [e["epoch"] for e in monitor.events if e["type"] == "checkpoint"] == [checkpoint["epoch"]]
+    killed_at = max(event["epoch"] for peer in volunteers for event in epochs_of(peer))
+    loss_before = [next(e["loss"] for e in reversed(epochs_of(peer))) for peer in volunteers]
+    threading.Event().wait(20)  # the organizer's 20 s
+    again = server.start("monitor-again", monitor.args, str(tmp_path / "monitor-again.log"))
+    ready = again.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")
+    assert printed_join_line(again) == line and sorted(ready["addresses"]) == sorted(addresses), (ready, line)
+    returned_at = time.time()
+    back_epoch = max(event["epoch"] for peer in volunteers for event in epochs_of(peer))
+    for peer in volunteers:  # each one back by itself, the same process, averaging within 3 epochs of the return
+        together = peer.wait_for(lambda e: e["type"] == "epoch" and e["averaged"] and e["group_size"] >= 2
+                                 and e["at"] > returned_at, timeout=240,
+                                 what="averaging again after the monitor's return")
+        assert together["epoch"] <= back_epoch + 3, (peer.name, together, back_epoch)
+        assert peer.process.poll() is None
+    for peer in volunteers:
+        done = peer.wait_for(lambda e: e["type"] == "done", timeout=400, what="the end of training")
+        assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
+        epochs = [event["epoch"] for event in epochs_of(peer)]
+        assert epochs == sorted(epochs), (peer.name, epochs)  # never back
+    # the swarm went on from its newest state: the first losses after the return are those of before the kill, not of
+    # the checkpoint's epoch or the start
+    first_loss = [next(e["loss"] for e in epochs_of(peer) if e["epoch"] > killed_at) for peer in volunteers]
+    start_loss = [epochs_of(peer)[0]["loss"] for peer in volunteers]
+    assert max(first_loss) < min(start_loss) and sum(first_loss) / 3 <= 1.1 * sum(loss_before) / 3, (
+        start_loss, loss_before, first_loss)
+    # the anchor went on from its checkpoint, then from the volunteers' newer state, and averaged nothing older
+    resumed = [(e["source"], e["epoch"]) for e in again.events if e["type"] == "anchor_resumed"]
+    assert resumed[0] == ("checkpoint", checkpoint["epoch"]) and resumed[1][0] == "swarm", resumed
+    assert resumed[1][1] >= killed_at, (resumed, killed_at)
+    rounds = [e for e in again.events if e["type"] == "anchor_round" and e["training_peers"]]
+    assert rounds and min(e["epoch"] for e in rounds) >= killed_at, rounds
+    saved = again.wait_for(lambda e: e["type"] == "checkpoint", timeout=60, what="a checkpoint after the return")
+    assert saved["epoch"] > killed_at, saved
+    with RunHistory(str(tmp_path / "monitor.sqlite"), read_only=True) as history:
+        epochs = [point.epoch for point in history.series()]
+    assert epochs == sorted(epochs), epochs  # the run's history never goes back either
+
+
 # -- the link watch ------------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 
 import hivemind
 import pytest
@@ -23,6 +24,8 @@ from collab_kit.model.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, checkpoint_n
 from collab_kit.config import get_preset
 from collab_kit.swarm.metrics import MetricsPublisher, PeerMetrics
 from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.roles.monitor import lasting_address
+from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.roles.run_history import RunHistory
 
 # a small target batch: global epochs of a few seconds even on a loaded machine, so that checkpoints come often
@@ -267,6 +270,25 @@ def test_failed_state_downloads_are_retried_with_backoff_until_a_peer_arrives(st
 # fault (3): the monitor killed mid-run and restarted
 
 
+def test_a_monitor_keeps_its_identity_and_port_beside_its_database(tmp_path, caplog):
+    settings = MonitorSettings(db_path=str(tmp_path / "monitor" / "run.sqlite"))
+    config = get_preset("tiny", swarm=dict(host="127.0.0.1"))
+    first = lasting_address(config, settings)
+    assert first.swarm.identity_path == str(tmp_path / "monitor" / "run.key") and first.swarm.port == 0
+    assert os.path.isdir(tmp_path / "monitor")  # hivemind writes the key there at the first start
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        noted = holder.getsockname()[1]
+        (tmp_path / "monitor" / "run.port").write_text(f"{noted}\n")
+        with caplog.at_level(logging.WARNING, logger="collab_kit.roles.monitor"):
+            busy = lasting_address(config, settings)  # another program holds it now: any port, and said
+        assert busy.swarm.port == 0 and f"port {noted}, where this monitor listened before, is taken" in caplog.text
+    assert lasting_address(config, settings).swarm.port == noted  # free again: the same port
+    chosen = get_preset("tiny", swarm=dict(host="127.0.0.1", port=noted + 1, identity_path=str(tmp_path / "own.key")))
+    assert lasting_address(chosen, settings).swarm == chosen.swarm  # --port and swarm.identity_path win
+    assert lasting_address(config, MonitorSettings(db_path=None)).swarm == config.swarm  # no database, nothing kept
+
+
 def prefix_sums(values):
     sums, total = {0}, 0
     for value in values:
@@ -301,7 +323,12 @@ def test_a_monitor_killed_and_restarted_loses_no_leaderboard_row_and_its_checkpo
     # the swarm went on without it; it rejoins through a volunteer, with the same database and folder
     volunteer_addresses = events_of(volunteers[0], "ready")[0]["addresses"]
     second = start_peer("monitor-2", *monitor_args(run_id, tmp_path, "--initial-peers", *volunteer_addresses))
-    second.wait_for(lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE, what="ready after the restart")
+    ready_again = second.wait_for(lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE,
+                                  what="ready after the restart")
+    ready_before = events_of(first, "ready")[0]
+    # the same peer id (its key file beside the database) and port: every join line it printed still works
+    assert ready_again["peer_id"] == ready_before["peer_id"], (ready_again, ready_before)
+    assert sorted(ready_again["addresses"]) == sorted(ready_before["addresses"]), (ready_again, ready_before)
     newer = second.wait_for(lambda e: e["type"] == "checkpoint" and e["epoch"] > max(checkpoints_before),
                             timeout=EVENT_DEADLINE, what="a checkpoint newer than those before the kill")
     wait_for_next(second, lambda e: e["type"] == "poll" and e["contributors"] == 2, timeout=EVENT_DEADLINE,

@@ -14,8 +14,8 @@ from hivemind.proto import averaging_pb2
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model.transformer import initial_model
 from collab_kit.swarm import keys
-from collab_kit.swarm.averagers import (ANCHOR_ROLE, ClientModeMatchmakingMixin, DownloadRecorderMixin, SentBytesMixin,
-                                        FinishServingMixin, ForkedTorchThreadsMixin, RoundReportMixin, compose_averager,
+from collab_kit.swarm.averagers import (ANCHOR_ROLE, ClientModeMatchmakingMixin, DirectStateMixin, DownloadRecorderMixin,
+                                        SentBytesMixin, FinishServingMixin, ForkedTorchThreadsMixin, RoundReportMixin, compose_averager,
                                         recording_state_averager_class, round_report_averager_class)
 from collab_kit.swarm.bindings import AuthorizedAveragerMixin, authorized_averager_class
 from collab_kit.swarm.dht import start_dht
@@ -49,8 +49,9 @@ def test_the_keys_the_monitor_reads_are_those_hivemind_writes(optimizer):
 def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise():
     state = recording_state_averager_class()
     assert state.__name__ == "TrainingStateAverager" and state.__qualname__ == "RecordingTrainingStateAverager"
-    assert state.__mro__[1:8] == (ForkedTorchThreadsMixin, SentBytesMixin, FinishServingMixin, CallerClosesStreamsMixin,
-                                  ClientModeMatchmakingMixin, TrainingStateAverager, DownloadRecorderMixin)
+    assert state.__mro__[1:9] == (ForkedTorchThreadsMixin, SentBytesMixin, DirectStateMixin, FinishServingMixin,
+                                  CallerClosesStreamsMixin, ClientModeMatchmakingMixin, TrainingStateAverager,
+                                  DownloadRecorderMixin)
     gradients = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
     assert gradients.__name__ == "GradientAverager" and gradients.round_role == ANCHOR_ROLE
     assert issubclass(gradients, RoundReportMixin)

@@ -57,6 +57,16 @@ def test_an_unreachable_initial_peer_is_a_clear_error():
         start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[GOOD.replace("31337", "9")]))
 
 
+def test_a_second_peer_with_the_identity_of_a_live_one_is_a_clear_error(tmp_path):
+    key = str(tmp_path / "run.key")  # a monitor's key beside its database, started twice
+    first = start_dht(SwarmConfig(host="127.0.0.1", identity_path=key))
+    try:
+        with pytest.raises(SwarmConnectionError, match="runs with this peer's identity .* already running"):
+            start_dht(SwarmConfig(host="127.0.0.1", identity_path=key, initial_peers=join_addresses(first)))
+    finally:
+        first.shutdown()
+
+
 async def _request_timeout(_dht, node) -> float:
     """In a DHT's process: seconds it waits for a neighbour's answer before dropping it."""
     return node.protocol.wait_timeout
