@@ -3,6 +3,7 @@
     collab-kit demo                         a local collaborative run (what `make demo` runs)
     collab-kit join --initial-peers ADDR    train with a swarm as a volunteer
     collab-kit monitor                      the swarm's first peer: run history, leaderboard, checkpoints
+    collab-kit anchor --initial-peers ADDR  one more public peer that volunteers behind NAT average through
     collab-kit dashboard --db PATH --out FILE.html
                                             the monitor's database as a static page: plots and leaderboard
     collab-kit auth-server --organization ORG
@@ -23,11 +24,12 @@ import logging
 import sys
 from typing import Callable, List, Mapping, Optional
 
-from collab_kit.cli import auth_server, dashboard, demo, join, model_info, monitor, preprocess, reachability, toy
+from collab_kit.cli import (anchor, auth_server, dashboard, demo, join, model_info, monitor, preprocess, reachability,
+                            toy)
 from collab_kit.cli.common import handle_stop_signals
 from collab_kit.errors import CollabKitError
 
-COMMANDS = (demo, join, monitor, reachability, dashboard, auth_server, model_info, preprocess, toy)
+COMMANDS = (demo, join, monitor, anchor, reachability, dashboard, auth_server, model_info, preprocess, toy)
 
 
 def make_parser() -> argparse.ArgumentParser:

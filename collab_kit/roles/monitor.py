@@ -59,7 +59,7 @@ from collab_kit.model.checkpoint import list_checkpoints, load_latest_checkpoint
 from collab_kit.roles.checkpointer import Checkpointer
 from collab_kit.roles.monitor_settings import MonitorError, MonitorSettings
 from collab_kit.roles.run_history import RunHistory
-from collab_kit.swarm.anchor import Anchor
+from collab_kit.swarm.anchor import Anchor, anchor_validators, publish_anchor, read_anchor_addresses
 from collab_kit.swarm.bindings import read_binding
 from collab_kit.swarm.dht import join_addresses, join_instructions
 from collab_kit.swarm.keys import peer_tokens_key, progress_key
@@ -95,9 +95,10 @@ def progress_validators(run_id: str) -> list:
 
 
 def monitor_validators(run_id: str) -> list:
-    """The validators of the monitor's DHT: hivemind's progress records and collab_kit's metrics records."""
+    """The validators of the monitor's DHT: hivemind's progress records, collab_kit's metrics records and the anchors'
+    addresses."""
     return [SchemaValidator(TrainingProgressSchema, prefix=run_id), SchemaValidator(MetricsSchema, prefix=run_id),
-            RSASignatureValidator()]
+            *anchor_validators(run_id), RSASignatureValidator()]
 
 
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
@@ -127,11 +128,11 @@ def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
     )
 
 
-def write_address_file(path: str, dht: hivemind.DHT) -> None:
+def write_address_file(path: str, addresses: List[str]) -> None:
     """Write the join addresses, one a line, atomically (a reader never sees half a file)."""
     tmp_path = path + ".tmp"
     with open(tmp_path, "w") as f:
-        f.write("\n".join(join_addresses(dht)) + "\n")
+        f.write("\n".join(addresses) + "\n")
     os.replace(tmp_path, path)
 
 
@@ -256,7 +257,8 @@ class Monitor:
     :param config: the run's configuration (its swarm section says where to listen; its model and optimizer
       must be the volunteers' for checkpoints)
     :param settings: what to keep and how often (MonitorSettings)
-    :param on_event: called as ``on_event(kind, **fields)`` for "ready", "poll", "anchor_round", "anchor_resumed"
+    :param on_event: called as ``on_event(kind, **fields)`` for "ready", "join_line" (printed again when the run's
+      anchors change), "poll", "anchor_round", "anchor_resumed"
       (the state the anchor goes on from after a restart: its checkpoint, or the swarm's when newer), "checkpoint",
       "state_download_failed" and "push_failed" (``collab-kit monitor --events`` prints them); calls are serialized
     :raises MonitorError: W&B asked for but not installed, or an anchor asked for in client mode
@@ -283,6 +285,7 @@ class Monitor:
         # the highest global epoch seen: after a restart the DHT holds no record until the peers publish again, and
         # the run's epoch does not go back meanwhile
         self._last_epoch = 0
+        self._other_anchors: List[str] = []  # the addresses of the run's other anchors, on the join line printed last
         try:
             if self.settings.port_file and not self.dht.client_mode and not config.swarm.announce_maddrs:
                 note_port(self.settings.port_file, self.dht)
@@ -386,8 +389,33 @@ class Monitor:
             names[key] = self._verified[key]
         return names
 
+    def _update_anchors(self) -> None:
+        """Publish this monitor's anchor, and print the join line again when the run's other anchors change: every line
+        lists them all, so a volunteer who joins through it reaches the run while any one of them lives."""
+        own = join_addresses(self.dht)
+        if self.anchor is not None:
+            publish_anchor(self.dht, self.run_id, own, ttl=max(60.0, 3 * self.settings.poll_every))
+        others = sorted({address for addresses in read_anchor_addresses(self.dht, self.run_id) for address in addresses
+                         if address not in own})
+        if others != self._other_anchors:
+            self._other_anchors = others
+            self._print_join_line()
+
+    def _print_join_line(self) -> None:
+        print(join_instructions(self.dht, self.config, data=self.membership.run_card.data,
+                                other_anchors=self._other_anchors), flush=True)
+        own = join_addresses(self.dht)
+        addresses = own + [address for address in self._other_anchors if address not in own]
+        if self.settings.address_file:
+            write_address_file(self.settings.address_file, addresses)
+        self._emit("join_line", addresses=addresses)
+
     def poll(self) -> SwarmSnapshot:
         """Read the swarm once, store the point and the contributors' growth, and wake the checkpointer."""
+        try:
+            self._update_anchors()
+        except Exception as e:  # the DHT busy: the next poll tries again
+            logger.debug(f"could not read or publish the run's anchors: {e!r}")
         records = read_metrics(self.dht, self.run_id)
         progress = read_swarm_progress(self.dht, self.run_id)
         names = self._credited_names(records)
@@ -423,9 +451,7 @@ class Monitor:
         """
         stop = stop or threading.Event()
         try:
-            print(join_instructions(self.dht, self.config, data=self.membership.run_card.data), flush=True)
-            if self.settings.address_file:
-                write_address_file(self.settings.address_file, self.dht)
+            self._print_join_line()
             self._emit("ready", peer_id=str(self.dht.peer_id), addresses=join_addresses(self.dht))
             if on_ready is not None:
                 on_ready(self.dht)

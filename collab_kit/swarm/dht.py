@@ -248,10 +248,14 @@ def join_command(config: RunConfig, addresses: Sequence[str], data: Optional[str
     return f"HF_TOKEN=hf_... {command}" if config.swarm.auth_server else command
 
 
-def join_instructions(dht: hivemind.DHT, config: RunConfig, data: Optional[str] = None) -> str:
-    """One line that tells others how to join ``config``'s run (on ``data``, the run's data): through this peer, or,
-    when nobody can dial it, through its initial peers (the addresses it joined through)."""
+def join_instructions(dht: hivemind.DHT, config: RunConfig, data: Optional[str] = None,
+                      other_anchors: Sequence[str] = ()) -> str:
+    """One line that tells others how to join ``config``'s run (on ``data``, the run's data): through this peer (and
+    ``other_anchors``, the addresses of the run's other anchors), or, when nobody can dial it, through its initial
+    peers (the addresses it joined through)."""
     addresses = join_addresses(dht)
+    if addresses:
+        addresses += [address for address in other_anchors if address not in addresses]
     if addresses:
         return f"To join this swarm: {join_command(config, addresses, data)}"
     through = list(config.swarm.initial_peers) or ["ADDRESS-OF-A-PEER-THAT-ACCEPTS-CONNECTIONS"]

@@ -36,3 +36,9 @@ def presence_key(run_id: str) -> str:
 def peer_tokens_key(run_id: str) -> str:
     """Each peer's access token bound to its peer id, in an authorized run (collab_kit.swarm.bindings)."""
     return f"{run_id}_peer_tokens"
+
+
+def anchors_key(run_id: str) -> str:
+    """Each anchor's join addresses, under its public key (collab_kit.swarm.anchor.publish_anchor): every join line a
+    monitor prints lists them all."""
+    return f"{run_id}_anchors"

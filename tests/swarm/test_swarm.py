@@ -36,6 +36,11 @@ def test_a_second_peer_joins_the_first_and_they_see_each_other():
         # the line carries what the joining peer must share: preset, run id, every setting changed from the preset
         assert line == (f"To join this swarm: collab-kit join --preset tiny --run-id run1 "
                         f"--set optimizer.target_batch_size=512 --initial-peers {' '.join(addresses)}")
+        # the run's other anchors follow this peer's own addresses, each once
+        other = "/ip4/10.77.0.11/tcp/4000/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
+        both = join_instructions(first, get_preset("tiny", swarm=dict(run_id="run1")),
+                                 other_anchors=[other, addresses[0]])
+        assert both.endswith(f"--initial-peers {' '.join(addresses)} {other}"), both
         second = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=addresses))
         try:
             second.store("greeting", "hello", expiration_time=10 ** 10)
