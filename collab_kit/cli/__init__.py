@@ -3,7 +3,7 @@
 - ``app``: the parser (each command module adds its own subcommand) and ``main``, the console script.
 - ``common``: the run configuration from ``--preset`` / ``--set`` / the swarm options, clean stops on signals, and
   ``CommandError``.
-- ``demo``, ``join``, ``monitor``, ``reachability``, ``dashboard``, ``auth_server``, ``model_info``,
+- ``demo``, ``join``, ``monitor``, ``anchor``, ``reachability``, ``dashboard``, ``auth_server``, ``model_info``,
   ``preprocess``, ``toy``: one command each, ``register(commands)`` and ``run(args)``.
 """
 from collab_kit.cli.app import main, make_parser

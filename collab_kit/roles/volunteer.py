@@ -35,7 +35,7 @@ from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
 from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
                                      undialable_reason)
-from collab_kit.swarm.dht import initial_peer_ids, join_instructions, wait_for_peers as wait_for_peers_in_swarm
+from collab_kit.swarm.dht import join_instructions, wait_for_peers as wait_for_peers_in_swarm
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsPublisher
 from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
@@ -86,9 +86,7 @@ class Volunteer(NonFiniteRecoveryMixin):
         # back in the DHT when it lost its neighbours; a cut link said, waited out and followed by loading the state
         self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
                                        on_link_back=self._on_link_back)
-        if config.swarm.client_mode and getattr(optimizer, "state_averager", None) is not None:
-            # the anchor it joined through, started again, takes the newest state from the volunteers it serves
-            optimizer.state_averager.serve_state_to(initial_peer_ids(config.swarm.initial_peers))
+        optimizer.serve_state_to_anchors(config.swarm)
         self._closed = False
         self._stop_requested = threading.Event()
         self._non_finite_streak = 0

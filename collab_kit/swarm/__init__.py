@@ -14,9 +14,11 @@
 - ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
   publishing this peer's record once per period within an epoch rather than at every step).
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
+- ``direct_state``: states passed between the peers a trainer names: volunteers behind NAT give theirs to the anchors.
 - ``streams``: the streams of rounds and matchmaking end with the caller's close once it has every message.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
-- ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT.
+- ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT, and the
+  anchors' addresses in the DHT.
 - ``membership``: joining a run the same way for every peer (token, client mode, DHT, the run's card, binding), and
   leaving it.
 - ``run_card``: the run's shared settings and data, published signed by its first peer; what a joining peer compares

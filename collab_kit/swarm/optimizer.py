@@ -29,12 +29,13 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from collab_kit.config import OptimizerConfig
+from collab_kit.config import OptimizerConfig, SwarmConfig
 from collab_kit.swarm import robust
 from collab_kit.swarm.averagers import (ANCHOR_ROLE, CLIENT_JOIN_ANSWER_TIMEOUT, RoundResult,
                                         STATE_DOWNLOAD_PART_TIMEOUT, TRAINER_ROLE, recording_state_averager_class,
                                         round_report_averager_class)
 from collab_kit.swarm.bindings import authorized_averager_class
+from collab_kit.swarm.dht import initial_peer_ids
 from collab_kit.swarm.keys import state_averager_prefix
 from collab_kit.swarm.lamb import gradient_compression, parameter_groups
 from collab_kit.swarm.local_updates import (local_update_kwargs, mode_averager_class, swarm_optimizer_factory,
@@ -305,6 +306,12 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         longer be the swarm's."""
         self._resync_reason = reason
         self._resync_requested = True
+
+    def serve_state_to_anchors(self, swarm: SwarmConfig) -> None:
+        """In client mode, let the peers this one joined through (the run's anchors) download its state: an anchor
+        started again takes the newest state from the volunteers behind NAT (averagers.DirectStateMixin)."""
+        if swarm.client_mode:
+            self.state_averager.serve_state_to(initial_peer_ids(swarm.initial_peers))
 
     def cancel_pending_round(self) -> bool:
         """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that
