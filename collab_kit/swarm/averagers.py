@@ -17,6 +17,8 @@ peers averaging by the plain mean must not join).
 - ``ClientModeMatchmakingMixin``: leaves out hivemind's request-timeout advice that does not apply in client mode.
 - ``RoundReportMixin``: each gradient round reports who was in it (trainers, anchors) and what it received, and
   lets the anchor hold a group open for the peers it expects.
+- ``RunnerChoiceMixin``: chooses the class of a round's all-reduce runner; an anchor's (``StandInRunnerMixin``)
+  sends its reducers one value per part, since its parts weigh nothing.
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ from typing import AsyncIterator, Callable, Iterable, List, Optional, Sequence, 
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 
 from collab_kit.swarm.direct_state import DirectStateMixin
@@ -238,6 +242,75 @@ def recording_state_averager_class() -> type:
                             qualname="RecordingTrainingStateAverager")
 
 
+class StandInRunnerMixin:
+    """Put before hivemind's AllReduceRunner: with ``stand_ins`` and a weight of 0, this peer sends each reducer one zero
+    value per part instead of the part itself, and still gets every averaged part back.
+
+    A reducer adds each sender's part times its weight, so a part of weight 0 never counts, whatever its values; one
+    value broadcasts to the part's shape in hivemind's accumulator and in CenteredClip's (collab_kit.swarm.robust), and
+    the reducer sends back the average minus it, a part of full shape. The anchor, whose parts are zeros of weight 0,
+    so sends its reducers a few bytes per part instead of its share of the vector
+    (tests/swarm/test_robust.py::test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average).
+    """
+
+    def __init__(self, *, stand_ins: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.stand_ins = stand_ins
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not (self.stand_ins and self.weight == 0):
+            async for message in super()._generate_input_for_peer(peer_index):
+                yield message
+            return
+        container = self.tensor_part_container
+        container._inputs_consumed_by_peer[peer_index] = True  # as hivemind's iterate_input_parts_for marks them
+        for part_index, (part, info) in enumerate(container._input_parts_by_peer[peer_index]):
+            # compressed as the part would be: the reducer sends the average back in the sender's compression
+            stand_in = container.compression.compress(torch.zeros(1, dtype=part.dtype), info)
+            if part_index == 0:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                                  tensor_part=stand_in, weight=self.weight)
+            else:
+                yield averaging_pb2.AveragingData(tensor_part=stand_in, weight=self.weight)
+
+
+class StandInAllReduceRunner(StandInRunnerMixin, AllReduceRunner):
+    """hivemind's AllReduceRunner with StandInRunnerMixin."""
+
+
+class RunnerChoiceMixin:
+    """Put before a hivemind averager class: its rounds run the all-reduce runner ``make_allreduce_runner`` builds
+    (StandInAllReduceRunner by default, sending stand-ins when ``sends_stand_ins``).
+
+    hivemind builds the runner inside ``DecentralizedAverager._run_allreduce_inplace_`` (1.1.12), copied here with the
+    runner's class as the one change; a mixin that reduces another way (CenteredClip) overrides ``make_allreduce_runner``.
+    """
+
+    sends_stand_ins = False  # whether parts of weight 0 go out as one value each (StandInRunnerMixin)
+
+    def make_allreduce_runner(self, **kwargs) -> AllReduceRunner:
+        """The runner of one round (hivemind's AllReduceRunner arguments)."""
+        return StandInAllReduceRunner(**kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None,
+                                      **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = self.make_allreduce_runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
+                                            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+                                            stand_ins=self.sends_stand_ins, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
 # what a peer tells its group about itself in each gradient round (hivemind's all-gather): an anchor contributes no
 # samples (collab_kit.swarm.anchor), so a round with only anchors beside this peer is not training together
 TRAINER_ROLE, ANCHOR_ROLE = "trainer", "anchor"
@@ -280,9 +353,9 @@ class RoundResult(dict):
         return epoch if 2 * count > len(self) else None
 
 
-class RoundReportMixin:
+class RoundReportMixin(RunnerChoiceMixin):
     """Put before a hivemind gradient averager: each round carries this peer's ``round_role`` to its group, and its
-    result is a RoundResult.
+    result is a RoundResult; an anchor's parts, of weight 0, go out as stand-ins (StandInRunnerMixin).
 
     hivemind.Optimizer offers no way to add data to a round's all-gather, and says nothing about a round that
     returned only part of the average ("Averaging: received 0.0% results" is a log line, and the round counts as
@@ -297,6 +370,11 @@ class RoundReportMixin:
     """
 
     round_role = TRAINER_ROLE
+
+    @property
+    def sends_stand_ins(self) -> bool:
+        return self.round_role == ANCHOR_ROLE
+
     round_epoch: Callable[[], Optional[int]] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
     join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
     client_join_timeout: Optional[float] = None  # in client mode, a round's timeout when its caller gave none

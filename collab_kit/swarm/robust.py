@@ -71,13 +71,11 @@ from typing import Optional, Sequence, Type
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.timed_storage import get_dht_time
 
-from collab_kit.swarm.averagers import compose_averager
+from collab_kit.swarm.averagers import RunnerChoiceMixin, StandInAllReduceRunner, compose_averager
 
 logger = logging.getLogger(__name__)
 
@@ -220,14 +218,18 @@ class _PartCollector:
 
     TensorPartReducer.accumulate_part (hivemind 1.1.12) calls ``accumulator.add_(part, alpha=weight)``
     once per sender, between its own bookkeeping of waiting, failed and banned senders; collecting the
-    parts here leaves all of that bookkeeping to hivemind.
+    parts here leaves all of that bookkeeping to hivemind. A part broadcasts to the part's shape, as in hivemind's
+    accumulator (an anchor's stand-in of one value, collab_kit.swarm.averagers.StandInRunnerMixin).
+
+    :param shape: the shape of the part being reduced
     """
 
-    def __init__(self):
+    def __init__(self, shape: torch.Size):
+        self.shape = shape
         self.parts, self.weights = [], []
 
     def add_(self, tensor_part: torch.Tensor, alpha: float = 1.0) -> "_PartCollector":
-        self.parts.append(tensor_part)
+        self.parts.append(tensor_part.expand(self.shape))
         self.weights.append(float(alpha))
         return self
 
@@ -253,7 +255,7 @@ class CenteredClipReducer(TensorPartReducer):
     def reset_accumulators(self):
         super().reset_accumulators()
         if not self.finished.is_set():
-            self.accumulator = _PartCollector()
+            self.accumulator = _PartCollector(self.part_shapes[self.current_part_index])
 
     def check_current_part_finished(self):
         assert self.current_part_accumulated_from <= self.num_current_senders
@@ -273,8 +275,8 @@ class CenteredClipReducer(TensorPartReducer):
         return clipped_aggregate(vectors, weights, self.relative_tau, self.iterations).reshape(shape)
 
 
-class CenteredClipAllReduceRunner(AllReduceRunner):
-    """AllReduceRunner whose reducer is a CenteredClipReducer (everything else is hivemind's).
+class CenteredClipAllReduceRunner(StandInAllReduceRunner):
+    """StandInAllReduceRunner whose reducer is a CenteredClipReducer (everything else is hivemind's).
 
     :param clip_tau: relative clipping radius (CenteredClipReducer's relative_tau)
     :param clip_iterations: CenteredClip iterations per part
@@ -291,11 +293,11 @@ class CenteredClipAllReduceRunner(AllReduceRunner):
                                                        relative_tau=clip_tau, iterations=clip_iterations)
 
 
-class CenteredClipAveragerMixin:
+class CenteredClipAveragerMixin(RunnerChoiceMixin):
     """Makes a DecentralizedAverager (sub)class reduce with CenteredClip in its all-reduce rounds.
 
     Put it before the averager class: ``class MyAverager(CenteredClipAveragerMixin, GradientAverager)``.
-    It overrides only ``_run_allreduce_inplace_``, so it combines with mixins that override other
+    It overrides only ``make_allreduce_runner`` (RunnerChoiceMixin), so it combines with mixins that override other
     methods (for instance ``rpc_join_group`` / ``rpc_aggregate_part`` to check who calls):
     ``class Both(AuthMixin, CenteredClipAveragerMixin, GradientAverager)``.
 
@@ -329,34 +331,8 @@ class CenteredClipAveragerMixin:
         kwargs.setdefault("min_group_size", MIN_GROUP_SIZE)
         super().__init__(*args, **kwargs)
 
-    # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with CenteredClipAllReduceRunner in place of
-    # AllReduceRunner: hivemind builds the runner inside this method, so this is where its class can be chosen
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None,
-                                      **kwargs):
-        group_id = group_info.group_id if group_id is None else group_id
-
-        runner = CenteredClipAllReduceRunner(
-            clip_tau=self.clip_tau,
-            clip_iterations=self.clip_iterations,
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=tensors,
-            group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids,
-            **kwargs,
-        )
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
-        self._running_groups[group_id].set_result(runner)
-
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+    def make_allreduce_runner(self, **kwargs) -> AllReduceRunner:
+        return CenteredClipAllReduceRunner(clip_tau=self.clip_tau, clip_iterations=self.clip_iterations, **kwargs)
 
 
 # a DecentralizedAverager, and hivemind's GradientAverager, that average with CenteredClip

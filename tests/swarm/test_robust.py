@@ -164,7 +164,8 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 
     combined = robust.with_centered_clip(CheckingGradientAverager)
     assert combined.__name__ == "CenteredClipCheckingGradientAverager"  # the same on every peer: RPC names match
-    assert combined.__mro__[1:3] == (robust.CenteredClipAveragerMixin, CheckingGradientAverager)
+    assert combined.__mro__[1:4] == (robust.CenteredClipAveragerMixin, averagers.RunnerChoiceMixin,
+                                     CheckingGradientAverager)
     assert robust.with_centered_clip(combined) is combined
     assert robust.with_centered_clip(GradientAverager) is robust.CenteredClipGradientAverager
     with pytest.raises(ValueError, match="aggregation='trimmed_mean' is not allowed"):
@@ -175,22 +176,25 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 # inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
 
 def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, **kwargs):
-    """One round of ``averager_class`` among one averager per DHT; each averager's tensors afterwards, and what each
-    round gave back (a RoundResult: its members, and the share of the average that came back)."""
+    """One round of ``averager_class`` (or of one class per DHT) among one averager per DHT; each averager's tensors
+    afterwards, and what each round gave back (a RoundResult: its members, and the share of the average that came back).
+    """
     from collab_kit.swarm.lamb import gradient_compression
 
-    averagers = [averager_class([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True,
-                                target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,
-                                request_timeout=1.0, compression=gradient_compression(threshold=1024), **kwargs)
-                 for dht, tensors in zip(dhts, tensors_by_peer)]
+    classes = averager_class if isinstance(averager_class, list) else [averager_class] * len(dhts)
+    averagers = [cls([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True,
+                     target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,
+                     request_timeout=1.0, compression=gradient_compression(threshold=1024), **kwargs)
+                 for cls, dht, tensors in zip(classes, dhts, tensors_by_peer)]
     try:
         controls = [averager.step(weight=weight, wait=False, timeout=60) for averager, weight in zip(averagers, weights)]
         rounds = [control.result(timeout=90) for control in controls]
         assert all(len(round_result) == len(dhts) for round_result in rounds), "the peers did not average in one group"
         results = []
-        for averager in averagers:
+        for averager, round_result in zip(averagers, rounds):
             with averager.get_tensors() as averaged:
                 results.append([t.clone() for t in averaged])
+            round_result.bytes_sent = averager.bytes_sent()[0]  # SentBytesMixin: this averager's parts and averages
         return results, rounds
     finally:
         for averager in averagers:
@@ -248,6 +252,54 @@ def test_hivemind_allreduce_with_centered_clip_resists_one_peer_times_1000():
               f"({seconds:.1f} s)")
         assert max(robust_errors) < 0.1, robust_errors
         assert min(plain_errors) > 50, plain_errors
+
+
+@pytest.mark.slow
+def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average():
+    import hivemind
+
+    # two trainers (weights 1 and 2) and two anchors (weight 0, zeros) in one group of four reducers. hivemind gives
+    # each reducer whole parts (up to 2^19 bytes): sixteen tensors of 20000 values, sent in 8 bits, are split evenly
+    generator = torch.Generator().manual_seed(2)
+    shapes = [20000] * 16 + [100]
+    trainers = [[torch.randn(size, generator=generator) for size in shapes] for _ in range(2)]
+    tensors_by_peer = trainers + [[torch.zeros(size) for size in shapes] for _ in range(2)]
+    weights = [1.0, 2.0, 0.0, 0.0]
+    mean = torch.cat([(first + 2 * second) / 3 for first, second in zip(*trainers)])
+    trainer_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
+                                                          averagers.TRAINER_ROLE)
+    anchor_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
+                                                         averagers.ANCHOR_ROLE)
+    whole_parts_class = averagers.compose_averager(anchor_class, qualname="WholePartsAnchor", sends_stand_ins=False)
+    install_p2p_fixes()
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(3)]
+    try:
+        outcomes = {}
+        for name, anchors, aggregation in (("whole", whole_parts_class, {}), ("stand-ins", anchor_class, {}),
+                                           ("robust stand-ins", robust.with_centered_clip(anchor_class),
+                                            dict(clip_tau=1.0, clip_iterations=5))):
+            trainer = robust.with_centered_clip(trainer_class) if aggregation else trainer_class
+            outcomes[name] = _average_in_group([trainer, trainer, anchors, anchors], name.replace(" ", "_"), dhts,
+                                               tensors_by_peer, weights, **aggregation)
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+    for name, (results, rounds) in outcomes.items():
+        assert [(r.received, r.failed_senders) for r in rounds] == [(1.0, 0)] * 4, (name, rounds)
+        for result in results:  # every member, anchors included, holds the trainers' weighted mean
+            error = ((torch.cat(result) - mean).norm() / mean.norm()).item()
+            assert error < (0.05 if name != "robust stand-ins" else 0.5), (name, error)
+    # an anchor reduces a quarter of the vector and sends its three senders their averages (3/4 of a vector) in both
+    # cases; with whole parts it sent its zeros as well (3/4 more), with stand-ins a few bytes per part
+    whole = [r.bytes_sent for r in outcomes["whole"][1]]
+    slim = [r.bytes_sent for r in outcomes["stand-ins"][1]]
+    print(f"bytes sent by the trainers and the anchors: whole parts {whole}, stand-ins {slim}")
+    for anchor in (2, 3):
+        assert 0.4 < slim[anchor] / whole[anchor] < 0.6, (whole, slim)
+    assert all(0.8 < slim[t] / whole[t] < 1.2 for t in (0, 1)), (whole, slim)
 
 
 # ---------------------------------------------------------------------------------------------
