@@ -135,6 +135,14 @@ class SentBytesMixin:
             self._bytes_served_here = getattr(self, "_bytes_served_here", 0) + message.ByteSize()
             yield message
 
+    async def rpc_download_state_part(self, request: averaging_pb2.AveragingData, context: P2PContext
+                                      ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not hasattr(super(), "rpc_download_state_part"):  # a gradient averager shares no state
+            return
+        async for message in super().rpc_download_state_part(request, context):
+            self._bytes_served_here = getattr(self, "_bytes_served_here", 0) + message.ByteSize()
+            yield message
+
 
 class DownloadRecorderMixin(DecentralizedAverager):
     """Remembers the epoch of the last state ``load_state_from_peers`` downloaded (None: no peer gave one).

@@ -113,7 +113,7 @@ class PeerGate:
 
 class AuthorizedAveragerMixin:
     """Put before a hivemind averager class: only peers with a valid binding may join a group with this
-    averager, send it parts to average, or download its state. Set ``self.peer_gate`` (a PeerGate) before
+    averager, send it parts to average, or download its state (whole or in parts). Set ``self.peer_gate`` (a PeerGate) before
     the averager's process starts (``start=False``, then ``run_in_background``).
 
     hivemind names a handler after the class (``prefix::GradientAverager.rpc_join_group``) and reads the
@@ -149,6 +149,15 @@ class AuthorizedAveragerMixin:
             return
         async for message in super().rpc_download_state(request, context):
             yield message
+
+    async def rpc_download_state_part(self, request: averaging_pb2.AveragingData, context: P2PContext
+                                      ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # a part of the state (collab_kit.swarm.direct_state), from averagers that share their state
+        if await self._refuses(context) or not hasattr(super(), "rpc_download_state_part"):
+            return
+        async for message in super().rpc_download_state_part(request, context):
+            yield message
+
 
 class BindingKeeper:
     """Keeps this peer's binding in the DHT: publishes it now, and again with a fresh token before the old expires.

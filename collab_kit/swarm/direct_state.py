@@ -1,21 +1,38 @@
 """States passed between the peers a trainer names, beside hivemind's rule that only peers accepting connections
-share theirs: the way an anchor started again takes the newest state from the volunteers behind NAT."""
+share theirs: the way an anchor started again takes the newest state from the volunteers behind NAT; and states
+downloaded in parts from several peers at once, so that late joiners do not all load one peer's link."""
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import AsyncIterator, Iterable, List, Optional, Tuple
+import random
+from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 logger = logging.getLogger(__name__)
+
+STATE_PART_SOURCES = 4  # the most peers one download of the state takes parts from
+
+
+def state_parts(sizes: Sequence[int], count: int) -> List[List[int]]:
+    """The indices of tensors of ``sizes`` (values each) split into ``count`` parts of about equal total size: largest
+    first, each to the part with the least so far (the first such part on a tie). Every peer computes the same parts
+    for the same model, so a part asked of one peer fits with the parts asked of others."""
+    parts, totals = [[] for _ in range(count)], [0] * count
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        smallest = min(range(count), key=lambda part: (totals[part], part))
+        parts[smallest].append(index)
+        totals[smallest] += sizes[index]
+    return [sorted(part) for part in parts]
 
 
 class DirectStateMixin:
@@ -27,10 +44,13 @@ class DirectStateMixin:
       can take the newest state from the volunteers behind NAT that reconnected to it. It is never announced in the
       DHT: other peers could not dial it.
     - A download tries the peers of ``download_first_from`` first (an anchor: the training peers ahead of it), then
-      hivemind's sharers.
+      takes the state in parts from the sharers at the highest epoch (up to STATE_PART_SOURCES of them, different
+      tensors from each, ``rpc_download_state_part``), then hivemind's download from one sharer. A part whose peer
+      fails or gives another epoch is asked of the others; failing that, the whole state comes from one peer.
 
     Shown by tests/netlab/test_network_lab.py::
-    test_a_monitor_killed_and_started_again_with_the_same_command_loses_nothing.
+    test_a_monitor_killed_and_started_again_with_the_same_command_loses_nothing and
+    tests/swarm/test_keys_and_averagers.py::test_a_late_joiner_downloads_different_tensors_from_each_sharer.
     """
 
     _state_readers: frozenset = frozenset()  # in the averager's process: peers a client-mode peer serves its state to
@@ -74,6 +94,31 @@ class DirectStateMixin:
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    async def rpc_download_state_part(self, request: averaging_pb2.AveragingData, context: P2PContext
+                                      ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Part ``part`` of ``count`` of this peer's state (``request.group_id``: the pair, serialized): the metadata,
+        with the indices of the tensors sent (``state_parts``) and their number, then those tensors as hivemind's
+        rpc_download_state streams them. Nothing to a peer this one does not share its state with, or a bad request."""
+        if not self.allow_state_sharing or (self.client_mode and context.remote_id not in self._state_readers):
+            return
+        try:
+            part, count = self.serializer.loads(request.group_id)
+            if not (isinstance(part, int) and isinstance(count, int) and 0 <= part < count <= STATE_PART_SOURCES):
+                return
+        except Exception:
+            return
+        metadata, tensors, infos = await self._get_current_state_from_host_process()
+        if infos is None:
+            infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
+        indices = state_parts([tensor.numel() for tensor in tensors], count)[part]
+        first = self.serializer.dumps(dict(state=self.serializer.loads(metadata) if isinstance(metadata, bytes)
+                                           else metadata, indices=indices, tensors=len(tensors)))
+        yield averaging_pb2.DownloadData(metadata=first)
+        for index in indices:
+            compressed = self.state_compression.compress(tensors[index], infos[index], allow_inplace=False)
+            for chunk in split_for_streaming(compressed):
+                yield averaging_pb2.DownloadData(tensor_part=chunk)
+
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
         sources, self._state_sources = self._state_sources, ()
         for peer in sources:
@@ -85,23 +130,104 @@ class DirectStateMixin:
             if state is not None:
                 future.set_result(state)
                 return
+        try:
+            state = await self._download_state_in_parts()
+        except Exception as e:  # hivemind's download from one peer is still there
+            logger.info(f"could not download the state in parts: {e!r}")
+            state = None
+        if state is not None:
+            future.set_result(state)
+            return
         await super()._load_state_from_peers(future, timeout=timeout)
+
+    def _sharers_at_newest_epoch(self) -> List[PeerID]:
+        """The peers sharing their state at the highest priority (hivemind's: their epoch), in random order."""
+        found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        priorities = {PeerID(peer_id): float(info.value) for peer_id, info in entries.items()
+                      if isinstance(info, ValueWithExpiration) and isinstance(info.value, (int, float))
+                      and PeerID(peer_id) != self.peer_id}
+        if not priorities:
+            return []
+        newest = max(priorities.values())
+        sharers = [peer for peer, priority in priorities.items() if priority == newest]
+        random.shuffle(sharers)  # many joiners at once spread over the sharers
+        return sharers
+
+    async def _download_state_in_parts(self) -> Optional[Tuple[dict, List[torch.Tensor]]]:
+        """The state in parts from the sharers at the newest epoch, one part from each, all at once; a part whose peer
+        failed, or gave another epoch than the first part's peer, is asked of the peers that gave theirs. None when
+        fewer than two peers share, or a part could not be had."""
+        sharers = self._sharers_at_newest_epoch()[:STATE_PART_SOURCES]
+        if len(sharers) < 2:
+            return None
+        count, started = len(sharers), get_dht_time()
+        results = await asyncio.gather(*(self._download_state_part(peer, part, count)
+                                         for part, peer in enumerate(sharers)), return_exceptions=True)
+        parts: Dict[int, Tuple[dict, Dict[int, torch.Tensor]]] = {
+            part: result for part, result in enumerate(results) if isinstance(result, tuple)}
+        if not parts:
+            return None
+        reference = parts[min(parts)][0]
+        parts = {part: got for part, got in parts.items() if got[0]["state"].get("epoch") == reference["state"].get("epoch")
+                 and got[0]["tensors"] == reference["tensors"]}
+        givers = [sharers[part] for part in sorted(parts)]
+        for part in range(count):
+            for peer in givers:
+                if part in parts:
+                    break
+                try:
+                    got = await self._download_state_part(peer, part, count)
+                except Exception as e:
+                    logger.info(f"could not download part {part} of the state from {peer}: {e!r}")
+                    continue
+                if got[0]["state"].get("epoch") == reference["state"].get("epoch"):
+                    parts[part] = got
+            if part not in parts:
+                return None
+        tensors: Dict[int, torch.Tensor] = {}
+        for _, got in parts.values():
+            tensors.update(got)
+        if sorted(tensors) != list(range(reference["tensors"])):
+            return None
+        logger.info(f"downloaded the state in {count} parts from {count} peers in {get_dht_time() - started:.1f} s")
+        return reference["state"], [tensors[index] for index in range(reference["tensors"])]
+
+    async def _read_state_stream(self, stream) -> Tuple[Optional[dict], List[torch.Tensor]]:
+        """The metadata and the tensors of a state as hivemind's rpc_download_state streams them (a message with a
+        tensor part of a dtype begins the next tensor), waiting at most a chunk's timeout for each message."""
+        metadata, tensors, chunks = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or self.request_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if not message.tensor_part.buffer and not message.tensor_part.dtype:
+                continue  # metadata alone
+            if message.tensor_part.dtype and chunks:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
+                chunks = []
+            chunks.append(message.tensor_part)
+        if chunks:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
+        return metadata, tensors
+
+    async def _download_state_part(self, peer: PeerID, part: int, count: int
+                                   ) -> Tuple[dict, Dict[int, torch.Tensor]]:
+        """Part ``part`` of ``count`` of ``peer``'s state: (the part's metadata, its tensors by index)."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        request = averaging_pb2.AveragingData(group_id=self.serializer.dumps([part, count]))
+        metadata, tensors = await self._read_state_stream(await stub.rpc_download_state_part(request))
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("state"), dict):
+            raise ValueError(f"{peer} gave no part of its state")
+        indices = metadata.get("indices")
+        if not isinstance(indices, list) or len(indices) != len(tensors) or not isinstance(metadata.get("tensors"), int):
+            raise ValueError(f"{peer} gave a part that does not match its own description")
+        return metadata, dict(zip(indices, tensors))
 
     async def _download_state_from(self, peer: PeerID) -> Optional[Tuple[dict, List[torch.Tensor]]]:
         """``peer``'s state (metadata, tensors) by hivemind's download protocol, or None when it gives none."""
         started = get_dht_time()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or self.request_timeout):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # a part with a dtype begins the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        metadata, tensors = await self._read_state_stream(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
         if not metadata:
             return None
         logger.info(f"downloaded the state of {peer} in {get_dht_time() - started:.1f} s")

@@ -130,3 +130,71 @@ def test_a_peer_that_stops_after_its_last_round_first_sends_the_parts_it_owes_it
         assert left_alone == 0, f"{left_alone} of {size} values missed the average"
     else:  # should hivemind ever wait by itself, this half fails and the mixin can go
         assert left_alone > 0, "hivemind now sends what a stopping peer owes: FinishServingMixin is no longer needed"
+
+
+def test_state_parts_split_every_tensor_once_and_evenly():
+    from collab_kit.swarm.direct_state import state_parts
+
+    sizes = [4096, 64, 4096, 8192, 64, 2048, 2048, 10]
+    parts = state_parts(sizes, 3)
+    assert sorted(index for part in parts for index in part) == list(range(len(sizes)))
+    totals = sorted(sum(sizes[index] for index in part) for part in parts)
+    assert totals[-1] - totals[0] <= max(sizes) // 2, totals
+    assert state_parts(sizes, 3) == parts  # the same on every peer
+    assert state_parts([5], 2) == [[0], []]
+
+
+@pytest.mark.slow
+def test_a_late_joiner_downloads_different_tensors_from_each_sharer():
+    from functools import partial
+
+    from waiting import wait_until
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+    def averager(averager_class, dht, built):
+        return averager_class(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.01), params=built.parameters(),
+                              prefix="parts_run_state_averager", start=True, request_timeout=2.0)
+
+    first = start_dht(SwarmConfig(host="127.0.0.1"))
+    initial = [str(a) for a in first.get_visible_maddrs()]
+    dhts = [first] + [start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial)) for _ in range(3)]
+    state_class = recording_state_averager_class()
+    sharers = [averager(state_class, dht, model(0)) for dht in dhts[:2]]
+    joiner_model = model(1)
+    joiner = averager(state_class, dhts[2], joiner_model)
+    started = []
+    try:
+        shared = [p.detach().clone() for p in sharers[0].main_parameters]
+        key = "parts_run_state_averager.all_averagers"
+
+        def sharing(count):
+            found = dhts[2].get(key, latest=True)
+            return found is not None and len(found.value) >= count + 1
+
+        wait_until(lambda: sharing(2), timeout=30, what="both sharers in the DHT")
+        joiner.load_state_from_peers(timeout=30)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.main_parameters, shared))
+        served = [sharer.bytes_sent()[1] for sharer in sharers]
+        print(f"bytes each sharer served: {served}")
+        assert min(served) > 0.3 * sum(served), served  # each gave about half, neither all
+
+        # a sharer that has no parts to give (hivemind's own averager): its part comes from the others
+        started.append(averager(TrainingStateAverager, dhts[3], model(0)))
+        wait_until(lambda: sharing(3), timeout=30, what="the third sharer in the DHT")
+        with torch.no_grad():
+            for parameter in joiner.main_parameters:
+                parameter.add_(1.0)
+        joiner.load_state_from_peers(timeout=30)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.main_parameters, shared))
+        again = [sharer.bytes_sent()[1] - before for sharer, before in zip(sharers, served)]
+        print(f"bytes each sharer served with a third one that gives no parts: {again}")
+        # in parts again (hivemind's download would take it all from one peer), the third one's part from the others
+        assert min(again) > 0.2 * sum(served) and sum(again) > 0.9 * sum(served), (served, again)
+    finally:
+        for each in [*sharers, joiner, *started]:
+            each.shutdown()
+        for dht in dhts:
+            dht.shutdown()
