@@ -36,7 +36,7 @@ from collab_kit.config import SettingFileMissing, SettingProblem
 
 if TYPE_CHECKING:  # loaded on first use: run_history loads hivemind (seconds), which a missing file need not wait for
     from collab_kit.swarm.metrics import SwarmSnapshot
-    from collab_kit.roles.run_history import CheckpointRow, Contributor, PeerAveraging
+    from collab_kit.roles.run_history import AnchorRow, CheckpointRow, Contributor, PeerAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class DashboardData:
     contributors: List[Contributor]  # most samples first
     checkpoints: List[CheckpointRow]  # by epoch
     averaging: List[PeerAveraging] = field(default_factory=list)  # each peer's last round, peers alone first
+    anchors: List[AnchorRow] = field(default_factory=list)  # the run's anchors, the one seen last first
 
     @property
     def latest(self) -> Optional[SwarmSnapshot]:
@@ -129,7 +130,8 @@ def load(db_path: Optional[str] = None) -> DashboardData:
         raise SettingProblem(f"cannot open {db_path!r} ({e}): pass the file `collab-kit monitor --db` writes") from None
     try:
         return DashboardData(db_path=db_path, series=history.series(), contributors=history.leaderboard(),
-                             checkpoints=history.checkpoints(), averaging=history.peer_averaging())
+                             checkpoints=history.checkpoints(), averaging=history.peer_averaging(),
+                             anchors=history.anchors())
     except sqlite3.DatabaseError as e:  # no such table, or not an SQLite file at all
         raise SettingProblem(f"{db_path!r} is not a monitor database ({e}): pass the file `collab-kit monitor --db` "
                              f"writes") from None
@@ -308,7 +310,8 @@ table.ck-table thead th { background: #24324a; color: #ffffff; }
 table.leaderboard tbody tr:nth-child(odd) { background: #e6eefa; }
 table.leaderboard tbody tr:nth-child(even) { background: #cfdcf2; }
 table.checkpoints tbody tr, table.averaging tbody tr { border-bottom: 1px solid #d0d7de; }
-table.averaging tr.alone td { background: #ffebe9; }
+table.averaging tr.alone td, table.anchors tr.gone td { background: #ffebe9; }
+table.anchors tbody tr { border-bottom: 1px solid #d0d7de; }
 table.ck-table .name { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; word-break: break-all; }
 p.ck-empty { padding: 12px 16px; background: #fff8c5; border: 1px solid #d4a72c; border-radius: 6px; }
 """
@@ -385,6 +388,25 @@ def averaging_html(peers: Sequence[PeerAveraging], limit: Optional[int] = 200) -
             f'<th>reported</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>{more}')
 
 
+# an anchor republishes its addresses at every poll of its monitor, for at least this long (collab_kit.roles.monitor)
+ANCHOR_RECORD_SECONDS = 60.0
+
+
+def anchors_html(anchors: Sequence[AnchorRow], latest_poll: Optional[float]) -> str:
+    """Each anchor of the run: live while the last poll read it (or within its record's lifetime), else gone."""
+    if not anchors:
+        return '<p class="ck-empty">No anchor has been read yet.</p>'
+    newest = latest_poll if latest_poll is not None else max(anchor.last_seen for anchor in anchors)
+    rows = []
+    for anchor in anchors:
+        live = anchor.last_seen >= newest - ANCHOR_RECORD_SECONDS
+        state = "live" if live else f"gone since {format_time(anchor.last_seen)}"
+        rows.append(f'<tr class="{"live" if live else "gone"}"><td class="name">{_e(anchor.peer_id)}</td>'
+                    f'<td>{_e(state)}</td><td class="name">{"<br>".join(_e(a) for a in anchor.addresses)}</td></tr>')
+    return ('<table class="ck-table anchors"><thead><tr><th>anchor</th><th>state</th><th>join addresses</th></tr>'
+            f'</thead>\n<tbody>\n{chr(10).join(rows)}\n</tbody></table>')
+
+
 def stats_html(data: DashboardData, now: Optional[float] = None) -> str:
     """The latest figures as cards (or, before the first poll, the message that there are none)."""
     latest = data.latest
@@ -424,6 +446,7 @@ def render_page(data: DashboardData, title: str = DEFAULT_TITLE, loss_x: str = "
         parts.append(f'<h2>The run</h2>\n<div class="plots">\n{chr(10).join(figures)}\n</div>')
     parts.append(f"<h2>Leaderboard</h2>\n{leaderboard_html(leaderboard_rows(data.contributors), max_contributors)}")
     parts.append(f"<h2>Averaging, per peer</h2>\n{averaging_html(data.averaging, max_contributors)}")
+    parts.append(f"<h2>Anchors</h2>\n{anchors_html(data.anchors, data.latest.time if data.latest else None)}")
     parts.append(f"<h2>Checkpoints</h2>\n{checkpoints_html(data.checkpoints)}")
     body = "\n".join(parts)
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
@@ -481,6 +504,7 @@ def show_leaderboard(source=DEFAULT_DB_PATH, limit: Optional[int] = 50) -> None:
     data = _data(source)
     display(HTML(f"<style>{TABLE_STYLE}</style>{leaderboard_html(leaderboard_rows(data.contributors), limit)}"
                  f"<h3>Averaging, per peer</h3>{averaging_html(data.averaging, limit)}"
+                 f"<h3>Anchors</h3>{anchors_html(data.anchors, data.latest.time if data.latest else None)}"
                  f"<h3>Checkpoints</h3>{checkpoints_html(data.checkpoints)}"))
 
 

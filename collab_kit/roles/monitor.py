@@ -44,6 +44,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -395,8 +396,10 @@ class Monitor:
         own = join_addresses(self.dht)
         if self.anchor is not None:
             publish_anchor(self.dht, self.run_id, own, ttl=max(60.0, 3 * self.settings.poll_every))
-        others = sorted({address for addresses in read_anchor_addresses(self.dht, self.run_id) for address in addresses
-                         if address not in own})
+        anchors = read_anchor_addresses(self.dht, self.run_id)
+        if self.history is not None:  # the dashboard shows each anchor, this one's included
+            self.history.record_anchors([own, *anchors] if self.anchor is not None else anchors, time.time())
+        others = sorted({address for addresses in anchors for address in addresses if address not in own})
         if others != self._other_anchors:
             self._other_anchors = others
             self._print_join_line()

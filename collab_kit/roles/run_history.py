@@ -22,12 +22,13 @@ sample is credited twice: the per-peer counters are in the same transaction).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
 import threading
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 
@@ -46,6 +47,7 @@ CREATE TABLE IF NOT EXISTS peers (
 CREATE TABLE IF NOT EXISTS checkpoints (
     epoch INTEGER PRIMARY KEY, path TEXT NOT NULL, time REAL NOT NULL, pushed_to TEXT);
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS anchors (peer_id TEXT PRIMARY KEY, addresses TEXT NOT NULL, last_seen REAL NOT NULL);
 """
 # columns added after the first release: added to a file that lacks them (name, SQL type)
 LATER_COLUMNS = {"peers": (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT")),
@@ -97,6 +99,24 @@ class PeerAveraging:
         if self.averaged_with is None:
             return "not reported"
         return f"averaging with {self.averaged_with} peer(s)" if self.averaged_with else "alone in the swarm"
+
+
+@dataclass
+class AnchorRow:
+    """One anchor of the run (collab_kit.swarm.anchor): its peer id, the addresses volunteers join it by, when the
+    monitor last read it in the DHT."""
+
+    peer_id: str
+    addresses: List[str]
+    last_seen: float
+
+
+def peer_id_of(addresses: Sequence[str]) -> str:
+    """The peer id a peer's join addresses name (``.../p2p/<id>``), or "" if none does."""
+    for address in addresses:
+        if "/p2p/" in address:
+            return address.rsplit("/p2p/", 1)[1]
+    return ""
 
 
 @dataclass
@@ -215,6 +235,17 @@ class RunHistory:
             "device = COALESCE(excluded.device, device)",
             (name, new_samples, new_seconds, record.time, record.time, device_label(record)))
 
+    def record_anchors(self, anchors: Iterable[Sequence[str]], time: float) -> None:
+        """The run's live anchors (each one's join addresses), read at ``time``."""
+        with self._lock, self._connection:
+            for addresses in anchors:
+                peer_id = peer_id_of(addresses)
+                if peer_id:
+                    self._connection.execute(
+                        "INSERT INTO anchors (peer_id, addresses, last_seen) VALUES (?, ?, ?) ON CONFLICT(peer_id) "
+                        "DO UPDATE SET addresses = excluded.addresses, last_seen = excluded.last_seen",
+                        (peer_id, json.dumps(list(addresses)), time))
+
     def record_checkpoint(self, epoch: int, path: str, time: float, pushed_to: Optional[str] = None) -> None:
         with self._lock, self._connection:
             self._connection.execute(
@@ -269,6 +300,16 @@ class RunHistory:
             rows = self._connection.execute("SELECT epoch, path, time, pushed_to FROM checkpoints "
                                             "ORDER BY epoch").fetchall()
         return [CheckpointRow(*row) for row in rows]
+
+    def anchors(self) -> List[AnchorRow]:
+        """Every anchor the monitor has read, the one seen last first ([] in a file from before anchors were kept)."""
+        with self._lock:
+            try:
+                rows = self._connection.execute("SELECT peer_id, addresses, last_seen FROM anchors "
+                                                "ORDER BY last_seen DESC, peer_id").fetchall()
+            except sqlite3.OperationalError:  # a read-only file written before the table existed
+                return []
+        return [AnchorRow(peer_id, json.loads(addresses), last_seen) for peer_id, addresses, last_seen in rows]
 
     def last_checkpoint_epoch(self) -> Optional[int]:
         with self._lock:

@@ -257,6 +257,34 @@ def test_the_dashboard_reads_a_database_the_monitor_is_writing(tmp_path):
     assert Page((tmp_path / "page.html").read_text()).tags.count("img") == 3
 
 
+def test_the_page_shows_each_anchor_live_or_gone(tmp_path):
+    import sqlite3
+
+    path = str(tmp_path / "run.sqlite")
+    monitor_anchor = ["/ip4/10.77.0.10/tcp/31337/p2p/QmMonitorAnchor"]
+    second_anchor = ["/ip4/10.77.0.11/tcp/4000/p2p/QmSecondAnchor", "/ip4/10.77.0.11/udp/4000/quic/p2p/QmSecondAnchor"]
+    with RunHistory(path) as history:  # as the monitor records each poll: the anchors it read, then the swarm
+        history.record_anchors([monitor_anchor, second_anchor], START)
+        history.record(summarize([], now=START), [])
+        history.record_anchors([monitor_anchor], START + 600)  # the second anchor's record expired: it died
+        history.record(summarize([], now=START + 600), [])
+    data = dashboard.load(path)
+    assert [(a.peer_id, a.addresses) for a in data.anchors] == [("QmMonitorAnchor", monitor_anchor),
+                                                                 ("QmSecondAnchor", second_anchor)]
+    text = dashboard.render_page(data)
+    rows = re.findall(r'<tr class="(live|gone)"><td class="name">(\w+)</td><td>([^<]*)</td>', text)
+    assert [(state, peer) for state, peer, _ in rows] == [("live", "QmMonitorAnchor"), ("gone", "QmSecondAnchor")]
+    assert rows[1][2] == f"gone since {dashboard.format_time(START)}" and second_anchor[1] in text
+    # a database written before anchors were kept: none, and no error
+    old = str(tmp_path / "old.sqlite")
+    connection = sqlite3.connect(old)
+    connection.executescript("CREATE TABLE swarm (time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, "
+                             "alive_peers INTEGER NOT NULL, samples_per_second REAL NOT NULL);")
+    connection.close()
+    with RunHistory(old, read_only=True) as history:
+        assert history.anchors() == []
+
+
 def test_a_missing_database_says_how_to_get_one(tmp_path):
     missing = str(tmp_path / "nowhere" / "run.sqlite")
     with pytest.raises(FileNotFoundError, match=r"collab-kit monitor --db"):
