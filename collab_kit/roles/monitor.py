@@ -353,7 +353,9 @@ class Monitor:
         self._emit("anchor_resumed", epoch=epoch, source="swarm", held_epoch=held_epoch)
 
     def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
-        self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem)
+        # what the anchor's averagers have sent so far (its rounds and the states it served), called in its thread
+        self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem,
+                   averagers_sent=self.anchor.optimizer.bytes_sent)
 
     def _emit(self, kind: str, **fields) -> None:
         if self._on_event is not None:

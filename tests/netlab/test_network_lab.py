@@ -17,7 +17,8 @@ import time
 import pytest
 
 from collab_kit.netlab import NetworkLab, lab_unavailable, list_namespaces
-from collab_kit.roles.run_history import RunHistory
+from collab_kit.roles.run_history import RunHistory, peer_id_of
+from waiting import wait_until
 
 REASON = lab_unavailable()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"no network lab on this machine: {REASON}")
@@ -513,6 +514,101 @@ def test_a_monitor_killed_and_started_again_with_the_same_command_loses_nothing(
     with RunHistory(str(tmp_path / "monitor.sqlite"), read_only=True) as history:
         epochs = [point.epoch for point in history.series()]
     assert epochs == sorted(epochs), epochs  # the run's history never goes back either
+
+
+# a model whose gradients outweigh the DHT's and matchmaking's messages on an anchor's link (about 0.5 MB a vector, the
+# tiny preset's 86 KB is less than they are), and epochs of 4096 samples: long against a dead peer's detection
+TWO_ANCHOR_SETTINGS = ["--set", "model.hidden_size=128", "--set", "optimizer.target_batch_size=4096"]
+
+
+@needs_lab
+@pytest.mark.slow
+def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_other_dies(lab, tmp_path, tiny_shards):
+    """A second public machine joins as an anchor only: the monitor's join line lists both, each round's parts are split
+    between them, and when one dies in the middle of a round, each volunteer loses that round at most and averages
+    through the other."""
+    run_id, last_epoch, count = "two_anchor_run", 20, 3
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards,
+                                          settings=TWO_ANCHOR_SETTINGS)
+    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, line, "--max-epochs", str(last_epoch),
+                                  "--wait-for-peers", str(count)) for i in range(count)]
+
+    def epoch_now():
+        return max([event["epoch"] for peer in volunteers for event in epochs_of(peer)] or [0])
+
+    def averagers_sent(anchor_process, epoch):
+        return next(e["averagers_sent"] for e in reversed(anchor_process.events)
+                    if e["type"] == "anchor_round" and e["epoch"] <= epoch)
+
+    def bytes_per_epoch(hosts, anchor_processes, epochs=4):
+        """Per epoch over the next ``epochs``: the bytes over each host's link, and those each anchor's averagers sent."""
+        start_epoch, before = epoch_now(), [host.link_bytes() for host in hosts]
+        volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= start_epoch + epochs, timeout=300,
+                               what=f"{epochs} more epochs")
+        after, done = [host.link_bytes() for host in hosts], epoch_now() - start_epoch
+        for process in anchor_processes:
+            process.wait_for(lambda e: e["type"] == "anchor_round" and e["epoch"] >= start_epoch + epochs, timeout=60,
+                             what="the anchor's round")
+        links = [(a.sent + a.received - b.sent - b.received) / done for a, b in zip(after, before)]
+        sent = [(averagers_sent(process, start_epoch + epochs) - averagers_sent(process, start_epoch)) / epochs
+                for process in anchor_processes]
+        return links, sent
+
+    volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= 2, timeout=300, what="epoch 2")
+    [alone], [alone_sent] = bytes_per_epoch([server], [monitor])
+    # a second public machine joins the running swarm with the join line's own options
+    second = lab.public_host("second")
+    anchor = second.start("anchor", [*DEBUG_LOGS, "anchor", *line[2:], "--events", "--poll-every", "1",
+                                     "--keep-in", str(tmp_path / "anchor")], str(tmp_path / "anchor.log"))
+    anchor_addresses = anchor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")["addresses"]
+    assert anchor_addresses and all("/ip4/10.77.0." in address for address in anchor_addresses), anchor_addresses
+    listed = monitor.wait_for(lambda e: e["type"] == "join_line" and set(anchor_addresses) <= set(e["addresses"]),
+                              timeout=60, what="a join line that lists both anchors")
+    words = printed_join_line(monitor)
+    assert sorted(words[words.index("--initial-peers") + 1:]) == sorted(listed["addresses"]), (words, listed)
+    # it takes the volunteers' state, then both anchors are in each round
+    resumed = anchor.wait_for(lambda e: e["type"] == "anchor_resumed", timeout=60, what="the swarm's state")
+    assert resumed["source"] == "swarm" and resumed["epoch"] >= 2, resumed
+    volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["anchors"] == 2 and e["averaged"], timeout=120,
+                           what="a round with both anchors")
+    shared, shared_sent = bytes_per_epoch([server, second], [monitor, anchor])
+    # each anchor reduces half of the vector and sends its averages back: to the volunteers, and to the other anchor,
+    # which keeps the whole state too (an anchor's own parts, of weight 0, go out as a few bytes each). What its
+    # averagers send is (volunteers + 1) / (2 x volunteers) of what one anchor's sent alone (2/3 for three); its
+    # link carries besides the DHT's and matchmaking's messages, which every public peer of the run serves alike
+    floor = (count + 1) / (2 * count)
+    print(f"per epoch, one anchor alone: link {alone:.0f} B, averagers sent {alone_sent:.0f} B; two anchors: links "
+          f"{shared[0]:.0f} and {shared[1]:.0f} B ({shared[0] / alone:.2f} and {shared[1] / alone:.2f} of alone), "
+          f"averagers sent {shared_sent[0]:.0f} and {shared_sent[1]:.0f} B ({shared_sent[0] / alone_sent:.2f} and "
+          f"{shared_sent[1] / alone_sent:.2f}; at best {floor:.2f})")
+    assert all(each / alone_sent <= floor + 0.1 for each in shared_sent), (alone_sent, shared_sent)
+    assert all(each < alone for each in shared), (alone, shared)
+    # the second anchor dies while a round's parts are on its link (capped, so that its share takes a second or two)
+    second.limit(8)
+
+    def rounds_begun():  # hivemind's matchmaking logs each group the anchor joins or leads, then its all-reduce starts
+        return len(re.findall(r"assembled group", log_of(anchor)))
+
+    begun = rounds_begun()
+    wait_until(lambda: rounds_begun() > begun, timeout=60, what="the second anchor's next round", every=0.05)
+    anchor.crash()
+    killed_at = epoch_now()
+    for peer in volunteers:
+        done = peer.wait_for(lambda e: e["type"] == "done", timeout=400, what="the end of training")
+        assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
+        # every epoch after the kill up to the last one trained counts, those a volunteer skipped by loading the state too
+        after = range(killed_at + 1, done["final_epoch"])
+        together = {e["epoch"] for e in epochs_of(peer) if e["averaged"] and e["group_size"] >= 2}
+        missed = [epoch for epoch in after if epoch not in together]
+        assert len(after) >= 4 and len(missed) <= 1, (peer.name, killed_at, missed, [
+            (e["epoch"], e["group_size"], e["anchors"], e["problem"]) for e in epochs_of(peer) if e["epoch"] > killed_at])
+    rounds = [e for e in monitor.events if e["type"] == "anchor_round" and e["epoch"] > killed_at + 1]
+    assert rounds and all(e["training_peers"] == count for e in rounds), rounds
+    # the dashboard's history holds each anchor the monitor read
+    with RunHistory(str(tmp_path / "monitor.sqlite"), read_only=True) as history:
+        recorded = {anchor.peer_id: anchor.addresses for anchor in history.anchors()}
+    assert recorded.get(peer_id_of(anchor_addresses)) == anchor_addresses, recorded
+    assert peer_id_of(line[line.index("--initial-peers") + 1:]) in recorded, recorded
 
 
 # -- the link watch ------------------------------------------------------------------------------------------
