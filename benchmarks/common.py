@@ -201,6 +201,15 @@ def main_or_peer(module: ModuleType, argv: Optional[Sequence[str]], description:
     sys.exit(peer_main(parser.parse_args(argv)))
 
 
+def require_network_lab() -> None:
+    """Raise RuntimeError, with the reason, where this machine cannot build the network lab (collab_kit.netlab)."""
+    from collab_kit.netlab import lab_unavailable
+
+    reason = lab_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"no network lab on this machine: {reason}")
+
+
 def pick(values: Sequence[float], how: str = "best") -> float:
     """The best (largest) or the median of repeated measurements."""
     ordered = sorted(values)

@@ -14,6 +14,7 @@ volunteer (what the benchmark starts inside a home of the lab).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -79,27 +80,43 @@ DHT traffic included) over the measured epochs, per epoch, against that predicti
 # one simulated volunteer, inside a home of the lab
 
 
-def peer_main(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def small_preset_peer(args: argparse.Namespace):
+    """A peer of the simulated swarm, as a volunteer builds it: the `small` preset's model with the run's seed, the
+    kit's optimizer, client mode where the reachability probe says so. Yields (config, model, optimizer); shut down
+    after."""
     import torch
 
     from collab_kit.config import get_preset
-    from collab_kit.roles.processes import emit_event
     from collab_kit.model.transformer import TextToImageTransformer, model_seed
-    from collab_kit.swarm.optimizer import make_optimizer
     from collab_kit.swarm.dht import resolve_reachability, start_dht
+    from collab_kit.swarm.optimizer import make_optimizer
 
     torch.set_num_threads(1)
     config = get_preset("small", swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
                         optimizer=dict(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch))
-    swarm, verdict = resolve_reachability(config.swarm)
+    swarm, _ = resolve_reachability(config.swarm)
     dht = start_dht(swarm)
     optimizer = None
     try:
         torch.manual_seed(model_seed(args.run_id))
         model = TextToImageTransformer(config.model)
         optimizer = make_optimizer(model, dht, args.run_id, config.optimizer, client_mode=swarm.client_mode)
+        yield config, model, optimizer
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+def peer_main(args: argparse.Namespace) -> int:
+    import torch
+
+    from collab_kit.roles.processes import emit_event
+
+    with small_preset_peer(args) as (config, model, optimizer):
         generator = torch.Generator().manual_seed(args.seed)
-        emit_event("training", client_mode=bool(swarm.client_mode), time=time.time())
+        emit_event("training", client_mode=bool(optimizer.client_mode), time=time.time())
         overlapped = 0.0
         while optimizer.local_epoch < args.epochs:
             started = time.perf_counter()
@@ -114,10 +131,6 @@ def peer_main(args: argparse.Namespace) -> int:
             if new_epoch:
                 emit_event("epoch", epoch=optimizer.local_epoch, time=time.time(), group_size=optimizer.last_group_size)
         emit_event("done")
-    finally:
-        if optimizer is not None:
-            optimizer.shutdown()
-        dht.shutdown()
     return 0
 
 
@@ -208,11 +221,7 @@ def measure(rate: float, setting: Setting, log_dir: str) -> dict:
 
 
 def run(quick: bool = False) -> List[dict]:
-    from collab_kit.netlab import lab_unavailable
-
-    reason = lab_unavailable()
-    if reason is not None:
-        raise RuntimeError(f"no network lab on this machine: {reason}")
+    common.require_network_lab()
     setting = QUICK if quick else FULL
     predicted_bytes = gradient_bytes()
     log_dir = tempfile.mkdtemp(prefix="collab_kit_bench_links_")
