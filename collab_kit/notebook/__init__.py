@@ -3,7 +3,8 @@
 - ``preflight``: ``run_preflight``, the machine (GPU, RAM, disk, bitsandbytes), reachability and the swarm checked
   before a volunteer joins, each finding one sentence that says what to change.
 - ``live_view``: ``LiveView``, the loss and peers plot and text lines a training cell updates as epochs end.
-- ``dashboard``: the monitor's database as plots, a leaderboard and a static HTML page.
+- ``dashboard``: the monitor's database as plots, a leaderboard, the anchors and a static HTML page.
+- ``dashboard_plots``: the dashboard's plots (loss, alive peers, throughput), on an Axes or as a PNG.
 """
 from collab_kit.lazy import lazy_exports
 
