@@ -3,15 +3,15 @@
 Run as ``python tests/round_probe_peer.py --out FOLDER [--step-period S] [--nan-at-epoch E] join OPTIONS...``: the same
 peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.local_steps=H``), which also
 
-- after each round prints ``@event {"type": "round", "epoch": E, "weight": ..., "group_size": ..., "global": DIGEST,
-  "momentum": DIGEST, "model": DIGEST, "resync": ...}``, E being the epoch the round ended (the global parameters, the outer momentum
+- after each round prints ``@event {"type": "round", "epoch": E, "weight": ..., "group_size": ..., "global": DIGESTS,
+  "momentum": DIGESTS, "model": DIGESTS, "resync": ...}`` (DIGESTS: one per tensor), E being the epoch the round ended (the global parameters, the outer momentum
   and the model's parameters after the round, ``"file"``: NAME-R.pt or null, ``"resync"``: whether the peer loads
   the swarm's state next instead of going on from its own), and saves its own pseudo-gradient, its
   weight (samples), the average the round gave back and the global parameters after it in ``FOLDER/NAME-R.pt``, R
   being the peer's epoch when the round began: E - 1, or less for a late joiner that was behind (its update goes to
   the swarm's epoch);
 - after each download of the swarm's state prints ``@event {"type": "loaded", "epoch": ..., "downloaded": ...,
-  "global": DIGEST, "momentum": DIGEST}`` ("downloaded": the epoch of the state a peer gave, which hivemind moves a peer
+  "global": DIGESTS, "momentum": DIGESTS}`` ("downloaded": the epoch of the state a peer gave, which hivemind moves a peer
   one epoch behind past);
 - with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
 - with ``--join-when PATH``, joins only once PATH exists: a late joiner whose process has started (and imported
@@ -34,12 +34,10 @@ from typing import List
 SCRIPT = os.path.abspath(__file__)
 
 
-def digest(tensors) -> str:
-    """A short digest of tensors' exact values."""
-    hasher = hashlib.sha256()
-    for tensor in tensors:
-        hasher.update(tensor.detach().cpu().contiguous().float().numpy().tobytes())
-    return hasher.hexdigest()[:16]
+def digest(tensors) -> List[str]:
+    """A short digest of each tensor's exact values (a state downloaded in parts takes each tensor from one sharer)."""
+    return [hashlib.sha256(tensor.detach().cpu().contiguous().float().numpy().tobytes()).hexdigest()[:12]
+            for tensor in tensors]
 
 
 def main(argv: List[str]) -> int:
