@@ -582,7 +582,8 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
           f"averagers sent {shared_sent[0]:.0f} and {shared_sent[1]:.0f} B ({shared_sent[0] / alone_sent:.2f} and "
           f"{shared_sent[1] / alone_sent:.2f}; at best {floor:.2f})")
     assert all(each / alone_sent <= floor + 0.1 for each in shared_sent), (alone_sent, shared_sent)
-    assert all(each < alone for each in shared), (alone, shared)
+    # the links (printed) carry the DHT's messages besides, on every public peer alike and more of them the longer an
+    # epoch lasts: not half of one anchor's alone (0.94 to 1.26 of it in the runs so far)
     # the second anchor dies while a round's parts are on its link (capped, so that its share takes a second or two)
     second.limit(8)
 
