@@ -523,11 +523,11 @@ TWO_ANCHOR_SETTINGS = ["--set", "model.hidden_size=128", "--set", "optimizer.tar
 
 @needs_lab
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 20 epochs of 15 s alone, of 22 to 67 s beside the rest of `make test` (two workers)
+@pytest.mark.timeout(1500)  # 20 epochs of 20 to 38 s alone, up to 67 s beside the rest of `make test` (two workers)
 def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_other_dies(lab, tmp_path, tiny_shards):
     """A second public machine joins as an anchor only: the monitor's join line lists both, each round's parts are split
-    between them, and when one dies in the middle of a round, each volunteer loses that round at most and averages
-    through the other."""
+    between them, and when the organizer's machine (the monitor and its anchor) dies in the middle of a round, each
+    volunteer loses that round at most and averages through the second anchor, which none of them was started with."""
     run_id, last_epoch, count = "two_anchor_run", 20, 3
     server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards,
                                           settings=TWO_ANCHOR_SETTINGS)
@@ -585,15 +585,16 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
     assert all(each / alone_sent <= floor + 0.1 for each in shared_sent), (alone_sent, shared_sent)
     # the links (printed) carry the DHT's messages besides, on every public peer alike and more of them the longer an
     # epoch lasts: not half of one anchor's alone (0.94 to 1.26 of it in the runs so far)
-    # the second anchor dies while a round's parts are on its link (capped, so that its share takes a second or two)
-    second.limit(8)
+    # the organizer's machine dies while a round's parts are on its link (capped, so that its share takes a second or
+    # two); the volunteers were started with its addresses alone
+    server.limit(8)
 
     def rounds_begun():  # hivemind's matchmaking logs each group the anchor joins or leads, then its all-reduce starts
-        return len(re.findall(r"assembled group", log_of(anchor)))
+        return len(re.findall(r"assembled group", log_of(monitor)))
 
     begun = rounds_begun()
-    wait_until(lambda: rounds_begun() > begun, timeout=150, what="the second anchor's next round", every=0.05)
-    anchor.crash()
+    wait_until(lambda: rounds_begun() > begun, timeout=150, what="the monitor's next round", every=0.05)
+    monitor.crash()
     killed_at = epoch_now()
     for peer in volunteers:
         done = peer.wait_for(lambda e: e["type"] == "done", timeout=900, what="the end of training")
@@ -604,9 +605,9 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
         missed = [epoch for epoch in after if epoch not in together]
         assert len(after) >= 4 and len(missed) <= 1, (peer.name, killed_at, missed, [
             (e["epoch"], e["group_size"], e["anchors"], e["problem"]) for e in epochs_of(peer) if e["epoch"] > killed_at])
-    rounds = [e for e in monitor.events if e["type"] == "anchor_round" and e["epoch"] > killed_at + 1]
+    rounds = [e for e in anchor.events if e["type"] == "anchor_round" and e["epoch"] > killed_at + 1]
     assert rounds and all(e["training_peers"] == count for e in rounds), rounds
-    # the dashboard's history holds each anchor the monitor read
+    # the dashboard's history holds each anchor the monitor read while it lived
     with RunHistory(str(tmp_path / "monitor.sqlite"), read_only=True) as history:
         recorded = {anchor.peer_id: anchor.addresses for anchor in history.anchors()}
     assert recorded.get(peer_id_of(anchor_addresses)) == anchor_addresses, recorded
