@@ -14,6 +14,8 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
   "global": DIGESTS, "momentum": DIGESTS}`` ("downloaded": the epoch of the state a peer gave, which hivemind moves a peer
   one epoch behind past);
 - with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
+  with ``--slowness K``, each step lasts at least K times its own work (K times slower than a peer without it, however
+  busy the machine);
 - with ``--join-when PATH``, joins only once PATH exists: a late joiner whose process has started (and imported
   torch and hivemind) before, so that it joins at the moment the test chooses, however busy the machine;
 - with ``--nan-at-epoch E``, fills its model's token embedding with nan at the end of round E, after its last inner
@@ -53,6 +55,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--out", required=True, help="folder for each round's pseudo-gradients")
     parser.add_argument("--name", default=str(os.getpid()), help="this peer's name in the files")
     parser.add_argument("--step-period", type=float, default=0.0, help="seconds per local step, at least")
+    parser.add_argument("--slowness", type=float, default=1.0, help="each local step lasts this many times its work")
     parser.add_argument("--nan-at-epoch", type=int, default=None)
     parser.add_argument("--join-when", metavar="PATH", help="join only once PATH exists (its imports done by then)")
     options, rest = parser.parse_known_args(argv)
@@ -121,16 +124,20 @@ def main(argv: List[str]) -> int:
         return optimizer
 
     class PacedTransformer(TextToImageTransformer):
-        """The run's model, whose training steps start at most once every ``--step-period`` seconds."""
+        """The run's model, whose training steps start at most once every ``--step-period`` seconds, and each step
+        lasts at least ``--slowness`` times its own work (a machine that slow, on a busy machine too)."""
 
-        next_start = 0.0
+        next_start, started = 0.0, None
 
         def forward(self, *args, **kwargs):
             if self.training:
                 now = time.monotonic()
+                if self.started is not None:  # the last step's work: from its start (after its wait) to now
+                    self.next_start = max(self.next_start, self.started + options.slowness * (now - self.started))
                 if now < self.next_start:
                     time.sleep(self.next_start - now)
-                self.next_start = max(now, self.next_start) + options.step_period
+                self.started = time.monotonic()
+                self.next_start = self.started + options.step_period
             return super().forward(*args, **kwargs)
 
     def make_volunteer(config, **kwargs):

@@ -38,8 +38,9 @@ def _probe(name: str, out: str, log_dir: str, period: float, args, *extra: str) 
 
 @pytest.fixture(scope="module")
 def uneven_swarm(tiny_shards, tmp_path_factory):
-    """Peers A (a step every 0.05 s), B (every 0.10 s) and C (0.05 s, joining after A's third round) in local-update
-    mode for ROUNDS rounds: (their events by name, the folder of their rounds' pseudo-gradients)."""
+    """Peers A (a step every 0.05 s), B (every 0.10 s, and twice its own step's work: half A's pace on a busy machine
+    too) and C (0.05 s, joining after A's third round) in local-update mode for ROUNDS rounds: (their events by name,
+    the folder of their rounds' pseudo-gradients)."""
     folder = tmp_path_factory.mktemp("local_updates")
     out, logs = str(folder / "rounds"), str(folder)
     peers = {}
@@ -47,7 +48,7 @@ def uneven_swarm(tiny_shards, tmp_path_factory):
         peers["A"] = _probe("A", out, logs, 0.05, _join_args("test_local_updates", tiny_shards, 2, ROUNDS))
         addresses = peers["A"].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
         joining = _join_args("test_local_updates", tiny_shards, 2, ROUNDS) + ["--initial-peers", *addresses]
-        peers["B"] = _probe("B", out, logs, 0.10, joining)
+        peers["B"] = _probe("B", out, logs, 0.10, joining, "--slowness", "2")
         # C's process starts now and joins once A has ended three rounds: started then, on a busy machine its imports
         # alone outlasted A's last five rounds, and it found A gone
         go = str(folder / "C.go")
