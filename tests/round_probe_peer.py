@@ -69,6 +69,8 @@ def main(argv: List[str]) -> int:
                     for p in parameters]
         return digest(parameters), digest(momentum)
 
+    waiting = [0.0]  # seconds spent in rounds and state downloads so far: the network's, not a step's work
+
     def probing_make_optimizer(model, dht, run_id, config, **kwargs):
         optimizer = make_optimizer(model, dht, run_id, config, **kwargs)
         record, poisoned = {}, []
@@ -95,7 +97,9 @@ def main(argv: List[str]) -> int:
 
         def probed_update(grad_scaler):
             record.clear()
+            began = time.monotonic()
             update(grad_scaler)
+            waiting[0] += time.monotonic() - began
             saved = None
             if "epoch" in record:
                 record["global"] = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
@@ -110,7 +114,9 @@ def main(argv: List[str]) -> int:
                        **{"global": global_digest, "momentum": momentum_digest, "model": model_digest})
 
         def probed_load_state(**kwargs):
+            began = time.monotonic()
             loaded = load_state(**kwargs)
+            waiting[0] += time.monotonic() - began
             global_digest, momentum_digest = global_state(optimizer)
             emit_event("loaded", epoch=optimizer.local_epoch, loaded=loaded,
                        downloaded=optimizer.state_averager.last_downloaded_epoch,
@@ -127,16 +133,17 @@ def main(argv: List[str]) -> int:
         """The run's model, whose training steps start at most once every ``--step-period`` seconds, and each step
         lasts at least ``--slowness`` times its own work (a machine that slow, on a busy machine too)."""
 
-        next_start, started = 0.0, None
+        next_start, started, waited = 0.0, None, 0.0
 
         def forward(self, *args, **kwargs):
             if self.training:
                 now = time.monotonic()
-                if self.started is not None:  # the last step's work: from its start (after its wait) to now
-                    self.next_start = max(self.next_start, self.started + options.slowness * (now - self.started))
+                if self.started is not None:  # the last step's work: from its start to now, less its round's wait
+                    work = now - self.started - (waiting[0] - self.waited)
+                    self.next_start = max(self.next_start, now + (options.slowness - 1) * work)
                 if now < self.next_start:
                     time.sleep(self.next_start - now)
-                self.started = time.monotonic()
+                self.started, self.waited = time.monotonic(), waiting[0]
                 self.next_start = self.started + options.step_period
             return super().forward(*args, **kwargs)
 

@@ -567,7 +567,7 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
                               timeout=60, what="a join line that lists both anchors")
     words = printed_join_line(monitor)
     assert sorted(words[words.index("--initial-peers") + 1:]) == sorted(listed["addresses"]), (words, listed)
-    # it takes the volunteers' state, then both anchors are in each round
+    # it takes the swarm's state from the peers that share it, then both anchors are in each round
     resumed = anchor.wait_for(lambda e: e["type"] == "anchor_resumed", timeout=60, what="the swarm's state")
     assert resumed["source"] == "swarm" and resumed["epoch"] >= 2, resumed
     volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["anchors"] == 2 and e["averaged"], timeout=240,
