@@ -329,13 +329,21 @@ def round_member(role: str, epoch: Optional[int]) -> dict:
     return dict(role=role, epoch=epoch)
 
 
+def senders_left_out(reducer) -> int:
+    """How many senders a hivemind TensorPartReducer went on without: those it dropped before their last part. A
+    sender dropped after it (its stream ended in an error as it closed) left nothing out.
+    Shown by tests/swarm/test_optim.py::test_a_sender_dropped_after_its_last_part_left_nothing_out."""
+    return sum(failed_after < reducer.num_parts for failed_after in reducer.sender_failed_after)
+
+
 class RoundResult(dict):
     """What a gradient round gives back to a peer: what each member told the group (peer id -> ``round_member``, from
     the round's all-gather), and how much of the average came back.
 
     :ivar received: the share of the averaged vector this peer got back; the rest stayed its own (a reducer failed,
       or banned this peer for being late): below 1, this peer's step was not the swarm's
-    :ivar failed_senders: senders whose parts this peer, as a reducer, went on without
+    :ivar failed_senders: senders whose parts this peer, as a reducer, went on without (a sender whose stream ended
+      in an error after its last part, as a closing stream may, is not one: nothing of it was left out)
     """
 
     received: float = 1.0
@@ -482,8 +490,7 @@ class RoundReportMixin(RunnerChoiceMixin):
             runner = running.result()
             container = runner.tensor_part_container
             result.received = 1.0 - container.failed_size / max(1, container.total_size)
-            result.failed_senders = sum(index != float("inf")
-                                        for index in runner.tensor_part_reducer.sender_failed_after)
+            result.failed_senders = senders_left_out(runner.tensor_part_reducer)
         return result
 
 
