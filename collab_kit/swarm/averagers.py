@@ -17,8 +17,9 @@ peers averaging by the plain mean must not join).
 - ``ClientModeMatchmakingMixin``: leaves out hivemind's request-timeout advice that does not apply in client mode.
 - ``RoundReportMixin``: each gradient round reports who was in it (trainers, anchors) and what it received, and
   lets the anchor hold a group open for the peers it expects.
-- ``RunnerChoiceMixin``: chooses the class of a round's all-reduce runner; an anchor's (``StandInRunnerMixin``)
-  sends its reducers one value per part, since its parts weigh nothing.
+- ``RunnerChoiceMixin``: chooses the class of a round's all-reduce runner and gives it each member's mode (an
+  auxiliary peer only reduces); an anchor's (``StandInRunnerMixin``) sends its reducers one value per part, since its
+  parts weigh nothing.
 """
 from __future__ import annotations
 
@@ -300,9 +301,23 @@ class RunnerChoiceMixin:
         """The runner of one round (hivemind's AllReduceRunner arguments)."""
         return StandInAllReduceRunner(**kwargs)
 
+    def round_modes(self, group_info, peer_fractions: Sequence[float]) -> Tuple[AveragingMode, ...]:
+        """Each member's mode in a round: auxiliary where its all-gather says so, else hivemind's rule (client mode for
+        a member that reduces nothing, a node otherwise).
+
+        hivemind 1.1.12 reads each member's mode from the all-gather but does not pass it to the runner, which then
+        takes an auxiliary peer for a node: it sends its parts and gets the average back. An auxiliary peer only
+        reduces: it sends nothing of its own and gets nothing back
+        (tests/swarm/test_robust.py::test_an_auxiliary_anchor_only_reduces)."""
+        announced = [AveragingMode(self.serializer.loads(entry)[1]) for entry in group_info.gathered]
+        return tuple(AveragingMode.AUX if mode == AveragingMode.AUX
+                     else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
+                     for mode, fraction in zip(announced, peer_fractions))
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None,
                                       **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        kwargs.setdefault("modes", self.round_modes(group_info, kwargs["peer_fractions"]))
         runner = self.make_allreduce_runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                             tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
                                             stand_ins=self.sends_stand_ins, **kwargs)

@@ -175,19 +175,21 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 # ---------------------------------------------------------------------------------------------
 # inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
 
-def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, **kwargs):
+def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, auxiliary=(), **kwargs):
     """One round of ``averager_class`` (or of one class per DHT) among one averager per DHT; each averager's tensors
     afterwards, and what each round gave back (a RoundResult: its members, and the share of the average that came back).
+    The averagers whose indices are in ``auxiliary`` are hivemind's auxiliary peers (they weigh nothing).
     """
     from collab_kit.swarm.lamb import gradient_compression
 
     classes = averager_class if isinstance(averager_class, list) else [averager_class] * len(dhts)
-    averagers = [cls([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True,
+    averagers = [cls([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True, auxiliary=index in auxiliary,
                      target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,
                      request_timeout=1.0, compression=gradient_compression(threshold=1024), **kwargs)
-                 for cls, dht, tensors in zip(classes, dhts, tensors_by_peer)]
+                 for index, (cls, dht, tensors) in enumerate(zip(classes, dhts, tensors_by_peer))]
     try:
-        controls = [averager.step(weight=weight, wait=False, timeout=60) for averager, weight in zip(averagers, weights)]
+        controls = [averager.step(weight=None if index in auxiliary else weight, wait=False, timeout=60)
+                    for index, (averager, weight) in enumerate(zip(averagers, weights))]
         rounds = [control.result(timeout=90) for control in controls]
         assert all(len(round_result) == len(dhts) for round_result in rounds), "the peers did not average in one group"
         results = []
@@ -300,6 +302,48 @@ def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average(
     for anchor in (2, 3):
         assert 0.4 < slim[anchor] / whole[anchor] < 0.6, (whole, slim)
     assert all(0.8 < slim[t] / whole[t] < 1.2 for t in (0, 1)), (whole, slim)
+
+
+@pytest.mark.slow
+def test_an_auxiliary_anchor_only_reduces():
+    import hivemind
+
+    # the group of the test above, its anchors auxiliary: each reduces a quarter of the vector for the two trainers and
+    # sends them its averages (2/4 of a vector); with stand-ins it sent the other anchor its averages as well (3/4)
+    generator = torch.Generator().manual_seed(3)
+    shapes = [20000] * 16 + [100]
+    trainers = [[torch.randn(size, generator=generator) for size in shapes] for _ in range(2)]
+    tensors_by_peer = trainers + [[torch.zeros(size) for size in shapes] for _ in range(2)]
+    weights = [1.0, 2.0, 0.0, 0.0]
+    mean = torch.cat([(first + 2 * second) / 3 for first, second in zip(*trainers)])
+    trainer_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
+                                                          averagers.TRAINER_ROLE)
+    anchor_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
+                                                         averagers.ANCHOR_ROLE)
+    install_p2p_fixes()
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(3)]
+    try:
+        outcomes = {name: _average_in_group([trainer_class, trainer_class, anchor_class, anchor_class], prefix, dhts,
+                                            tensors_by_peer, weights, auxiliary=auxiliary)
+                    for name, prefix, auxiliary in (("stand-ins", "stand_ins", ()), ("auxiliary", "aux", (2, 3)))}
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+    for name, (results, rounds) in outcomes.items():
+        assert [(r.received, r.failed_senders) for r in rounds] == [(1.0, 0)] * 4, (name, rounds)
+        for result in results[:2]:  # the trainers hold their weighted mean
+            error = ((torch.cat(result) - mean).norm() / mean.norm()).item()
+            assert error < 0.05, (name, error)
+    aux_results = outcomes["auxiliary"][0]
+    assert all(bool((tensor == 0).all()) for result in aux_results[2:] for tensor in result), "an auxiliary peer changed"
+    slim = [r.bytes_sent for r in outcomes["stand-ins"][1]]
+    aux = [r.bytes_sent for r in outcomes["auxiliary"][1]]
+    print(f"bytes sent by the trainers and the anchors: stand-ins {slim}, auxiliary {aux}")
+    for anchor in (2, 3):
+        assert 0.55 < aux[anchor] / slim[anchor] < 0.78, (slim, aux)
 
 
 # ---------------------------------------------------------------------------------------------
