@@ -35,6 +35,10 @@ def state_parts(sizes: Sequence[int], count: int) -> List[List[int]]:
     return [sorted(part) for part in parts]
 
 
+class _NoStateToServe(RuntimeError):
+    """No peer whose state this one serves gave it (the download asking for it fails, and asks another peer)."""
+
+
 class DirectStateMixin:
     """Put before TrainingStateAverager: states pass between the peers a trainer names, beside hivemind's rule (only
     peers that accept connections share their state, found through the DHT).
@@ -48,6 +52,11 @@ class DirectStateMixin:
       tensors from each, ``rpc_download_state_part``), then hivemind's download from one sharer. A part whose peer
       fails or gives another epoch is asked of the others; failing that, the whole state comes from one peer.
 
+    - A peer whose own state is not the swarm's (an anchor that only reduces: collab_kit.swarm.anchor) serves the state
+      of the peers of ``serve_state_of`` instead (the training peers, behind NAT too), downloaded when asked and kept
+      for ``proxy_max_age`` seconds, so that the parts a joiner asks at once come from one download
+      (tests/swarm/test_keys_and_averagers.py::test_a_sharer_serves_the_state_of_the_peers_it_names).
+
     Shown by tests/netlab/test_network_lab.py::
     test_a_monitor_killed_and_started_again_with_the_same_command_loses_nothing and
     tests/swarm/test_keys_and_averagers.py::test_a_late_joiner_downloads_different_tensors_from_each_sharer.
@@ -56,6 +65,11 @@ class DirectStateMixin:
     _state_readers: frozenset = frozenset()  # in the averager's process: peers a client-mode peer serves its state to
     _state_sources: tuple = ()  # in the averager's process: peers to download from first
     _download_handler_added = False
+    _proxy_sources: tuple = ()  # in the averager's process: peers whose state this one serves instead of its own
+    _proxied: Optional[tuple] = None  # in the averager's process: (time, state) of the last state downloaded to serve
+    _proxied_parts: dict = {}  # in the averager's process: (part, count) -> (time, part) downloaded to serve
+    _proxy_lock: Optional[asyncio.Lock] = None
+    proxy_max_age = 5.0  # seconds a state downloaded to serve is served again before it is downloaded anew
 
     def serve_state_to(self, peer_ids: Iterable[PeerID]) -> None:
         """Let ``peer_ids`` download this peer's state (in client mode; a peer that accepts connections shares its
@@ -67,13 +81,66 @@ class DirectStateMixin:
         """Try these peers (ids as bytes, the most promising first) before hivemind's sharers at the next download."""
         self._outer_pipe.send(("_set_state_sources", [], dict(peer_ids=tuple(peer_ids))))
 
+    def serve_state_of(self, peer_ids: Iterable[bytes]) -> None:
+        """Serve the state of ``peer_ids`` (ids as bytes, the most promising first; the first that gives one) instead of
+        this peer's own; none: this peer's own again."""
+        self._outer_pipe.send(("_set_proxy_sources", [], dict(peer_ids=tuple(peer_ids))))
+
+    def served_state(self, timeout: float = 60.0) -> Optional[Tuple[dict, List[torch.Tensor]]]:
+        """The state this peer serves now (metadata, tensors): with ``serve_state_of``, a source's (None when no source
+        gives one), else its own."""
+        future = MPFuture()
+        self._outer_pipe.send(("_report_served_state", [], dict(future=future)))
+        return future.result(timeout)
+
+    async def _set_proxy_sources(self, peer_ids: tuple) -> None:
+        sources = tuple(PeerID(peer_id) for peer_id in peer_ids)
+        if sources != self._proxy_sources:
+            self._proxy_sources, self._proxied, self._proxied_parts = sources, None, {}
+
+    async def _report_served_state(self, future: MPFuture) -> None:
+        try:
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            future.set_result((self.serializer.loads(metadata) if isinstance(metadata, bytes) else metadata,
+                               list(tensors)))
+        except _NoStateToServe:
+            future.set_result(None)
+        except Exception as e:
+            future.set_exception(e)
+
+    async def _get_current_state_from_host_process(self):
+        """The state this peer serves (hivemind reads it here for each download): with ``serve_state_of``, the newest
+        that a source gave within ``proxy_max_age`` seconds."""
+        if not self._proxy_sources:
+            return await super()._get_current_state_from_host_process()
+        if self._proxy_lock is None:
+            self._proxy_lock = asyncio.Lock()
+        async with self._proxy_lock:  # the parts of one joiner, asked at once, come from one download
+            if self._proxied is None or get_dht_time() - self._proxied[0] > self.proxy_max_age:
+                for peer in self._proxy_sources:
+                    try:
+                        state = await self._download_state_from(peer)
+                    except Exception as e:  # gone, or cut: the next source
+                        logger.info(f"could not download the state of {peer} to serve it: {e!r}")
+                        continue
+                    if state is not None:
+                        self._proxied = (get_dht_time(), state)
+                        break
+                else:
+                    raise _NoStateToServe("no peer of serve_state_of gave its state")
+        metadata, tensors = self._proxied[1]
+        return self.serializer.dumps(metadata), tensors, None
+
     async def _set_state_readers(self, peer_ids: tuple) -> None:
         self._state_readers = frozenset(PeerID(peer_id) for peer_id in peer_ids)
         if self.client_mode and not self._download_handler_added:
-            # hivemind registers no handler in client mode; this one alone, and it answers only _state_readers
+            # hivemind registers no handler in client mode; these alone, and they answer only _state_readers
             self._download_handler_added = True
             await self._p2p.add_protobuf_handler(self._get_handle_name(self.prefix, "rpc_download_state"),
                                                  self.rpc_download_state, averaging_pb2.DownloadRequest,
+                                                 stream_output=True)
+            await self._p2p.add_protobuf_handler(self._get_handle_name(self.prefix, "rpc_download_state_part"),
+                                                 self.rpc_download_state_part, averaging_pb2.AveragingData,
                                                  stream_output=True)
 
     async def _set_state_sources(self, peer_ids: tuple) -> None:
@@ -107,6 +174,10 @@ class DirectStateMixin:
                 return
         except Exception:
             return
+        if self._proxy_sources:  # only the part asked, relayed as it comes from a peer whose state this one serves
+            async for message in self._relayed_part(part, count):
+                yield message
+            return
         metadata, tensors, infos = await self._get_current_state_from_host_process()
         if infos is None:
             infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
@@ -118,6 +189,37 @@ class DirectStateMixin:
             compressed = self.state_compression.compress(tensors[index], infos[index], allow_inplace=False)
             for chunk in split_for_streaming(compressed):
                 yield averaging_pb2.DownloadData(tensor_part=chunk)
+
+    async def _relayed_part(self, part: int, count: int) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Part ``part`` of ``count`` of the state of a peer of ``serve_state_of`` (the first that gives it), each message
+        passed on as it arrives, so that the part crosses this peer's link in and out at once; kept for
+        ``proxy_max_age`` seconds for the next joiner. Nothing when no source gives it (the joiner asks another peer)."""
+        if self._proxy_lock is None:
+            self._proxy_lock = asyncio.Lock()
+        async with self._proxy_lock:  # a second joiner waits, then gets the kept part
+            kept = self._proxied_parts.get((part, count))
+            if kept is not None and get_dht_time() - kept[0] <= self.proxy_max_age:
+                for message in kept[1]:
+                    yield message
+                return
+            request = averaging_pb2.AveragingData(group_id=self.serializer.dumps([part, count]))
+            for peer in self._proxy_sources:
+                messages = []
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state_part(request)
+                    async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or
+                                                            self.request_timeout):
+                        messages.append(message)
+                        yield message
+                except Exception as e:  # gone or cut: what was passed on is incomplete, and the joiner asks elsewhere
+                    logger.info(f"could not relay part {part} of the state of {peer}: {e!r}")
+                    if messages:
+                        return
+                    continue
+                if messages:
+                    self._proxied_parts[(part, count)] = (get_dht_time(), messages)
+                    return
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
         sources, self._state_sources = self._state_sources, ()

@@ -145,6 +145,64 @@ def test_state_parts_split_every_tensor_once_and_evenly():
 
 
 @pytest.mark.slow
+def test_a_sharer_serves_the_state_of_the_peers_it_names():
+    from functools import partial
+
+    from waiting import wait_until
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+    # a volunteer behind NAT (client mode) holds the swarm's state and lets two anchors read it; theirs are stale
+    first = start_dht(SwarmConfig(host="127.0.0.1"))
+    initial = [str(a) for a in first.get_visible_maddrs()]
+    dhts = [first, start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial)),
+            start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial, client_mode=True)),
+            start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial))]
+    state_class = recording_state_averager_class()
+    first_anchor, second_anchor, volunteer, joiner = [
+        state_class(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.01), params=model(seed).parameters(),
+                    prefix="proxy_run_state_averager", start=True, request_timeout=2.0, client_mode=dht.client_mode)
+        for seed, dht in enumerate(dhts)]
+    anchors = (first_anchor, second_anchor)
+    try:
+        swarm_state = [p.detach().clone() for p in volunteer.main_parameters]
+        own_state = [p.detach().clone() for p in first_anchor.main_parameters]
+        volunteer.serve_state_to([dhts[0].peer_id, dhts[1].peer_id])
+        for anchor in anchors:
+            anchor.serve_state_of([dhts[2].peer_id.to_bytes()])
+        key = "proxy_run_state_averager.all_averagers"
+        wait_until(lambda: (found := dhts[3].get(key, latest=True)) is not None and len(found.value) >= 2,
+                   timeout=30, what="both anchors in the DHT")
+        # in parts from both anchors, each taking from the volunteer only the part it serves
+        joiner.load_state_from_peers(timeout=30)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.main_parameters, swarm_state))
+        served = [anchor.bytes_sent()[1] for anchor in anchors]
+        from_volunteer = volunteer.bytes_sent()[1]
+        print(f"bytes each anchor served: {served}; the volunteer served them {from_volunteer}")
+        assert min(served) > 0.3 * sum(served), served
+        assert from_volunteer < 1.2 * sum(served), (served, from_volunteer)  # the state once, not once per anchor
+        whole = first_anchor.served_state()
+        assert whole is not None and torch.equal(whole[1][0], swarm_state[0])
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(first_anchor.main_parameters, own_state))
+        # its own state again once it names nobody
+        for anchor in anchors:
+            anchor.serve_state_of([])
+        joiner.load_state_from_peers(timeout=30)
+        assert not torch.equal(joiner.main_parameters[0], swarm_state[0])
+        # a source that gives nothing: the anchor serves nothing (a joiner asks another peer)
+        volunteer.serve_state_to([])
+        first_anchor.serve_state_of([dhts[2].peer_id.to_bytes()])
+        assert first_anchor.served_state() is None
+    finally:
+        for each in (*anchors, volunteer, joiner):
+            each.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.slow
 def test_a_late_joiner_downloads_different_tensors_from_each_sharer():
     from functools import partial
 
