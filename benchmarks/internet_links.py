@@ -102,6 +102,7 @@ def small_preset_peer(args: argparse.Namespace):
         torch.manual_seed(model_seed(args.run_id))
         model = TextToImageTransformer(config.model)
         optimizer = make_optimizer(model, dht, args.run_id, config.optimizer, client_mode=swarm.client_mode)
+        optimizer.serve_state_to_anchors(swarm)  # as a volunteer does: anchors that only reduce serve its state
         yield config, model, optimizer
     finally:
         if optimizer is not None:

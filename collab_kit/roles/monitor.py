@@ -353,9 +353,10 @@ class Monitor:
         self._emit("anchor_resumed", epoch=epoch, source="swarm", held_epoch=held_epoch)
 
     def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
-        # what the anchor's averagers have sent so far (its rounds and the states it served), called in its thread
+        # what the anchor's averagers have sent so far (its rounds and the states it served), and whether it holds the
+        # swarm's state (not while another anchor shares the rounds), called in its thread
         self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem,
-                   averagers_sent=self.anchor.optimizer.bytes_sent)
+                   averagers_sent=self.anchor.optimizer.bytes_sent, holds_state=self.anchor.optimizer.state_is_swarms)
 
     def _emit(self, kind: str, **fields) -> None:
         if self._on_event is not None:
@@ -399,6 +400,10 @@ class Monitor:
         if self.anchor is not None:
             publish_anchor(self.dht, self.run_id, own, ttl=max(60.0, 3 * self.settings.poll_every))
         anchors = read_anchor_addresses(self.dht, self.run_id)
+        if self.anchor is not None:
+            self.anchor.set_other_anchors(sum(not set(addresses) & set(own) for addresses in anchors))
+            if self.anchor.lost_the_swarms_state:  # it only reduced, and every volunteer left: the newest checkpoint
+                self._resume_anchor()
         if self.history is not None:  # the dashboard shows each anchor, this one's included
             self.history.record_anchors([own, *anchors] if self.anchor is not None else anchors, time.time())
         others = sorted({address for addresses in anchors for address in addresses if address not in own})

@@ -16,9 +16,10 @@ listening for connections, that
   parts of the volunteers behind NAT, and since its own (zero) gradients weigh nothing, the average is the
   volunteers' own. While every training peer accepts connections, hivemind's matchmaking needs no anchor:
   it stands by (no rounds, no progress record) and downloads the swarm's state when the monitor asks;
-- applies the averaged gradients like any volunteer, so it always holds the swarm's parameters and
-  optimizer state: late joiners download them from it, and the monitor saves its checkpoints from it
-  without a download;
+- applies the averaged gradients like any volunteer, so it holds the swarm's parameters and optimizer
+  state: late joiners download them from it, and the monitor saves its checkpoints from it without a
+  download. Beside another anchor it only reduces, and serves the volunteers' state instead
+  (AnchorOptimizer.reduces_only);
 - publishes a progress record with a throughput of exactly 0 (collab_kit.swarm.optimizer.is_anchor_record): its
   epoch is the swarm's global epoch for peers in client mode (hivemind counts only the epochs of peers
   that accept connections), and volunteers know not to count it as a training peer;
@@ -40,7 +41,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
@@ -159,10 +161,64 @@ class AnchorOptimizer(CollaborativeOptimizer):
     along) averages to 0 / 0, and an anchor with non-finite parameters would hand them to every late joiner. A
     round that no training peer reached leaves the anchor's parameters as they are (LAMB8bit.hold_next_step).
 
+    While another anchor shares the rounds, the anchor only reduces (``reduces_only``): an anchor that kept the whole
+    state would take the average of the parts it does not reduce, which makes its link carry (volunteers + 1) /
+    (2 x volunteers) of one anchor's alone instead of half. Its parameters are then no longer the swarm's: it serves the
+    training peers' state to late joiners (DirectStateMixin.serve_state_of), and its snapshots are theirs, until it
+    loads the swarm's state again.
+
     :param retry_state_every: seconds between two tries to download the swarm's state when the anchor is behind
     """
 
     round_role = ANCHOR_ROLE
+    other_anchors = 0  # live anchors of the run besides this one (Anchor.set_other_anchors)
+    state_is_swarms = True  # whether its parameters and optimizer state are the swarm's (not after reducing only)
+    keeps_state = False  # whether nobody else holds the swarm's state (it took a checkpoint when nobody did)
+
+    @property
+    def reduces_only(self) -> bool:
+        """Whether its next round only reduces (hivemind's auxiliary mode: it sends nothing of its own and gets nothing
+        back): while another anchor shares the rounds, unless nobody else holds the swarm's state (``keeps_state``),
+        and while its state is not the swarm's."""
+        return not self.state_is_swarms or (self.other_anchors > 0 and not self.keeps_state)
+
+    def choose_round_mode(self) -> None:
+        """Announce ``reduces_only`` in the next round's all-gather (read when a round is scheduled; every member's
+        runner takes each member's announced mode: collab_kit.swarm.averagers.RunnerChoiceMixin.round_modes)."""
+        self.grad_averager.mode = AveragingMode.AUX if self.reduces_only else AveragingMode.NODE
+
+    def _round_only_reduced(self, control: Optional[StepControl]) -> bool:
+        if control is None:
+            return False
+        _, mode, _ = self.grad_averager.serializer.loads(control.data_for_gather)
+        return AveragingMode(mode) == AveragingMode.AUX
+
+    def _serve_training_peers_state(self) -> None:
+        """Serve the state of the training peers, the newest first; with none, serve nothing (its own is not the
+        swarm's)."""
+        sources = tuple(peer_id for peer_id, _ in sorted(self.tracker.trainer_records, key=lambda record: -record[1]))
+        if sources == self._state_sources_sent:
+            return
+        self._state_sources_sent = sources
+        if sources:
+            self.state_averager.serve_state_of(sources)
+        self.state_averager.allow_state_sharing = bool(sources)
+
+    _state_sources_sent: Optional[tuple] = None  # the training peers whose state it serves, as last sent
+
+    def take_own_state(self, only_holder: bool = False) -> None:
+        """Its parameters are the swarm's again: it serves them. ``only_holder`` (a checkpoint taken when nobody held
+        the swarm's state): it keeps them, and takes whole rounds, until a round's training peers hold them too."""
+        self.keeps_state = self.keeps_state or only_holder
+        if not self.state_is_swarms:
+            self.state_is_swarms, self._state_sources_sent = True, None
+            self.state_averager.serve_state_of([])
+            self.state_averager.allow_state_sharing = True
+
+    def follow_training_peers(self) -> None:
+        """While its state is not the swarm's, keep serving the state of the training peers there are now."""
+        if not self.state_is_swarms:
+            self._serve_training_peers_state()
 
     def __init__(self, retry_state_every: float = 30.0, **kwargs):
         self.retry_state_every = retry_state_every
@@ -273,6 +329,8 @@ class AnchorOptimizer(CollaborativeOptimizer):
         if ahead:
             self.state_averager.download_first_from([peer_id for peer_id, _ in ahead])
         loaded = super().load_state_from_peers(**kwargs)
+        if loaded:
+            self.take_own_state()
         if loaded and self.local_epoch > epoch_before:
             self.state_loads.append((epoch_before, self.local_epoch))
             logger.info(f"the anchor resumes from the state of epoch {self.local_epoch}, the swarm's newest (it held "
@@ -285,11 +343,22 @@ class AnchorOptimizer(CollaborativeOptimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if self._round_only_reduced(maybe_step_control):
+            # it got no average back: a step would move its state away from the swarm's, which it no longer holds
+            self.state_averager.optimizer.hold_next_step()
+            if self.state_is_swarms:
+                self.state_is_swarms = False
+                logger.info("another anchor shares the rounds: this one only reduces, and serves the training peers' "
+                            "state")
+            self._serve_training_peers_state()
+            return
         if self.last_group_size == 0 or self.last_round_problem is not None:
             # no training peer's gradients reached the anchor (no round, a failed one, or nobody but itself): its share
             # is zeros, and a step on them would move it away from the peers (momentum, weight decay)
             self.state_averager.optimizer.hold_next_step()
             return
+        if self.keeps_state:  # the training peers of this whole round take the same step: they hold the state too
+            self.keeps_state = False
         with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
             if not all(bool(torch.isfinite(tensor).all()) for tensor in averaged):
                 self.dropped_rounds += 1
@@ -335,10 +404,27 @@ class Anchor:
     def local_epoch(self) -> int:
         return self.optimizer.local_epoch
 
+    def set_other_anchors(self, count: int) -> None:
+        """How many live anchors the run has besides this one (the monitor reads them at each poll): with one or more,
+        this one's rounds only reduce (AnchorOptimizer.reduces_only)."""
+        self.optimizer.other_anchors = count
+
+    @property
+    def lost_the_swarms_state(self) -> bool:
+        """Whether it only reduced and no training peer is left to give the swarm's state: nobody holds it now, and the
+        run goes on from the newest checkpoint (the monitor's ``_resume_anchor``)."""
+        return not self.optimizer.state_is_swarms and not self.optimizer.tracker.trainer_records
+
     def resume_from(self, parameters: Dict[str, torch.Tensor], epoch: int) -> None:
         """Start from a checkpoint of this run (the monitor's newest) rather than the initial parameters: after a
-        restart, while the volunteers behind NAT train on, nobody else holds the swarm's state to give the anchor.
-        The optimizer's statistics start anew. Call before ``start``."""
+        restart, while the volunteers behind NAT train on, nobody else holds the swarm's state to give the anchor; or
+        once every training peer left while it only reduced (``lost_the_swarms_state``). The optimizer's statistics
+        start anew. Its epoch never goes back: it goes on at the later of its own and the checkpoint's."""
+        with self._lock:
+            self._resume_from(parameters, max(epoch, self.local_epoch))
+            self.optimizer.take_own_state(only_holder=True)
+
+    def _resume_from(self, parameters: Dict[str, torch.Tensor], epoch: int) -> None:
         averager = self.optimizer.state_averager
         with torch.no_grad():
             for name, param in self.model.named_parameters():
@@ -357,10 +443,12 @@ class Anchor:
         while not self._stop.is_set():
             try:
                 with self._lock:
+                    self.optimizer.follow_training_peers()
                     if not self.optimizer.leads_rounds:
                         self.optimizer.stand_by()
                     else:
                         epoch, loads = self.local_epoch, len(self.optimizer.state_loads)
+                        self.optimizer.choose_round_mode()
                         self.optimizer.trigger_formed_round()
                         self.optimizer.step()
                         if len(self.optimizer.state_loads) != loads:  # a step that loads the state takes no round
@@ -389,9 +477,14 @@ class Anchor:
 
     def snapshot(self) -> Tuple[int, Dict[str, torch.Tensor]]:
         """The swarm's parameters as the anchor holds them between two steps (a pending update applied) and their
-        global epoch; an anchor that stands by (every training peer accepts connections) downloads them first."""
+        global epoch; an anchor that stands by (every training peer accepts connections) downloads them first, and one
+        that only reduces gives the training peers' (AnchorOptimizer.reduces_only).
+
+        :raises AnchorError: the anchor only reduces and no training peer gave its state"""
         with self._lock:
             optimizer = self.optimizer
+            if not optimizer.state_is_swarms:
+                return self._training_peers_snapshot()
             if not optimizer.leads_rounds and optimizer.local_epoch < optimizer.swarm_epoch:
                 loads = len(optimizer.state_loads)
                 optimizer.load_state_from_peers()
@@ -399,6 +492,19 @@ class Anchor:
                     self._report_state(*optimizer.state_loads[-1])
             optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
             return self.local_epoch, {name: param.detach().clone() for name, param in self.model.named_parameters()}
+
+    def _training_peers_snapshot(self) -> Tuple[int, Dict[str, torch.Tensor]]:
+        averager = self.optimizer.state_averager
+        served = averager.served_state(timeout=self.config.optimizer.load_state_timeout)
+        if served is None:
+            raise AnchorError("no training peer gave its state to the anchor, which only reduces: the next try may")
+        metadata, tensors = served
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        parameters = dict(zip((names[id(param)] for param in averager.main_parameters), tensors))
+        own = dict(self.model.named_parameters())
+        if len(parameters) != len(own) or any(parameters[name].shape != own[name].shape for name in own):
+            raise AnchorError("the state a training peer gave does not fit this run's model")
+        return int(metadata["epoch"]), {name: tensor.detach().clone() for name, tensor in parameters.items()}
 
     def shutdown(self) -> None:
         """Stop stepping and leave the swarm (safe to call twice)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -307,11 +307,12 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self._resync_reason = reason
         self._resync_requested = True
 
-    def serve_state_to_anchors(self, swarm: SwarmConfig) -> None:
-        """In client mode, let the peers this one joined through (the run's anchors) download its state: an anchor
-        started again takes the newest state from the volunteers behind NAT (averagers.DirectStateMixin)."""
+    def serve_state_to_anchors(self, swarm: SwarmConfig, anchor_addresses: Sequence[str] = ()) -> None:
+        """In client mode, let the peers this one joined through and the run's anchors (their ``anchor_addresses``)
+        download its state: an anchor started again takes the newest state from the volunteers behind NAT, and an
+        anchor that only reduces serves theirs (averagers.DirectStateMixin)."""
         if swarm.client_mode:
-            self.state_averager.serve_state_to(initial_peer_ids(swarm.initial_peers))
+            self.state_averager.serve_state_to(initial_peer_ids([*swarm.initial_peers, *anchor_addresses]))
 
     def cancel_pending_round(self) -> bool:
         """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that

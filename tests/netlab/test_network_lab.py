@@ -573,18 +573,18 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
     volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["anchors"] == 2 and e["averaged"], timeout=240,
                            what="a round with both anchors")
     shared, shared_sent = bytes_per_epoch([server, second], [monitor, anchor])
-    # each anchor reduces half of the vector and sends its averages back: to the volunteers, and to the other anchor,
-    # which keeps the whole state too (an anchor's own parts, of weight 0, go out as a few bytes each). What its
-    # averagers send is (volunteers + 1) / (2 x volunteers) of what one anchor's sent alone (2/3 for three); its
-    # link carries besides the DHT's and matchmaking's messages, which every public peer of the run serves alike
-    floor = (count + 1) / (2 * count)
+    # each anchor only reduces (it holds no state meanwhile): half of the vector in, its averages out to the volunteers
+    for process in (monitor, anchor):
+        last = next(e for e in reversed(process.events) if e["type"] == "anchor_round")
+        assert last["holds_state"] is False, (process.name, last)
     print(f"per epoch, one anchor alone: link {alone:.0f} B, averagers sent {alone_sent:.0f} B; two anchors: links "
           f"{shared[0]:.0f} and {shared[1]:.0f} B ({shared[0] / alone:.2f} and {shared[1] / alone:.2f} of alone), "
           f"averagers sent {shared_sent[0]:.0f} and {shared_sent[1]:.0f} B ({shared_sent[0] / alone_sent:.2f} and "
-          f"{shared_sent[1] / alone_sent:.2f}; at best {floor:.2f})")
-    assert all(each / alone_sent <= floor + 0.1 for each in shared_sent), (alone_sent, shared_sent)
-    # the links (printed) carry the DHT's messages besides, on every public peer alike and more of them the longer an
-    # epoch lasts: not half of one anchor's alone (0.94 to 1.26 of it in the runs so far)
+          f"{shared_sent[1] / alone_sent:.2f})")
+    assert all(0.4 <= each / alone_sent <= 0.6 for each in shared_sent), (alone_sent, shared_sent)
+    # the links (printed) carry the DHT's and matchmaking's messages besides, which each public peer serves in full:
+    # with the tiny preset's gradients (0.7 MB a volunteer) that is a third of a link; benchmarks/two_anchors.py
+    # measures the links with the small preset's
     # the organizer's machine dies while a round's parts are on its link (capped, so that its share takes a second or
     # two); the volunteers were started with its addresses alone
     server.limit(8)
@@ -612,6 +612,46 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
         recorded = {anchor.peer_id: anchor.addresses for anchor in history.anchors()}
     assert recorded.get(peer_id_of(anchor_addresses)) == anchor_addresses, recorded
     assert peer_id_of(line[line.index("--initial-peers") + 1:]) in recorded, recorded
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_volunteer_gone_while_two_anchors_only_reduce_the_run_goes_on_from_the_newest_checkpoint(
+        lab, tmp_path, tiny_shards):
+    """Beside a second anchor the monitor's anchor only reduces and holds no state: its checkpoints are the volunteers'
+    state, and when every volunteer leaves at once, the run goes on from the newest of them, not from its start."""
+    run_id = "gone_run"
+    organizer = ["monitor", "--preset", "tiny", "--run-id", run_id, "--data", tiny_shards,
+                 "--checkpoints", str(tmp_path / "checkpoints"), "--checkpoint-every", "2"]
+    server, monitor, line = start_monitor(lab, tmp_path, run_id, command=organizer)
+    second = lab.public_host("second")
+    anchor = second.start("anchor", [*DEBUG_LOGS, "anchor", *line[2:], "--events",
+                                     "--keep-in", str(tmp_path / "anchor")], str(tmp_path / "anchor.log"))
+    anchor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")
+    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, line, "--wait-for-peers", "2") for i in range(2)]
+    # both anchors only reduce; a checkpoint after that is a volunteer's state, relayed
+    reducing = monitor.wait_for(lambda e: e["type"] == "anchor_round" and e["holds_state"] is False, timeout=400,
+                                what="a round the monitor's anchor only reduced")
+    checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint" and e["epoch"] > reducing["epoch"], timeout=300,
+                                  what="a checkpoint of the volunteers' state")
+    loss_before = [next(e["loss"] for e in reversed(epochs_of(peer))) for peer in volunteers]
+    start_loss = epochs_of(volunteers[0])[0]["loss"]
+    for peer in volunteers:
+        peer.crash()
+    resumed = monitor.wait_for(lambda e: e["type"] == "anchor_resumed" and e["source"] == "checkpoint", timeout=120,
+                               what="the run's newest checkpoint")
+    newest = max(e["epoch"] for e in monitor.events if e["type"] == "checkpoint")
+    assert resumed["epoch"] >= newest >= checkpoint["epoch"], (resumed, newest)
+    # a volunteer who comes later trains on from there
+    late = start_volunteer(lab.home("late"), tmp_path, line, "--max-epochs", str(resumed["epoch"] + 30))
+    loaded = late.wait_for(lambda e: e["type"] == "restore", timeout=300, what="its download of the state")
+    assert loaded["loaded"] and loaded["epoch_after"] >= newest, loaded
+    first = late.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= loaded["epoch_after"], timeout=300,
+                          what="its first epoch on the state it loaded")
+    print(f"loss at the start {start_loss:.3f}, before the volunteers left {loss_before}, the late one's first "
+          f"{first['loss']:.3f}")
+    assert first["loss"] < start_loss and first["loss"] <= 1.1 * max(loss_before), (start_loss, loss_before, first)
 
 
 # -- the link watch ------------------------------------------------------------------------------------------
