@@ -3,9 +3,9 @@
 A network lab (collab_kit.netlab): the run's monitor on a public host, and for the second measurement a second
 public host running ``collab-kit anchor`` with the join line's options; every anchor's link capped (tc tbf, each
 direction); volunteers each behind their own NAT router, their links uncapped, simulated as in the Internet links
-benchmark (the `small` preset's real model and gradients, the kit's optimizer, the compute a sleep). Then, once the
-volunteers are done, a late joiner behind NAT downloads the swarm's state: from the monitor's anchor alone, or in
-parts from both anchors (collab_kit.swarm.direct_state).
+benchmark (the `small` preset's real model and gradients, the kit's optimizer, the compute a sleep). Then, while the
+volunteers train on, a late joiner behind NAT downloads the swarm's state: from the monitor's anchor alone, or in
+parts from both anchors (collab_kit.swarm.direct_state), which relay the volunteers' parts since they only reduce.
 
 ``python -m benchmarks.two_anchors`` measures and updates RESULTS.md; ``--peer ...`` is the late joiner (what the
 benchmark starts inside a home of the lab).
@@ -26,7 +26,9 @@ from benchmarks.swarm_scaling import epoch_end_times, stop_peers
 
 TARGET_EPOCH_RATIO = 0.6  # time per epoch, two anchors / one (ideal 0.5)
 TARGET_DOWNLOAD_RATIO = 0.6  # a late joiner's download, two sources / one
+TARGET_LINK_DISTANCE = 0.15  # each anchor's link bytes per epoch, two anchors / one, from one half
 START_TIMEOUT = 180
+DOWNLOAD_EPOCHS = 4  # epochs the volunteers train on after the measured ones, while the late joiner downloads
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Setting(internet_links.Setting):
 FULL = Setting()
 QUICK = Setting(warmup_epochs=1, measured_epochs=2)
 
-TITLE = "Two anchors beside one (network lab): time per epoch, and a late joiner's state download"
+TITLE = "Two anchors beside one (network lab): time per epoch, each anchor's link, and a late joiner's state download"
 HOW = f"""
 The network lab (`collab_kit.netlab`): `collab-kit monitor --preset small` on a public host, and for the second
 measurement `collab-kit anchor` with the join line's options on a second public host; every anchor's link capped
@@ -53,14 +55,13 @@ uncapped link, simulated as in the Internet links benchmark (`python -m benchmar
 median over volunteers of the wall time at which each reached each global epoch, after {FULL.warmup_epochs} warm-up
 epochs the mean of the next {FULL.measured_epochs}. Target: two anchors / one <= {TARGET_EPOCH_RATIO} (ideal 0.5).
 
-Then, the volunteers gone, a late joiner behind NAT downloads the swarm's state (`python -m benchmarks.two_anchors
---peer`: `load_state_from_peers` of the kit's optimizer, timed): from the one anchor, or in parts from both, each
-source's link capped as above. Target: two sources / one <= {TARGET_DOWNLOAD_RATIO}.
+Then, while the volunteers train on, a late joiner behind NAT downloads the swarm's state (`python -m
+benchmarks.two_anchors --peer`: `load_state_from_peers` of the kit's optimizer, timed): from the one anchor, or in parts
+from both, each source's link capped as above. Two anchors only reduce (they hold no state of their own meanwhile):
+each relays its part from a volunteer as it comes. Target: two sources / one <= {TARGET_DOWNLOAD_RATIO}.
 
-An anchor keeps the whole state: besides its half of each round it takes the other half's average, so its link
-carries (volunteers + 1) / (2 x volunteers) of what one anchor's carried alone, {(FULL.volunteers + 1) /
-(2 * FULL.volunteers):.3f} for {FULL.volunteers} volunteers, and the epoch with two anchors cannot fall below that
-share of the link's time.
+Each anchor's link: the bytes over its interface, both directions, per epoch over the measured epochs. Target: with
+two anchors, each within {TARGET_LINK_DISTANCE:.0%} of half of one anchor's alone.
 """
 
 
@@ -116,15 +117,29 @@ def measure(anchors: int, setting: Setting, log_dir: str) -> dict:
                                              timeout=120, what="a join line with both anchors")["addresses"]
             homes = [lab.home(f"home{i}") for i in range(setting.volunteers)]
             peers = [home.start(home.name, ["--peer", "--run-id", run_id, "--initial-peers", *addresses, "--epochs",
-                                            str(epochs), "--target-batch-size", str(setting.target_batch_size),
+                                            str(epochs + DOWNLOAD_EPOCHS), "--target-batch-size", str(setting.target_batch_size),
                                             "--micro-batch", str(setting.micro_batch), "--compute-seconds",
                                             repr(setting.compute_seconds), "--seed", str(index)],
                                 os.path.join(log_dir, f"{run_id}-{home.name}.log"), env=dict(PYTHONPATH=pythonpath),
                                 command=(sys.executable, "-m", "benchmarks.internet_links"))
                      for index, home in enumerate(homes)]
             started.extend(peers)
+            anchor_hosts = [server] + ([second] if anchors == 2 else [])
+
+            def latest_epoch():
+                return max((e["epoch"] for e in peers[0].events if e["type"] == "epoch"), default=-1)
+
+            peers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= setting.warmup_epochs,
+                              timeout=START_TIMEOUT + 60 * epochs, what="the warm-up epochs")
+            links_before, epoch_before = [host.link_bytes() for host in anchor_hosts], latest_epoch()
+            # the late joiner comes while the volunteers still train (the anchors that only reduce serve their state)
             for peer in peers:
-                peer.wait_for(lambda e: e["type"] == "done", timeout=START_TIMEOUT + 60 * epochs, what="the end")
+                peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= epochs, timeout=START_TIMEOUT + 60 * epochs,
+                              what="the measured epochs")
+            links_after, epoch_after = [host.link_bytes() for host in anchor_hosts], latest_epoch()
+            # interface counters, both directions, per epoch of the first volunteer over the same span
+            link_bytes = [(a.sent + a.received - b.sent - b.received) / max(1, epoch_after - epoch_before)
+                          for a, b in zip(links_after, links_before)]
             late_home = lab.home("late")
             late = late_home.start("late", ["--peer", "--run-id", run_id, "--initial-peers", *addresses,
                                             "--target-batch-size", str(setting.target_batch_size),
@@ -141,9 +156,10 @@ def measure(anchors: int, setting: Setting, log_dir: str) -> dict:
         # hivemind logs its own download of a whole state from one peer; the kit's download in parts is quiet
         in_parts = "Finished downloading state in" not in f.read()
     result = dict(anchors=anchors, seconds=seconds, download=loaded["seconds"], in_parts=in_parts,
-                  epoch=loaded["epoch"])
-    print(f"  {anchors} anchor(s): {seconds:.2f} s per epoch; the late joiner's download {loaded['seconds']:.2f} s "
-          f"(epoch {loaded['epoch']}, in parts: {in_parts})", flush=True)
+                  epoch=loaded["epoch"], link_bytes=link_bytes)
+    print(f"  {anchors} anchor(s): {seconds:.2f} s per epoch; each anchor's link "
+          f"{', '.join(f'{b / 2 ** 20:.2f}' for b in link_bytes)} MiB per epoch; the late joiner's download "
+          f"{loaded['seconds']:.2f} s (epoch {loaded['epoch']}, in parts: {in_parts})", flush=True)
     return result
 
 
@@ -152,16 +168,23 @@ def run(quick: bool = False) -> List[dict]:
     setting = QUICK if quick else FULL
     log_dir = tempfile.mkdtemp(prefix="collab_kit_bench_anchors_")
     one, two = measure(1, setting, log_dir), measure(2, setting, log_dir)
-    floor = (setting.volunteers + 1) / (2 * setting.volunteers)
     epoch_ratio = two["seconds"] / one["seconds"]
     download_ratio = two["download"] / one["download"]
+    link_shares = [each / one["link_bytes"][0] for each in two["link_bytes"]]
+    link_distance = max(abs(share / 0.5 - 1) for share in link_shares)
     return [
         common.make_row(
             __spec__.name, f"time per epoch, two anchors / one ({setting.volunteers} volunteers behind NAT, anchor "
             f"links {setting.anchor_mbit:g} Mbit/s)", epoch_ratio, f"<= {TARGET_EPOCH_RATIO}", f"{epoch_ratio:.2f}",
             f"{two['seconds']:.2f} s against {one['seconds']:.2f} s per epoch (compute {setting.compute_time:.2f} s "
-            f"of it); with whole states an anchor's link carries at best {floor:.3f} of one's alone; logs in "
-            f"{log_dir}.", note=f"floor {floor:.3f}: each anchor takes the other half's average too"),
+            f"of it); logs in {log_dir}."),
+        common.make_row(
+            __spec__.name, f"each anchor's link bytes per epoch, two anchors / one: distance from one half "
+            f"(interface counters, both directions)", link_distance, f"<= {TARGET_LINK_DISTANCE}",
+            f"{link_distance:.2f}",
+            f"each anchor's link carried {' and '.join(f'{share:.2f}' for share in link_shares)} of one anchor's alone "
+            f"({', '.join(f'{b / 2 ** 20:.2f}' for b in two['link_bytes'])} against "
+            f"{one['link_bytes'][0] / 2 ** 20:.2f} MiB per epoch); logs in {log_dir}."),
         common.make_row(
             __spec__.name, f"a late joiner's state download, two sources / one (each link {setting.anchor_mbit:g} "
             "Mbit/s)", download_ratio, f"<= {TARGET_DOWNLOAD_RATIO}", f"{download_ratio:.2f}",
