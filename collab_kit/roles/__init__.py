@@ -5,7 +5,8 @@
   non-finite steps and the swarm's state loaded in their place.
 - ``records``: what a volunteer reports: epoch records, state loads, lone-training warnings, the history.
 - ``monitor``: ``Monitor``, the swarm's first peer: polls metrics, keeps the run history, runs the anchor for peers
-  behind NAT; ``monitor_settings``: what it keeps and how often; ``checkpointer``: its checkpoints.
+  behind NAT; ``monitor_settings``: what it keeps and how often; ``monitor_address``: its identity and port, kept
+  across restarts; ``checkpointer``: its checkpoints.
 - ``run_history``: the monitor's SQLite database: loss, peers, throughput, the contributors' leaderboard.
 - ``processes``: a peer as a child process that reports events (``PeerProcess``), for the demo, services and tests.
 - ``services``: a maintainer's one-call start of the monitor, the auth server and volunteers, with join lines.

@@ -35,7 +35,6 @@ from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
 from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
                                      undialable_reason)
-from collab_kit.swarm.anchor import anchor_validators, read_anchor_addresses
 from collab_kit.swarm.dht import join_instructions, wait_for_peers as wait_for_peers_in_swarm
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsPublisher
@@ -87,8 +86,7 @@ class Volunteer(NonFiniteRecoveryMixin):
         # back in the DHT when it lost its neighbours; a cut link said, waited out and followed by loading the state
         self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
                                        on_link_back=self._on_link_back)
-        self.dht.add_validators(anchor_validators(config.swarm.run_id))  # the anchors' signed addresses
-        self._serve_state_to_anchors()
+        optimizer.serve_state_to_anchors(config.swarm)
         self._closed = False
         self._stop_requested = threading.Event()
         self._non_finite_streak = 0
@@ -97,18 +95,6 @@ class Volunteer(NonFiniteRecoveryMixin):
         self._undialable = undialable_reason(config, self.reachability)
         self.data_description = "training on its own stream"  # what from_config chose, in words
         self.device_note: Optional[str] = None  # why from_config trains elsewhere than asked (a GPU too small)
-
-    def _serve_state_to_anchors(self) -> None:
-        """In client mode, let the run's anchors (those of the join line and those in the DHT now) download this peer's
-        state."""
-        if not self.config.swarm.client_mode:
-            return
-        try:
-            anchors = read_anchor_addresses(self.dht, self.config.swarm.run_id)
-        except Exception as e:  # a busy link: the join line's anchors still read it, the next epoch tries again
-            logger.debug(f"the run's anchors could not be read: {e!r}")
-            anchors = []
-        self.optimizer.serve_state_to_anchors(self.config.swarm, [address for each in anchors for address in each])
 
     @classmethod
     def from_config(cls, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
@@ -367,7 +353,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                 record = self._epoch_record(epoch_before, rounds_before, epoch_losses, seconds)
                 epoch_losses, epoch_start = [], time.perf_counter()
                 self._report_epoch(record, history, on_epoch, on_lone)
-                self._serve_state_to_anchors()  # an anchor that joined since
+                self.optimizer.serve_state_to_anchors(self.config.swarm)  # an anchor that joined since
                 if max_epochs is not None:
                     bar.update(self.local_epoch - epoch_before)
                 # a global step changed the parameters: once per epoch, check them (a nan in a row of the
@@ -453,8 +439,7 @@ class Volunteer(NonFiniteRecoveryMixin):
         stop is asked for or the link is found down (the loop then waits for it)."""
         wait = STATE_RETRY_WAITS[min(self._failed_loads, len(STATE_RETRY_WAITS) - 1)]
         self._failed_loads += 1
-        logger.info(f"no peer gave the swarm's state ({self._failed_loads} time(s) in a row): trying again in "
-                    f"{wait:.0f} s")
+        logger.info(f"no peer gave the swarm's state ({self._failed_loads} time(s) in a row): trying again in {wait:.0f} s")
         deadline = time.monotonic() + wait
         while not self._stop_requested.is_set() and not self._watchdog.link_down.is_set():
             left = deadline - time.monotonic()

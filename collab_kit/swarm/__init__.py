@@ -13,12 +13,13 @@
   local-update mode (DiLoCo), in which peers take their own steps and average pseudo-gradients once a round.
 - ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
   publishing this peer's record once per period within an epoch rather than at every step).
-- ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front.
+- ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front;
+  ``runners``: each round's all-reduce runner, and each member's mode in it (an auxiliary anchor only reduces).
 - ``direct_state``: states passed between the peers a trainer names: volunteers behind NAT give theirs to the anchors.
 - ``streams``: the streams of rounds and matchmaking end with the caller's close once it has every message.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.
-- ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT, and the
-  anchors' addresses in the DHT.
+- ``anchor``: the peer that accepts connections and holds averaging groups open for volunteers behind NAT (beside
+  another anchor it only reduces); ``anchor_records``: each anchor's signed addresses in the DHT.
 - ``membership``: joining a run the same way for every peer (token, client mode, DHT, the run's card, binding), and
   leaving it.
 - ``run_card``: the run's shared settings and data, published signed by its first peer; what a joining peer compares

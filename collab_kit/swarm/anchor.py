@@ -43,16 +43,12 @@ import hivemind
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
-from pydantic.v1 import BaseModel, conlist, constr
 
 from collab_kit.config import RunConfig
 from collab_kit.errors import CollabKitError
 from collab_kit.model.transformer import initial_model
 from collab_kit.swarm.averagers import ANCHOR_ROLE
-from collab_kit.swarm.keys import anchors_key
 from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
 from collab_kit.swarm.progress import SwarmProgressTracker
 
@@ -61,31 +57,6 @@ logger = logging.getLogger(__name__)
 
 class AnchorError(CollabKitError, RuntimeError):
     """The anchor cannot work here (the message says what to do)."""
-
-
-class AnchorsSchema(BaseModel):
-    """The DHT key ``<run_id>_anchors``: each anchor's join addresses, under its public key (signed)."""
-
-    anchors: Dict[BytesWithPublicKey, Optional[conlist(constr(max_length=512), max_items=16)]]
-
-
-def anchor_validators(run_id: str) -> list:
-    """The validators a DHT needs to write or read ``run_id``'s anchor addresses (with an RSASignatureValidator)."""
-    return [SchemaValidator(AnchorsSchema, prefix=run_id)]
-
-
-def publish_anchor(dht: hivemind.DHT, run_id: str, addresses: List[str], ttl: float = 60.0) -> None:
-    """Tell the run where this anchor can be dialled, for ``ttl`` seconds (the monitor that runs it, at every poll)."""
-    subkey = RSASignatureValidator().local_public_key  # the process's key, which the DHT signs records with
-    dht.store(anchors_key(run_id), subkey=subkey, value=list(addresses), expiration_time=get_dht_time() + ttl)
-
-
-def read_anchor_addresses(dht: hivemind.DHT, run_id: str) -> List[List[str]]:
-    """The join addresses of each live anchor of ``run_id``, this peer's own included."""
-    found = dht.get(anchors_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [list(entry.value) for entry in found.value.values() if entry.value]
 
 
 class AnchorProgressTracker(SwarmProgressTracker):
@@ -184,7 +155,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
 
     def choose_round_mode(self) -> None:
         """Announce ``reduces_only`` in the next round's all-gather (read when a round is scheduled; every member's
-        runner takes each member's announced mode: collab_kit.swarm.averagers.RunnerChoiceMixin.round_modes)."""
+        runner takes each member's announced mode: collab_kit.swarm.runners.RunnerChoiceMixin.round_modes)."""
         self.grad_averager.mode = AveragingMode.AUX if self.reduces_only else AveragingMode.NODE
 
     def _round_only_reduced(self, control: Optional[StepControl]) -> bool:

@@ -39,6 +39,6 @@ def peer_tokens_key(run_id: str) -> str:
 
 
 def anchors_key(run_id: str) -> str:
-    """Each anchor's join addresses, under its public key (collab_kit.swarm.anchor.publish_anchor): every join line a
+    """Each anchor's join addresses, under its public key (collab_kit.swarm.anchor_records.publish_anchor): every join line a
     monitor prints lists them all."""
     return f"{run_id}_anchors"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import hivemind
 import torch
@@ -31,6 +31,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from collab_kit.config import OptimizerConfig, SwarmConfig
 from collab_kit.swarm import robust
+from collab_kit.swarm.anchor_records import anchor_validators, read_anchor_addresses
 from collab_kit.swarm.averagers import (ANCHOR_ROLE, CLIENT_JOIN_ANSWER_TIMEOUT, RoundResult,
                                         STATE_DOWNLOAD_PART_TIMEOUT, TRAINER_ROLE, recording_state_averager_class,
                                         round_report_averager_class)
@@ -307,12 +308,24 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self._resync_reason = reason
         self._resync_requested = True
 
-    def serve_state_to_anchors(self, swarm: SwarmConfig, anchor_addresses: Sequence[str] = ()) -> None:
-        """In client mode, let the peers this one joined through and the run's anchors (their ``anchor_addresses``)
-        download its state: an anchor started again takes the newest state from the volunteers behind NAT, and an
-        anchor that only reduces serves theirs (averagers.DirectStateMixin)."""
-        if swarm.client_mode:
-            self.state_averager.serve_state_to(initial_peer_ids([*swarm.initial_peers, *anchor_addresses]))
+    def serve_state_to_anchors(self, swarm: SwarmConfig) -> None:
+        """In client mode, let the peers this one joined through and the run's anchors in the DHT now download its
+        state: an anchor started again takes the newest state from the volunteers behind NAT, and an anchor that only
+        reduces serves theirs (direct_state.DirectStateMixin)."""
+        if not swarm.client_mode:
+            return
+        if not self._reads_anchor_records:
+            self.dht.add_validators(anchor_validators(swarm.run_id))  # the anchors' records are signed
+            self._reads_anchor_records = True
+        try:
+            anchors = initial_peer_ids([address for each in read_anchor_addresses(self.dht, swarm.run_id)
+                                        for address in each])
+        except Exception as e:  # a busy link: the join line's anchors still read it, the next call tries again
+            logger.debug(f"the run's anchors could not be read: {e!r}")
+            anchors = []
+        self.state_averager.serve_state_to([*initial_peer_ids(swarm.initial_peers), *anchors])
+
+    _reads_anchor_records = False  # whether this peer's DHT validates the anchors' records (serve_state_to_anchors)
 
     def cancel_pending_round(self) -> bool:
         """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that

@@ -75,7 +75,8 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
 
-from collab_kit.swarm.averagers import RunnerChoiceMixin, StandInAllReduceRunner, compose_averager
+from collab_kit.swarm.averagers import compose_averager
+from collab_kit.swarm.runners import RunnerChoiceMixin, StandInAllReduceRunner
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class _PartCollector:
     TensorPartReducer.accumulate_part (hivemind 1.1.12) calls ``accumulator.add_(part, alpha=weight)``
     once per sender, between its own bookkeeping of waiting, failed and banned senders; collecting the
     parts here leaves all of that bookkeeping to hivemind. A part broadcasts to the part's shape, as in hivemind's
-    accumulator (an anchor's stand-in of one value, collab_kit.swarm.averagers.StandInRunnerMixin).
+    accumulator (an anchor's stand-in of one value, collab_kit.swarm.runners.StandInRunnerMixin).
 
     :param shape: the shape of the part being reduced
     """

@@ -24,7 +24,7 @@ from collab_kit.model.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, checkpoint_n
 from collab_kit.config import get_preset
 from collab_kit.swarm.metrics import MetricsPublisher, PeerMetrics
 from collab_kit.model.transformer import TextToImageTransformer
-from collab_kit.roles.monitor import lasting_address
+from collab_kit.roles.monitor_address import lasting_address
 from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.roles.run_history import RunHistory
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from collab_kit.swarm import averagers, robust
+from collab_kit.swarm import averagers, robust, runners
 from collab_kit.swarm.p2p_fixes import install_p2p_fixes
 from collab_kit.config import OptimizerConfig, get_preset
 from collab_kit.swarm.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
@@ -164,7 +164,7 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 
     combined = robust.with_centered_clip(CheckingGradientAverager)
     assert combined.__name__ == "CenteredClipCheckingGradientAverager"  # the same on every peer: RPC names match
-    assert combined.__mro__[1:4] == (robust.CenteredClipAveragerMixin, averagers.RunnerChoiceMixin,
+    assert combined.__mro__[1:4] == (robust.CenteredClipAveragerMixin, runners.RunnerChoiceMixin,
                                      CheckingGradientAverager)
     assert robust.with_centered_clip(combined) is combined
     assert robust.with_centered_clip(GradientAverager) is robust.CenteredClipGradientAverager

@@ -1,0 +1,98 @@
+"""The all-reduce runners of the kit's rounds: which runner a round uses, and each member's mode in it.
+
+- ``RunnerChoiceMixin`` (put before a hivemind averager): chooses the class of a round's all-reduce runner and gives
+  it each member's mode (an auxiliary peer only reduces).
+- ``StandInRunnerMixin``: an anchor's runner sends its reducers one value per part, since its parts weigh nothing.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+
+class StandInRunnerMixin:
+    """Put before hivemind's AllReduceRunner: with ``stand_ins`` and a weight of 0, this peer sends each reducer one zero
+    value per part instead of the part itself, and still gets every averaged part back.
+
+    A reducer adds each sender's part times its weight, so a part of weight 0 never counts, whatever its values; one
+    value broadcasts to the part's shape in hivemind's accumulator and in CenteredClip's (collab_kit.swarm.robust), and
+    the reducer sends back the average minus it, a part of full shape. The anchor, whose parts are zeros of weight 0,
+    so sends its reducers a few bytes per part instead of its share of the vector
+    (tests/swarm/test_robust.py::test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average).
+    """
+
+    def __init__(self, *, stand_ins: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.stand_ins = stand_ins
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not (self.stand_ins and self.weight == 0):
+            async for message in super()._generate_input_for_peer(peer_index):
+                yield message
+            return
+        container = self.tensor_part_container
+        container._inputs_consumed_by_peer[peer_index] = True  # as hivemind's iterate_input_parts_for marks them
+        for part_index, (part, info) in enumerate(container._input_parts_by_peer[peer_index]):
+            # compressed as the part would be: the reducer sends the average back in the sender's compression
+            stand_in = container.compression.compress(torch.zeros(1, dtype=part.dtype), info)
+            if part_index == 0:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                                  tensor_part=stand_in, weight=self.weight)
+            else:
+                yield averaging_pb2.AveragingData(tensor_part=stand_in, weight=self.weight)
+
+
+class StandInAllReduceRunner(StandInRunnerMixin, AllReduceRunner):
+    """hivemind's AllReduceRunner with StandInRunnerMixin."""
+
+
+class RunnerChoiceMixin:
+    """Put before a hivemind averager class: its rounds run the all-reduce runner ``make_allreduce_runner`` builds
+    (StandInAllReduceRunner by default, sending stand-ins when ``sends_stand_ins``).
+
+    hivemind builds the runner inside ``DecentralizedAverager._run_allreduce_inplace_`` (1.1.12), copied here with the
+    runner's class as the one change; a mixin that reduces another way (CenteredClip) overrides ``make_allreduce_runner``.
+    """
+
+    sends_stand_ins = False  # whether parts of weight 0 go out as one value each (StandInRunnerMixin)
+
+    def make_allreduce_runner(self, **kwargs) -> AllReduceRunner:
+        """The runner of one round (hivemind's AllReduceRunner arguments)."""
+        return StandInAllReduceRunner(**kwargs)
+
+    def round_modes(self, group_info, peer_fractions: Sequence[float]) -> Tuple[AveragingMode, ...]:
+        """Each member's mode in a round: auxiliary where its all-gather says so, else hivemind's rule (client mode for
+        a member that reduces nothing, a node otherwise).
+
+        hivemind 1.1.12 reads each member's mode from the all-gather but does not pass it to the runner, which then
+        takes an auxiliary peer for a node: it sends its parts and gets the average back. An auxiliary peer only
+        reduces: it sends nothing of its own and gets nothing back
+        (tests/swarm/test_robust.py::test_an_auxiliary_anchor_only_reduces)."""
+        announced = [AveragingMode(self.serializer.loads(entry)[1]) for entry in group_info.gathered]
+        return tuple(AveragingMode.AUX if mode == AveragingMode.AUX
+                     else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
+                     for mode, fraction in zip(announced, peer_fractions))
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None,
+                                      **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        kwargs.setdefault("modes", self.round_modes(group_info, kwargs["peer_fractions"]))
+        runner = self.make_allreduce_runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
+                                            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+                                            stand_ins=self.sends_stand_ins, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
