@@ -216,6 +216,14 @@ class OptimizerConfig:
         _positive_float("optimizer", "clip_tau", self.clip_tau)
         _require(self.clip_tau < float("inf"), "optimizer.clip_tau", "expected a finite number", self.clip_tau)
         _positive_int("optimizer", "clip_iterations", self.clip_iterations)
+        # the leader of a round (the anchor) schedules it up to matchmaking_time ahead and holds it a chunk's timeout for
+        # late peers; hivemind refuses a round that cannot start within averaging_timeout, and the anchor then never
+        # leads one (tests/test_config.py::test_a_round_must_fit_within_its_timeout)
+        least = self.matchmaking_time + self.chunk_timeout
+        _require(self.averaging_timeout > least, "optimizer.averaging_timeout",
+                 f"a round may start matchmaking_time ({self.matchmaking_time:g} s) plus the wait for late peers "
+                 f"({self.chunk_timeout:g} s: next_chunk_timeout, or 10 x progress_refresh_period) after it is "
+                 f"scheduled: set it above {least:g} s, or shorten those", self.averaging_timeout)
         _require(self.delay_optimizer_step is False or self.offload_optimizer, "optimizer.delay_optimizer_step",
                  "True needs optimizer.offload_optimizer=True (hivemind runs the delayed step on the offloaded copy)",
                  self.delay_optimizer_step)
