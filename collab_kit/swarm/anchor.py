@@ -125,6 +125,19 @@ class AnchorProgressTracker(SwarmProgressTracker):
             self.should_report_progress.clear()
 
 
+def state_sources(trainer_records, epoch: int) -> Tuple[bytes, ...]:
+    """The training peers whose state an anchor that only reduces serves for them, the newest first: those whose record
+    is at the swarm's ``epoch`` or a report behind it. A joiner that has not loaded the state yet is further behind: its
+    initial parameters, relayed, would be handed back to joiners as the swarm's
+    (tests/swarm/test_optim.py::test_an_anchor_serves_no_state_older_than_the_swarms).
+
+    :param trainer_records: (peer id, local epoch) of each training peer's progress record
+    :param epoch: the swarm's epoch, as the anchor holds it
+    """
+    current = [(peer_id, peer_epoch) for peer_id, peer_epoch in trainer_records if peer_epoch >= epoch - 1]
+    return tuple(peer_id for peer_id, _ in sorted(current, key=lambda record: -record[1]))
+
+
 class AnchorOptimizer(CollaborativeOptimizer):
     """A CollaborativeOptimizer that contributes no samples: it averages with weight 0 and steps like the others.
 
@@ -165,9 +178,9 @@ class AnchorOptimizer(CollaborativeOptimizer):
         return AveragingMode(mode) == AveragingMode.AUX
 
     def _serve_training_peers_state(self) -> None:
-        """Serve the state of the training peers, the newest first; with none, serve nothing (its own is not the
-        swarm's)."""
-        sources = tuple(peer_id for peer_id, _ in sorted(self.tracker.trainer_records, key=lambda record: -record[1]))
+        """Serve the state of the training peers at the swarm's epoch (``state_sources``); with none, serve nothing (its
+        own is not the swarm's)."""
+        sources = state_sources(self.tracker.trainer_records, self.local_epoch)
         if sources == self._state_sources_sent:
             return
         self._state_sources_sent = sources

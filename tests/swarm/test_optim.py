@@ -16,6 +16,7 @@ from hivemind.compression.base import CompressionInfo
 from hivemind.proto import runtime_pb2
 
 from collab_kit.config import SwarmConfig, get_preset
+from collab_kit.swarm.anchor import state_sources
 from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
 from collab_kit.swarm.lamb import linear_warmup_then_decay
@@ -204,6 +205,15 @@ def test_a_sender_dropped_after_its_last_part_left_nothing_out():
         return senders_left_out(reducer)
 
     assert asyncio.run(one_round()) == 1
+
+
+def test_an_anchor_serves_no_state_older_than_the_swarms():
+    # two volunteers at the swarm's epoch 12 (one record a report behind), and a joiner that has not loaded yet
+    records = [(b"behind", 11), (b"ahead", 12), (b"joiner", 0)]
+    assert state_sources(records, 12) == (b"ahead", b"behind")
+    # every volunteer gone but a joiner: nobody's state is the swarm's, none is served
+    assert state_sources([(b"joiner", 0)], 12) == ()
+    assert state_sources([], 12) == ()
 
 
 def test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_claim():
