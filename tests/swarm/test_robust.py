@@ -256,27 +256,31 @@ def test_hivemind_allreduce_with_centered_clip_resists_one_peer_times_1000():
         assert min(plain_errors) > 50, plain_errors
 
 
-@pytest.mark.slow
-def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average():
+def _two_trainers_and_two_anchors(seed: int):
+    """Two trainers (weights 1 and 2) and two anchors (weight 0, zeros) for one group of four reducers, four DHTs on
+    127.0.0.1, and the trainers' weighted mean. hivemind gives each reducer whole parts (up to 2^19 bytes): sixteen
+    tensors of 20000 values, sent in 8 bits, are split evenly. Returns (tensors by peer, weights, mean, the trainers'
+    averager class, the anchors', the DHTs)."""
     import hivemind
 
-    # two trainers (weights 1 and 2) and two anchors (weight 0, zeros) in one group of four reducers. hivemind gives
-    # each reducer whole parts (up to 2^19 bytes): sixteen tensors of 20000 values, sent in 8 bits, are split evenly
-    generator = torch.Generator().manual_seed(2)
+    generator = torch.Generator().manual_seed(seed)
     shapes = [20000] * 16 + [100]
     trainers = [[torch.randn(size, generator=generator) for size in shapes] for _ in range(2)]
     tensors_by_peer = trainers + [[torch.zeros(size) for size in shapes] for _ in range(2)]
-    weights = [1.0, 2.0, 0.0, 0.0]
     mean = torch.cat([(first + 2 * second) / 3 for first, second in zip(*trainers)])
-    trainer_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
-                                                          averagers.TRAINER_ROLE)
-    anchor_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
-                                                         averagers.ANCHOR_ROLE)
-    whole_parts_class = averagers.compose_averager(anchor_class, qualname="WholePartsAnchor", sends_stand_ins=False)
+    trainer_class, anchor_class = (averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager, role)
+                                   for role in (averagers.TRAINER_ROLE, averagers.ANCHOR_ROLE))
     install_p2p_fixes()
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
     dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
              for _ in range(3)]
+    return tensors_by_peer, [1.0, 2.0, 0.0, 0.0], mean, trainer_class, anchor_class, dhts
+
+
+@pytest.mark.slow
+def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average():
+    tensors_by_peer, weights, mean, trainer_class, anchor_class, dhts = _two_trainers_and_two_anchors(seed=2)
+    whole_parts_class = averagers.compose_averager(anchor_class, qualname="WholePartsAnchor", sends_stand_ins=False)
     try:
         outcomes = {}
         for name, anchors, aggregation in (("whole", whole_parts_class, {}), ("stand-ins", anchor_class, {}),
@@ -306,24 +310,9 @@ def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average(
 
 @pytest.mark.slow
 def test_an_auxiliary_anchor_only_reduces():
-    import hivemind
-
     # the group of the test above, its anchors auxiliary: each reduces a quarter of the vector for the two trainers and
     # sends them its averages (2/4 of a vector); with stand-ins it sent the other anchor its averages as well (3/4)
-    generator = torch.Generator().manual_seed(3)
-    shapes = [20000] * 16 + [100]
-    trainers = [[torch.randn(size, generator=generator) for size in shapes] for _ in range(2)]
-    tensors_by_peer = trainers + [[torch.zeros(size) for size in shapes] for _ in range(2)]
-    weights = [1.0, 2.0, 0.0, 0.0]
-    mean = torch.cat([(first + 2 * second) / 3 for first, second in zip(*trainers)])
-    trainer_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
-                                                          averagers.TRAINER_ROLE)
-    anchor_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
-                                                         averagers.ANCHOR_ROLE)
-    install_p2p_fixes()
-    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
-             for _ in range(3)]
+    tensors_by_peer, weights, mean, trainer_class, anchor_class, dhts = _two_trainers_and_two_anchors(seed=3)
     try:
         outcomes = {name: _average_in_group([trainer_class, trainer_class, anchor_class, anchor_class], prefix, dhts,
                                             tensors_by_peer, weights, auxiliary=auxiliary)
