@@ -54,13 +54,14 @@ def lab(tmp_path):
         assert not left, f"the lab left namespaces behind: {left}"
 
 
-def start_monitor(lab, tmp_path, run_id, *extra, preset="tiny", data=None, settings=EPOCH_SETTINGS, command=None):
+def start_monitor(lab, tmp_path, run_id, *extra, preset="tiny", data=None, settings=EPOCH_SETTINGS, command=None,
+                  poll_every=("--poll-every", "1")):
     """The run's monitor on a public host of the lab, as its organizer starts it (listening where it is told, or on
     every interface by default); returns (the host, the monitor, the join line it printed, as its words)."""
     server = lab.public_host("server")
     if command is None:
         command = ["monitor", "--preset", preset, "--run-id", run_id, *(["--data", data] if data else []), *settings]
-    monitor = server.start("monitor", [*DEBUG_LOGS, *command, "--events", "--poll-every", "1",
+    monitor = server.start("monitor", [*DEBUG_LOGS, *command, "--events", *poll_every,
                                        "--db", str(tmp_path / "monitor.sqlite"), *extra], str(tmp_path / "monitor.log"))
     addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")["addresses"]
     assert addresses and all("/ip4/10.77.0." in address for address in addresses), addresses  # no 127.0.0.1
@@ -523,16 +524,18 @@ TWO_ANCHOR_SETTINGS = ["--set", "model.hidden_size=128", "--set", "optimizer.tar
 
 @needs_lab
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 20 epochs of 20 to 38 s alone, up to 67 s beside the rest of `make test` (two workers)
+@pytest.mark.timeout(1500)  # about 15 epochs of 11 s alone, up to 67 s beside the rest of `make test` (two workers)
 def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_other_dies(lab, tmp_path, tiny_shards):
     """A second public machine joins as an anchor only: the monitor's join line lists both, each round's parts are split
     between them, and when the organizer's machine (the monitor and its anchor) dies in the middle of a round, each
     volunteer loses that round at most and averages through the second anchor, which none of them was started with."""
-    run_id, last_epoch, count = "two_anchor_run", 20, 3
+    # the volunteers train until the test ends (the lab kills them): it watches the epochs it needs, however many
+    # epochs the anchor's arrival took on a busy machine
+    run_id, count, after_kill = "two_anchor_run", 3, 4
     server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards,
-                                          settings=TWO_ANCHOR_SETTINGS)
-    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, line, "--max-epochs", str(last_epoch),
-                                  "--wait-for-peers", str(count)) for i in range(count)]
+                                          settings=TWO_ANCHOR_SETTINGS, poll_every=())
+    volunteers = [start_volunteer(lab.home(f"home{i}"), tmp_path, line, "--wait-for-peers", str(count))
+                  for i in range(count)]
 
     def epoch_now():
         return max([event["epoch"] for peer in volunteers for event in epochs_of(peer)] or [0])
@@ -541,7 +544,7 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
         return next(e["averagers_sent"] for e in reversed(anchor_process.events)
                     if e["type"] == "anchor_round" and e["epoch"] <= epoch)
 
-    def bytes_per_epoch(hosts, anchor_processes, epochs=4):
+    def bytes_per_epoch(hosts, anchor_processes, epochs=3):
         """Per epoch over the next ``epochs``: the bytes over each host's link, and those each anchor's averagers sent."""
         start_epoch, before = epoch_now(), [host.link_bytes() for host in hosts]
         volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= start_epoch + epochs, timeout=600,
@@ -559,7 +562,7 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
     [alone], [alone_sent] = bytes_per_epoch([server], [monitor])
     # a second public machine joins the running swarm with the join line's own options
     second = lab.public_host("second")
-    anchor = second.start("anchor", [*DEBUG_LOGS, "anchor", *line[2:], "--events", "--poll-every", "1",
+    anchor = second.start("anchor", [*DEBUG_LOGS, "anchor", *line[2:], "--events",
                                      "--keep-in", str(tmp_path / "anchor")], str(tmp_path / "anchor.log"))
     anchor_addresses = anchor.wait_for(lambda e: e["type"] == "ready", timeout=90, what="its address")["addresses"]
     assert anchor_addresses and all("/ip4/10.77.0." in address for address in anchor_addresses), anchor_addresses
@@ -597,13 +600,14 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
     monitor.crash()
     killed_at = epoch_now()
     for peer in volunteers:
-        done = peer.wait_for(lambda e: e["type"] == "done", timeout=900, what="the end of training")
-        assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
-        # every epoch after the kill up to the last one trained counts, those a volunteer skipped by loading the state too
-        after = range(killed_at + 1, done["final_epoch"])
+        peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= killed_at + after_kill, timeout=600,
+                      what=f"{after_kill} epochs after the kill")
+        assert peer.process.poll() is None, peer.name
+        # every epoch after the kill counts, those a volunteer skipped by loading the state too
+        after = range(killed_at + 1, killed_at + 1 + after_kill)
         together = {e["epoch"] for e in epochs_of(peer) if e["averaged"] and e["group_size"] >= 2}
         missed = [epoch for epoch in after if epoch not in together]
-        assert len(after) >= 4 and len(missed) <= 1, (peer.name, killed_at, missed, [
+        assert len(missed) <= 1, (peer.name, killed_at, missed, [
             (e["epoch"], e["group_size"], e["anchors"], e["problem"]) for e in epochs_of(peer) if e["epoch"] > killed_at])
     rounds = [e for e in anchor.events if e["type"] == "anchor_round" and e["epoch"] > killed_at + 1]
     assert rounds and all(e["training_peers"] == count for e in rounds), rounds
