@@ -216,9 +216,9 @@ class OptimizerConfig:
         _positive_float("optimizer", "clip_tau", self.clip_tau)
         _require(self.clip_tau < float("inf"), "optimizer.clip_tau", "expected a finite number", self.clip_tau)
         _positive_int("optimizer", "clip_iterations", self.clip_iterations)
-        # the leader of a round (the anchor) schedules it up to matchmaking_time ahead and holds it a chunk's timeout for
-        # late peers; hivemind refuses a round that cannot start within averaging_timeout, and the anchor then never
-        # leads one (tests/test_config.py::test_a_round_must_fit_within_its_timeout)
+        # the leader of a round (the anchor) schedules it up to matchmaking_time ahead and holds it a chunk's timeout
+        # for late peers; hivemind refuses a round that cannot start within averaging_timeout, and the anchor then
+        # never leads one (tests/test_config.py::test_a_round_must_fit_within_its_timeout)
         least = self.matchmaking_time + self.chunk_timeout
         _require(self.averaging_timeout > least, "optimizer.averaging_timeout",
                  f"a round may start matchmaking_time ({self.matchmaking_time:g} s) plus the wait for late peers "

@@ -82,7 +82,8 @@ def test_a_round_must_fit_within_its_timeout():
     # the tiny preset's 20 s rounds with a 3 s progress period: the anchor would wait 30 s for late peers
     with pytest.raises(ValueError, match=r"optimizer.averaging_timeout=20.0 is not allowed: .* above 32 s"):
         get_preset("tiny", optimizer=dict(progress_refresh_period=3.0))
-    assert get_preset("tiny", optimizer=dict(progress_refresh_period=3.0, averaging_timeout=40.0)).optimizer.chunk_timeout == 30
+    longer = get_preset("tiny", optimizer=dict(progress_refresh_period=3.0, averaging_timeout=40.0))
+    assert longer.optimizer.chunk_timeout == 30
     for name in ("tiny", "small", "toy", "paper"):
         get_preset(name)
 

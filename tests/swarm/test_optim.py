@@ -16,8 +16,8 @@ from hivemind.compression.base import CompressionInfo
 from hivemind.proto import runtime_pb2
 
 from collab_kit.config import SwarmConfig, get_preset
-from collab_kit.swarm.anchor import state_sources
 from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.swarm.anchor import state_sources
 from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
 from collab_kit.swarm.lamb import linear_warmup_then_decay
 from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT
