@@ -87,10 +87,11 @@ def load_rows() -> List[dict]:
 
 def merge_rows(old_rows: Sequence[dict], new_rows: Sequence[dict], ran: Sequence[str],
                known: Sequence[str]) -> List[dict]:
-    """Replace the rows of the benchmarks in ``ran`` measured on this machine; drop unknown benchmarks."""
-    machine = machine_description()
+    """Replace the rows of the benchmarks in ``ran`` measured on this machine (or on the machine that measured the new
+    rows, when a GPU run's rows are recorded here); drop unknown benchmarks."""
+    machines = {machine_description(), *(row["machine"] for row in new_rows)}
     kept = [row for row in old_rows
-            if row["benchmark"] in known and not (row["benchmark"] in ran and row["machine"] == machine)]
+            if row["benchmark"] in known and not (row["benchmark"] in ran and row["machine"] in machines)]
     order = {name: index for index, name in enumerate(known)}
     # a stable sort: benchmarks in registry order, this machine's new rows after older rows of other machines
     return sorted([*kept, *new_rows], key=lambda row: order[row["benchmark"]])

@@ -44,9 +44,9 @@ one), under 8 minutes:
 measurements only as estimates) and writes nothing: what `make test` checks (tests/test_gpu_check.py), so that the one
 run a GPU session allows does not fail on plumbing.
 
-On the `device` tool's H200 the image holds torch, transformers, pyarrow and safetensors but not hivemind,
-bitsandbytes, datasets, brotli and their own needs: they travel as wheels (`.whl`, carried), within the 64 MiB a call
-carries. bitsandbytes' wheel (43 MiB) must be cut to the library of the machine's CUDA (13.0) to fit beside the others.
+On the `device` tool's H200 the image lacks hivemind, bitsandbytes and their needs, and its NumPy is too new:
+`python -m benchmarks.gpu_wheels` gets them here as wheels, and its docstring gives the command to run there and
+how to record the rows that come back (`--record`).
 """
 
 GiB = 2 ** 30
@@ -178,7 +178,8 @@ def top_kernels(config, plan, micro_batch: int, count: int = 5) -> str:
             loss = model(**batch).loss
         scaler.backward_and_unscale(loss)
         _synchronize(plan.device)
-    key = "device_time_total" if plan.device.type == "cuda" else "cpu_time_total"
+    # by each event's own time: the autograd wrappers that enclose the kernels would otherwise come first
+    key = "self_device_time_total" if plan.device.type == "cuda" else "self_cpu_time_total"
     events = sorted(profiler.key_averages(), key=lambda event: getattr(event, key, 0), reverse=True)[:count]
     del model
     _free(plan.device)
@@ -341,12 +342,13 @@ def swarm_rows(shapes: Shapes, rows: List[dict], workdir: str) -> None:
                 "join", *common_args, "--initial-peers", *addresses, "--device", shapes.device, "--events",
                 "--no-progress", "--max-epochs", str(shapes.swarm_epochs), "--wait-for-peers", "2"],
                 os.path.join(workdir, f"volunteer-{index}.log")))
-        dones, averaged, devices = [], [], []
+        dones, averaged, devices, alone = [], [], [], []
         for peer in peers[1:]:
             ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
             devices.append(f"{ready['device']} {ready['precision']}")
             dones.append(peer.wait_for(lambda e: e["type"] == "done", timeout=240, what="the end of training"))
             averaged.append(sum(e["averaged"] for e in peer.events if e["type"] == "epoch"))
+            alone.append([e["epoch"] for e in peer.events if e["type"] == "epoch" and not e["averaged"]])
     finally:
         for peer in reversed(peers):
             peer.kill()
@@ -355,7 +357,8 @@ def swarm_rows(shapes: Shapes, rows: List[dict], workdir: str) -> None:
     rows.append(common.make_row(
         __spec__.name, f"2 volunteers of the {shapes.swarm_preset} preset on {shapes.device}: epochs averaged",
         share, ">= 1.0", f"{min(averaged)}/{epochs}",
-        details=f"devices {', '.join(devices)}; averaged rounds {averaged}; fp16 overflows skipped "
+        details=f"devices {', '.join(devices)}; averaged rounds {averaged}; epochs not averaged {alone}; "
+                f"fp16 overflows skipped "
                 f"{[done.get('overflow_steps', 0) for done in dones]}"))
 
 
@@ -385,13 +388,15 @@ def generation_rows(shapes: Shapes, rows: List[dict]) -> None:
         details=f"{plan.describe()}, top-k 256, codes {tuple(codes.shape)}"))
 
 
-PARTS: Tuple[Tuple[str, Callable], ...] = (("throughput", throughput_rows), ("15 GiB", budget_rows),
-                                           ("paper memory", paper_memory_rows), ("GPT-2 memory", gpt2_memory_rows),
-                                           ("two volunteers", None), ("generation", generation_rows))
+# the figures a session most needs first: a run cut short by the device's time limit keeps those
+PARTS: Tuple[Tuple[str, Callable], ...] = (("throughput", throughput_rows), ("two volunteers", None),
+                                           ("15 GiB", budget_rows), ("generation", generation_rows),
+                                           ("paper memory", paper_memory_rows), ("GPT-2 memory", gpt2_memory_rows))
 
 
-def measure(shapes: Shapes) -> List[dict]:
-    """Every part, in order; a part that fails is an error row, the others still run."""
+def measure(shapes: Shapes, out: Optional[str] = None) -> List[dict]:
+    """Every part, in order; a part that fails is an error row, the others still run. With ``out``, the rows so far
+    are written there as JSON after each part, so a run stopped midway keeps what it measured (``--record``)."""
     rows: List[dict] = []
     with tempfile.TemporaryDirectory(prefix="collab_kit_gpu_check_") as workdir:
         for name, part in PARTS:
@@ -406,6 +411,9 @@ def measure(shapes: Shapes) -> List[dict]:
                 rows.append(common.error_row(__spec__.name, e) | dict(name=f"{name} (failed)"))
                 print(f"  failed: {type(e).__name__}: {e}", flush=True)
             print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+            if out:
+                with open(out, "w") as f:
+                    json.dump(rows, f, indent=1)
     return rows
 
 
@@ -421,20 +429,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="every part on the CPU with tiny shapes, in seconds; nothing is written")
-    parser.add_argument("--out", help="also write the rows to this JSON file")
+    parser.add_argument("--out", help="also write the rows to this JSON file, after each part")
+    parser.add_argument("--record", metavar="JSON",
+                        help="record in RESULTS.md the rows a GPU run wrote with --out (measures nothing)")
     args = parser.parse_args(argv)
+    if args.record:
+        with open(args.record) as f:
+            rows = json.load(f)
+        common.record(rows, [sys.modules[__name__]])
+        print(common.format_table(rows))
+        print(f"wrote {os.path.relpath(common.RESULTS_MD)}")
+        return 0
     if args.dry_run:
-        rows = measure(DRY)
+        rows = measure(DRY, args.out)
     elif not torch.cuda.is_available():
         print("benchmarks/gpu_check.py needs a CUDA GPU and none is available here: nothing measured (--dry-run "
               "checks its plumbing on the CPU)")
         return 0
     else:
-        rows = measure(PAPER)
+        rows = measure(PAPER, args.out)
     print(common.format_table(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
     failed = [row for row in rows if row["value"] is None and row["display"] == "error"]
     if not args.dry_run:
         common.record(rows, [sys.modules[__name__]])
