@@ -150,18 +150,15 @@ class OptimizerConfig:
     compression_threshold: int = 2 ** 16  # tensors this large or larger are averaged in 8 bits, others in fp16
     matchmaking_time: float = 15.0
     averaging_timeout: float = 180.0
-    # how often a peer reads the swarm's progress when it knows of no one else; it reads more or less often
-    # (between a sixth and 10/3 of this) once it can estimate when the next global step is due
+    # how often a peer reads the swarm's progress alone (a sixth to 10/3 of it once it can estimate the next step)
     progress_refresh_period: float = 3.0
     # seconds a peer of an averaging round may stay silent (no part sent, no result returned) before the others go on
     # without it. It must also cover the spread of the moments the group's peers notice that a global step is due
     # (each notices at its next reading of the swarm's progress, after its current local step). None: the longer
     # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
     next_chunk_timeout: Optional[float] = None
-    # seconds a download of the swarm's state may take before it is given up and started again. A stalled download is
-    # noticed sooner (30 s without a part, collab_kit.swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT): this bounds a slow
-    # one, and
-    # hivemind starts a given-up download from scratch, forever. The paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s.
+    # seconds a state download may take before it is started again (a stalled one is noticed after 30 s without a part,
+    # swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT); the paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s
     load_state_timeout: float = 1800.0
     average_state_every: int = 1  # global steps between parameter (state) averaging rounds
     # how parameters travel in state averaging: "fp16" halves the bytes, "none" (fp32) leaves peers bit-equal
@@ -178,10 +175,8 @@ class OptimizerConfig:
     # the mean when every peer is honest. With 0.5, 3 honest tiny-preset peers beside one sending its gradients
     # x -1000 learn about as fast as without it (benchmarks/robust_aggregation.py); with 1.0 they did not
     clip_tau: float = 0.5
-    # CenteredClip iterations per part. From the coordinate-wise median it walks toward the honest mean by about
-    # clip_tau a step; with 5 the result stayed between the two, and beside a peer sending x -1000 the honest
-    # tiny-preset loss rose (1.008 after 10 epochs); with 30 it fell as without an attacker (0.986). Cheap: a
-    # few norms of the group's parts per iteration, on the peer that reduces that part
+    # CenteredClip iterations per part: each walks from the coordinate-wise median toward the honest mean by about
+    # clip_tau; 30 reach it beside a peer sending x -1000 (benchmarks/robust_aggregation.py), at a few norms each
     clip_iterations: int = 30
     # Local-update mode (DiLoCo, collab_kit.swarm.local_updates): 0 keeps synchronous training, where the swarm averages
     # gradients at every global batch of target_batch_size samples. H > 0: each peer trains on its own with the 8-bit
@@ -192,6 +187,9 @@ class OptimizerConfig:
     local_steps: int = 0
     outer_learning_rate: float = 0.7
     outer_momentum: float = 0.9
+    # local-update mode: a round averages in the background while the next round's inner steps go on, its outer step
+    # applied when the average arrives, the progress made meanwhile kept (collab_kit.swarm.local_updates)
+    overlap_rounds: bool = False
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -234,6 +232,9 @@ class OptimizerConfig:
         _positive_float("optimizer", "outer_learning_rate", self.outer_learning_rate)
         _require(isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
                  "optimizer.outer_momentum", "must be in [0, 1)", self.outer_momentum)
+        _require(self.overlap_rounds is False or (self.overlap_rounds is True and self.local_updates),
+                 "optimizer.overlap_rounds", "expected true or false; true (a setting of the local-update mode) needs "
+                 "optimizer.local_steps set to H > 0 too", self.overlap_rounds)
 
     @property
     def warmup_steps(self) -> int:
@@ -437,13 +438,12 @@ def command_line_literal(section: str, name: str, value) -> str:
     return text
 
 
-# model and optimizer fields each peer chooses for its own machine (the preflight sets the first two): how it keeps
-# activations, how many samples it processes per local step, where its optimizer state lives, whether its step runs
-# in the background, how long it lets its state download take. The swarm's weights and steps are the same whatever
-# each peer chooses, so a join line must not force one peer's choices on another machine.
+# fields each peer chooses for its own machine (the preflight sets the first two): its activations, local batch,
+# optimizer state's place, steps or rounds in the background, download time. The swarm's weights and steps are the
+# same whatever each chooses, so a join line must not force one peer's choices on another machine.
 PER_PEER_SETTINGS = frozenset({("model", "reversible"), ("optimizer", "batch_size_per_step"),
                                ("optimizer", "offload_optimizer"), ("optimizer", "delay_optimizer_step"),
-                               ("optimizer", "load_state_timeout")})
+                               ("optimizer", "load_state_timeout"), ("optimizer", "overlap_rounds")})
 
 
 # data fields every peer of a run must share: the same caption gives every peer the same token ids
@@ -495,6 +495,6 @@ def parse_overrides(assignments: Sequence[str]) -> Dict[str, dict]:
         try:
             value = ast.literal_eval(raw_value)
         except (ValueError, SyntaxError):
-            value = raw_value  # a plain string
+            value = {"true": True, "false": False}.get(raw_value.strip().lower(), raw_value)
         overrides.setdefault(section, {})[name] = value
     return overrides

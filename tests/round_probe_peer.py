@@ -18,6 +18,9 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
   busy the machine);
 - with ``--join-when PATH``, joins only once PATH exists: a late joiner whose process has started (and imported
   torch and hivemind) before, so that it joins at the moment the test chooses, however busy the machine;
+- in local-update mode with overlapped rounds, after each round's outer step taken once its average arrived prints
+  ``@event {"type": "applied", "epoch": E, "file": NAME-applied-E.pt, ...}`` and saves there the progress the inner
+  steps made while the round averaged, the model's and the global parameters after the step, and the average;
 - with ``--nan-at-epoch E``, fills its model's token embedding with nan at the end of round E, after its last inner
   step (an inner step that blew up): its pseudo-gradient of that round is not finite.
 
@@ -123,6 +126,24 @@ def main(argv: List[str]) -> int:
                        **{"global": global_digest, "momentum": momentum_digest})
             return loaded
 
+        def probed_apply_round_in_flight():
+            # what an overlapped round's outer step kept of the inner progress made while the round averaged
+            epoch = optimizer.epoch_in_flight
+            before = [p.detach().clone() for p in optimizer.state_averager.main_parameters]
+            progress = [b - sent for b, sent in zip(before, optimizer._sent_parameters)]
+            apply_round_in_flight()
+            after = [p.detach().clone() for p in optimizer.state_averager.main_parameters]
+            global_after = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
+                            for p in group["params"]]
+            saved = f"{options.name}-applied-{epoch}.pt"
+            torch.save(dict(epoch=epoch, progress=progress, model=after, averaged=record.get("averaged"),
+                            **{"global": global_after}), os.path.join(options.out, saved))
+            emit_event("applied", epoch=epoch, file=saved, group_size=optimizer.last_group_size,
+                       problem=optimizer.last_round_problem, overlapped_steps=optimizer.overlapped_steps)
+
+        if hasattr(optimizer, "_apply_round_in_flight"):
+            apply_round_in_flight = optimizer._apply_round_in_flight
+            optimizer._apply_round_in_flight = probed_apply_round_in_flight
         optimizer._load_pseudo_gradient = probed_load_pseudo_gradient
         optimizer._average_gradients_and_load_into_optimizer = probed_average
         optimizer._update_global_epoch = probed_update

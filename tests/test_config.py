@@ -1,7 +1,8 @@
 """Presets carry the paper's numbers; a wrong value fails at once, naming the field."""
 import pytest
 
-from collab_kit.config import DataConfig, ModelConfig, OptimizerConfig, RunConfig, SwarmConfig, get_preset
+from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingProblem, SwarmConfig,
+                               get_preset)
 
 
 def test_paper_preset_has_the_papers_values():
@@ -99,3 +100,13 @@ def test_config_round_trips_through_a_dict():
     assert again == config
     with pytest.raises(ValueError, match="unknown keys"):
         RunConfig.from_dict(dict(config.to_dict(), extra=1))
+
+
+def test_overlapped_rounds_are_a_setting_of_the_local_update_mode_and_read_true_as_a_shell_user_writes_it():
+    from collab_kit.config import parse_overrides
+
+    assert parse_overrides(["optimizer.overlap_rounds=true"]) == {"optimizer": {"overlap_rounds": True}}
+    assert parse_overrides(["optimizer.overlap_rounds=False"]) == {"optimizer": {"overlap_rounds": False}}
+    assert get_preset("tiny", optimizer=dict(local_steps=4, overlap_rounds=True)).optimizer.overlap_rounds
+    with pytest.raises(SettingProblem, match="local_steps set to H > 0 too"):
+        get_preset("tiny", optimizer=dict(overlap_rounds=True))

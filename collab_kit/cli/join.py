@@ -105,6 +105,7 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
                        bytes_sent=history.bytes_sent, bytes_served=history.bytes_served,
                        interrupted=history.interrupted, skipped_steps=history.skipped_steps,
                        link_outages=history.link_outages, overflow_steps=history.overflow_steps,
-                       device=history.device, precision=history.precision)
+                       device=history.device, precision=history.precision,
+                       compute_seconds=round(history.compute_seconds, 3), overlapped_steps=history.overlapped_steps)
     print(f"join: {history.summary()}", flush=True)
     return 130 if history.interrupted else 0

@@ -123,7 +123,9 @@ class MemoryEstimate:
                 ("total on the GPU", format_bytes(self.gpu_bytes), "")]
         if self.local_updates:
             rows += [("in CPU memory", format_bytes(self.cpu_bytes),
-                      "fp32 global weights, outer momentum, pseudo-gradient"),
+                      "fp32 global weights, outer momentum, pseudo-gradient"
+                      + (", parameters sent" if self.cpu_bytes > self.outer_bytes + 4 * self.trainable_parameters
+                         else "")),
                      ("PCIe per round", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
         elif self.offload:
             rows += [("in CPU memory", format_bytes(self.cpu_bytes), "state + fp32 master weights and gradients"),
@@ -311,7 +313,8 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
     return _estimate(arch, optimizer=optimizer, offload=offload, checkpointing=bool(checkpointing),
                      shared_groups=shared_groups, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                      attention=attention, min_8bit_size=min_8bit_size, pcie_gb_per_s=pcie_gb_per_s,
-                     local_updates=local_updates)
+                     local_updates=local_updates,
+                     overlap_rounds=local_updates and defaults.get("overlap_rounds", False))
 
 
 def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_gb_per_s, offload) -> str:
@@ -332,7 +335,8 @@ def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_g
 
 
 def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_groups, micro_batch, seq_len,
-              precision, attention, min_8bit_size, pcie_gb_per_s, local_updates=False) -> MemoryEstimate:
+              precision, attention, min_8bit_size, pcie_gb_per_s, local_updates=False,
+              overlap_rounds=False) -> MemoryEstimate:
     notes: List[str] = []
     if seq_len is None:
         seq_len = arch.seq_len
@@ -361,6 +365,8 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
         # optimizer's momentum and the pseudo-gradient buffer; the inner optimizer's state stays with the model
         outer = 4 * trainable + 4 * trainable  # fp32 global weights, fp32 Nesterov momentum
         cpu = outer + 4 * trainable  # + the fp32 pseudo-gradient buffer
+        if overlap_rounds:  # + the model's parameters when the round in flight was sent (the progress since is kept)
+            cpu += 4 * trainable
         transfer = per_parameter * trainable + per_parameter * trainable  # local weights out, global weights back
     elif offload:
         cpu = state + 4 * trainable + 4 * trainable  # state, fp32 master weights, fp32 gradient buffer

@@ -2,7 +2,8 @@
 
 - ``volunteer``: ``Volunteer``, a training peer: joins, loads the swarm's state, trains, averages, recovers from a
   non-finite step, reports its epochs (the notebooks' and ``collab-kit join``'s peer); ``recovery``: its checks of
-  non-finite steps and the swarm's state loaded in their place.
+  non-finite steps and the swarm's state loaded in their place; ``epoch_reports``: its epoch records (reported once
+  their round is over), lone-training warnings and metrics.
 - ``records``: what a volunteer reports: epoch records, state loads, lone-training warnings, the history.
 - ``monitor``: ``Monitor``, the swarm's first peer: polls metrics, keeps the run history, runs the anchor for peers
   behind NAT; ``monitor_settings``: what it keeps and how often; ``monitor_address``: its identity and port, kept

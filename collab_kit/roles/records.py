@@ -180,6 +180,8 @@ class TrainingHistory:
     # seconds of the local steps' forward and backward passes, and of the pauses after them (train's max_load)
     compute_seconds: float = 0.0
     paused_seconds: float = 0.0
+    # local-update mode with overlap_rounds: inner steps taken while a round of this peer averaged in the background
+    overlapped_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,6 +32,7 @@ from collab_kit.data.synthetic import SYNTHETIC_SAMPLES
 from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.model.device import DeviceFacts, DevicePlan, LossScaler, choose_device, fp32_plan, read_device_facts
 from collab_kit.model.transformer import TextToImageTransformer, initial_model
+from collab_kit.roles.epoch_reports import EpochReportsMixin
 from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
 from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
                                      undialable_reason)
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 # its data and a core that the machine's other processes needed, and filling its log, while it could not train
 STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
-class Volunteer(NonFiniteRecoveryMixin):
+class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
     """One peer of a collaborative run: trains its model with the swarm, step by step, and reports each epoch.
 
     ``Volunteer.from_config(config)`` builds every part (what ``collab-kit join`` and the notebooks do); the
@@ -292,6 +293,7 @@ class Volunteer(NonFiniteRecoveryMixin):
                 bar.close()
         history.final_epoch = self.local_epoch
         history.averaged_rounds = self.optimizer.averaged_rounds
+        history.overlapped_steps = self.optimizer.overlapped_steps
         history.bytes_sent, history.bytes_served = self.optimizer.sent_bytes()
         return history
 
@@ -303,10 +305,21 @@ class Volunteer(NonFiniteRecoveryMixin):
         """The training loop proper: one local step per batch until a limit is reached."""
         epoch_losses: List[float] = []
         epoch_start = time.perf_counter()
+        # with overlapped rounds (local-update mode), an epoch is reported once its round's outcome is in:
+        # (epoch, averaged rounds when it ended, its losses, its seconds)
+        pending: List[tuple] = []
         self.model.train()
+
         def limit_reached() -> bool:
             return ((max_epochs is not None and self.local_epoch >= max_epochs)
                     or (max_steps is not None and history.local_steps >= max_steps))
+
+        def report_pending(wait: bool) -> None:
+            if wait:
+                self.optimizer.finish_round_in_flight()
+            while pending and self.optimizer.epoch_in_flight != pending[0][0]:
+                record = self._epoch_record(*pending.pop(0))
+                self._report_epoch(record, history, on_epoch, on_lone)
 
         for batch in stream:
             # a peer whose last step reached its limit is done, link or no link: when the others stop at the same
@@ -317,6 +330,7 @@ class Volunteer(NonFiniteRecoveryMixin):
             if self._stop_requested.is_set():
                 raise KeyboardInterrupt
             if limit_reached():
+                report_pending(wait=True)  # the last round's outer step, before this peer stops
                 return
             epoch_before, rounds_before = self.local_epoch, self.optimizer.averaged_rounds
             passes_start = time.perf_counter()
@@ -348,11 +362,15 @@ class Volunteer(NonFiniteRecoveryMixin):
                 self._failed_loads = 0
             epoch_losses.append(loss.item())
 
+            report_pending(wait=False)
             if self.local_epoch != epoch_before:
                 seconds = time.perf_counter() - epoch_start
-                record = self._epoch_record(epoch_before, rounds_before, epoch_losses, seconds)
+                if self.optimizer.epoch_in_flight == epoch_before:  # its round averages in the background
+                    pending.append((epoch_before, self.optimizer.averaged_rounds, epoch_losses, seconds))
+                else:
+                    record = self._epoch_record(epoch_before, rounds_before, epoch_losses, seconds)
+                    self._report_epoch(record, history, on_epoch, on_lone)
                 epoch_losses, epoch_start = [], time.perf_counter()
-                self._report_epoch(record, history, on_epoch, on_lone)
                 self.optimizer.serve_state_to_anchors(self.config.swarm)  # an anchor that joined since
                 if max_epochs is not None:
                     bar.update(self.local_epoch - epoch_before)
@@ -367,6 +385,7 @@ class Volunteer(NonFiniteRecoveryMixin):
             bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
                             samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
                             refresh=False)
+        report_pending(wait=True)  # the data ran out
 
     def _pause_for_load(self, passes_seconds: float, max_load: float, history: TrainingHistory) -> None:
         """After a step's passes that took ``passes_seconds``: wait so that computing is ``max_load`` of the time (a
@@ -376,41 +395,6 @@ class Volunteer(NonFiniteRecoveryMixin):
             pause = passes_seconds * (1.0 / max_load - 1.0)
             self._stop_requested.wait(pause)
             history.paused_seconds += pause
-
-    def _epoch_record(self, epoch_before: int, rounds_before: int, losses: List[float], seconds: float) -> EpochRecord:
-        """What this peer saw of the global epoch its last step ended: its loss, samples, and the round that ended
-        it."""
-        optimizer = self.optimizer
-        averaged = optimizer.averaged_rounds > rounds_before
-        # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own; a round of
-        # the swarm's next epoch ended that one (this peer's losses went into its gradients)
-        in_round = averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1)
-        return EpochRecord(
-            epoch=optimizer.last_round_epoch if in_round else epoch_before,
-            loss=sum(losses) / len(losses), local_steps=len(losses),
-            samples=len(losses) * self.config.optimizer.batch_size_per_step, averaged=averaged,
-            group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
-            seconds=seconds, anchors=optimizer.last_anchors_in_group if in_round else 0,
-            training_peers=max(1, optimizer.tracker.training_peers),
-            problem=optimizer.last_round_problem if in_round else "this peer was behind the swarm")
-
-    def _report_epoch(self, record: EpochRecord, history: TrainingHistory,
-                      on_epoch: Optional[Callable[[EpochRecord], None]],
-                      on_lone: Optional[Callable[[LoneWarning], None]]) -> None:
-        """Keep the epoch's record, say so when this peer trains alone while others train, publish its metrics."""
-        history.epochs.append(record)
-        warning = self._lone_watch.observe(record, bool(self.config.swarm.client_mode),
-                                           self.optimizer.tracker.anchor_peers,
-                                           self.config.optimizer.averaging_timeout,
-                                           self.config.optimizer.matchmaking_time, self._undialable)
-        if warning is not None:
-            logger.warning(str(warning))
-            history.lone_warnings.append(warning)
-            if on_lone is not None:
-                on_lone(warning)
-        self._publish_metrics(record)
-        if on_epoch is not None:
-            on_epoch(record)
 
     def _wait_for_link(self, history: TrainingHistory, on_link: Optional[Callable[[str], None]] = None) -> None:
         """Training waits while the link to the swarm is down: steps taken meanwhile could be averaged with nobody, and
@@ -446,20 +430,6 @@ class Volunteer(NonFiniteRecoveryMixin):
             if left <= 0:
                 return
             self._stop_requested.wait(min(left, 0.2))
-
-    # -- metrics for the monitor -----------------------------------------------------------------
-
-    def _publish_metrics(self, record: EpochRecord) -> None:
-        """Count the epoch's work and publish this peer's metrics record (a failure only logs: training goes on)."""
-        self.metrics.add_work(record.samples, record.seconds)
-        try:
-            self.metrics.publish(epoch=self.local_epoch, loss=record.loss, mini_steps=record.local_steps,
-                                 samples_per_second=record.samples / max(record.seconds, 1e-6), wait=False,
-                                 averaged_with=record.group_size - 1, lone_epochs=self._lone_watch.streak,
-                                 lone_reason=self._lone_watch.reason, device=self.plan.name,
-                                 precision=self.plan.precision)
-        except Exception as e:  # the DHT may be shutting down or unreachable for a moment
-            logger.warning(f"could not publish this peer's metrics: {e}")
 
     # -- the model as it is now -----------------------------------------------------------------
 

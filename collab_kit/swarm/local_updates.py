@@ -16,6 +16,10 @@ everything the synchronous mode does keeps working:
 - Pseudo-gradients travel through the gradient averager, compressed as gradients are (8 bits for large tensors,
   collab_kit.swarm.lamb.gradient_compression), and reduced by the mean or CenteredClip (collab_kit.swarm.robust).
 - Anchors (collab_kit.swarm.anchor) take no inner steps and add no pseudo-gradient: they reduce and take the outer step.
+- With ``OptimizerConfig.overlap_rounds`` a training peer does not wait for its round: the averaging runs in the
+  background while the next round's inner steps go on, and the outer step is applied when the average arrives, the
+  inner progress made meanwhile kept on top of the new global parameters (Streaming DiLoCo's overlapped outer step,
+  one round late). A round still under way when the next one is due holds that one until it is over.
 
 Peers of the two modes must not average together (a gradient and a pseudo-gradient are not the same quantity, and
 the outer optimizer's state is not LAMB's): the averagers of this mode carry ``LocalUpdateRoundsMixin``'s RPC prefix.
@@ -24,9 +28,10 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import torch
+from hivemind.averaging.control import AveragingStage, StepControl
 
 from collab_kit.config import OptimizerConfig
 from collab_kit.swarm.averagers import ANCHOR_ROLE, compose_averager
@@ -118,6 +123,24 @@ class LocalUpdatesMixin:
             self.inner_optimizer = make_lamb8bit(inner_param_groups, self.local_config)
         self.inner_steps = 0  # inner steps taken since this peer started
         self.dropped_pseudo_gradients = 0  # rounds whose own pseudo-gradient was not finite (sent as zero weight)
+        self.overlap = bool(self.local_config.overlap_rounds and self.inner_optimizer is not None)
+        # the round averaging in the background (overlap): (its StepControl, the epoch it ends), until applied
+        self._round_in_flight: Optional[Tuple[StepControl, int]] = None
+        # overlap: the model's parameters when the round in flight was sent (on the CPU), to keep the progress since
+        self._sent_parameters: Optional[List[torch.Tensor]] = None
+        self.overlapped_steps = 0  # inner steps taken while a round of this peer averaged in the background
+        self.applied_rounds = 0  # rounds whose outcome this peer has applied (an outer step taken, alone or not)
+
+    @property
+    def local_epoch(self) -> int:
+        """The epoch this peer trains in: its global parameters' epoch, plus one while a round averages in the
+        background (the samples of the next round already count towards the swarm's next epoch)."""
+        return self.state_averager.local_epoch + (getattr(self, "_round_in_flight", None) is not None)
+
+    @property
+    def epoch_in_flight(self) -> Optional[int]:
+        """The epoch of the round averaging in the background, if any (its outcome is not known yet)."""
+        return None if self._round_in_flight is None else self._round_in_flight[1]
 
     def _state_averager_class(self) -> type:
         return mode_averager_class(super()._state_averager_class(), self.local_config)
@@ -141,6 +164,10 @@ class LocalUpdatesMixin:
         self.inner_steps += 1
         averager = self.grad_averager
         averager.local_samples_accumulated += batch_size
+        if self._round_in_flight is not None:
+            self.overlapped_steps += 1
+            if self._round_in_flight[0].done():
+                self._apply_round_in_flight()
         self.tracker.report_local_progress(self.local_epoch, averager.local_samples_accumulated)
         return True
 
@@ -159,6 +186,7 @@ class LocalUpdatesMixin:
         return super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs) -> bool:
+        self._drop_round_in_flight()  # the state downloaded replaces what its average would have changed
         loaded = super().load_state_from_peers(**kwargs)
         downloaded = self.state_averager.last_downloaded_epoch
         if self.inner_optimizer is not None and loaded and downloaded is not None and downloaded < self.local_epoch:
@@ -173,10 +201,93 @@ class LocalUpdatesMixin:
             return
         super()._follow_round_epoch(result, parameters_from_swarm)
 
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        # one matchmaking at a time: hivemind queues a second behind the first, and a round scheduled while the last
+        # one still looks for its group met the swarm's next round, one epoch ahead of this peer's global parameters
+        if self._round_in_flight is None:
+            super()._maybe_schedule_gradient_averaging()
+
     def _update_global_epoch(self, grad_scaler) -> None:
-        if self.inner_optimizer is not None:
-            self._load_pseudo_gradient()
-        super()._update_global_epoch(grad_scaler)
+        if self.inner_optimizer is None:
+            return super()._update_global_epoch(grad_scaler)
+        if self._round_in_flight is not None:
+            self._apply_round_in_flight()  # the last round first: this one's pseudo-gradient starts from its result
+        self._load_pseudo_gradient()
+        if self.overlap and self.tracker.global_progress.num_peers > 1 and not self._resync_requested:
+            self._send_round_in_background(grad_scaler)
+        else:  # alone, or loading the swarm's state next: the round (if any) and its outer step at once
+            super()._update_global_epoch(grad_scaler)
+            self.applied_rounds += 1
+
+    def _send_round_in_background(self, grad_scaler) -> None:
+        """Start this round's averaging and go on to the next round's inner steps; _apply_round_in_flight takes the
+        outer step once the average is in."""
+        epoch = self.local_epoch
+        with self.tracker.pause_updates():
+            with torch.no_grad():
+                parameters = self.state_averager.main_parameters
+                if self._sent_parameters is None:
+                    self._sent_parameters = [torch.empty_like(param, device="cpu") for param in parameters]
+                for sent, param in zip(self._sent_parameters, parameters):
+                    sent.copy_(param.detach())
+            # the last round's figures (last_group_size, ...) stay until this round's outcome replaces them
+            began = self._trigger_gradient_round(grad_scaler) and self.scheduled_grads is not None
+            if not began:  # hivemind could not start the round: the peer steps with its own pseudo-gradient now
+                self.grad_averager.load_accumulators_into_averager_()
+                self._take_outer_step(round_control=None, epoch=epoch)
+                return
+            self._round_in_flight, self.scheduled_grads = (self.scheduled_grads, epoch), None
+            if self.on_averaging_start is not None:
+                self.on_averaging_start(epoch, self._round_in_flight[0].stage.name.lower())
+            self.grad_averager.reset_accumulated_grads_()  # the next round's samples count from zero
+            self.tracker.update_epoch(new_epoch=epoch + 1)
+            self._should_check_synchronization_on_update = True
+
+    def _apply_round_in_flight(self) -> None:
+        """The outer step of the round that averaged in the background (waiting for it, up to its timeout, if it is
+        not over), with the inner progress made since it was sent kept on top of the new global parameters."""
+        control, epoch = self._round_in_flight
+        with self.tracker.pause_updates(), torch.no_grad():
+            samples = self.grad_averager.local_samples_accumulated
+            for sent, param in zip(self._sent_parameters, self.state_averager.main_parameters):
+                sent.sub_(param.detach().to(sent.device)).neg_()  # now the progress since the round was sent
+            self._round_in_flight = None  # from here the peer's epoch is its global parameters' again
+            self._take_outer_step(control, epoch)
+            for progress, param in zip(self._sent_parameters, self.state_averager.main_parameters):
+                param.add_(progress.to(param.device))
+            self.grad_averager.local_samples_accumulated = samples  # this round's, so far
+
+    def _take_outer_step(self, round_control, epoch: int) -> None:
+        """Read the round's outcome (CollaborativeOptimizer's accounting) and step the global parameters, which the
+        state averager copies into the model."""
+        self.last_group_size = int(self.round_role != ANCHOR_ROLE)
+        self.last_anchors_in_group, self.last_round_problem, self.last_received = 0, None, 1.0
+        self.last_round_epoch = epoch
+        self._average_gradients_and_load_into_optimizer(round_control)
+        self.state_averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=False)
+        self.applied_rounds += 1
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.state_averager.local_epoch
+
+    def _drop_round_in_flight(self) -> None:
+        """Leave the round in flight to its group (waiting for it, up to its timeout) without taking its step: a
+        download of the swarm's state follows."""
+        if self._round_in_flight is None:
+            return
+        control, epoch = self._round_in_flight
+        self._round_in_flight = None
+        if control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            control.cancel()  # no group waits for this peer's part yet
+        try:
+            control.result(self.averaging_timeout)
+        except BaseException as e:  # a cancelled or failed round: nothing of it is used either way
+            logger.debug(f"the round of epoch {epoch} dropped for a download ended with {e!r}")
+        self.grad_averager.notify_used_averaged_gradients()
+
+    def finish_round_in_flight(self) -> None:
+        """Wait for the round averaging in the background, if any, and take its outer step (a peer that stops)."""
+        if self._round_in_flight is not None:
+            self._apply_round_in_flight()
 
     @torch.no_grad()
     def _load_pseudo_gradient(self) -> None:

@@ -327,6 +327,13 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     _reads_anchor_records = False  # whether this peer's DHT validates the anchors' records (serve_state_to_anchors)
 
+    # a round runs in the background only in the local-update mode, with overlap_rounds (collab_kit.swarm.local_updates)
+    epoch_in_flight: Optional[int] = None  # the epoch of the round averaging in the background, if any
+    overlapped_steps = 0  # local steps taken while a round of this peer averaged in the background
+
+    def finish_round_in_flight(self) -> None:
+        """Wait for the round averaging in the background, if any, and take its step (a peer that stops)."""
+
     def cancel_pending_round(self) -> bool:
         """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that
         waits for it goes on with this peer's own gradients at once, instead of at the round's timeout. Returns whether

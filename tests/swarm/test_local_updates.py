@@ -229,6 +229,50 @@ def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_
     assert ratio < 0.99, epochs_by_peer
 
 
+@pytest.mark.slow
+def test_overlapped_rounds_train_through_the_averaging_and_keep_the_inner_progress(tiny_shards, tmp_path):
+    """With optimizer.overlap_rounds, each round averages while the next round's inner steps go on; its outer step,
+    taken when the average arrives, moves the model to the new global parameters plus the progress made meanwhile, and
+    both peers' global parameters stay equal (up to the compression's rounding, as without overlap)."""
+    out, logs = str(tmp_path / "rounds"), str(tmp_path)
+    settings = (*SETTINGS, "optimizer.overlap_rounds=true")
+    peers = []
+    try:
+        peers.append(_probe("A", out, logs, 0.05, _join_args("test_overlap", tiny_shards, 2, 5, settings)))
+        addresses = peers[0].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
+        peers.append(_probe("B", out, logs, 0.05, _join_args("test_overlap", tiny_shards, 2, 5, settings)
+                            + ["--initial-peers", *addresses]))
+        for peer in peers:
+            assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
+        applied = {peer.name: {e["epoch"]: e for e in peer.events if e["type"] == "applied"} for peer in peers}
+        done = {peer.name: next(e for e in peer.events if e["type"] == "done") for peer in peers}
+        epochs = {peer.name: [e for e in peer.events if e["type"] == "epoch"] for peer in peers}
+    finally:
+        for peer in peers:
+            peer.kill()
+    print({name: (d["overlapped_steps"], d["local_steps"], d["averaged_rounds"]) for name, d in done.items()})
+    together = [epoch for epoch in applied["A"] if epoch in applied["B"]
+                and applied["A"][epoch]["group_size"] == applied["B"][epoch]["group_size"] == 2]
+    assert len(together) >= 3, applied
+    for name in ("A", "B"):
+        # inner steps went on while rounds averaged, and every epoch was reported once its round was over
+        assert done[name]["overlapped_steps"] > 0, done[name]
+        assert [e["epoch"] for e in epochs[name]] == list(range(5)), epochs[name]
+        assert sum(e["averaged"] for e in epochs[name]) >= 3, epochs[name]
+    progress = []
+    for epoch in together:
+        a, b = (torch.load(os.path.join(out, applied[name][epoch]["file"])) for name in ("A", "B"))
+        change = _norm(a["averaged"])
+        assert _distance(a["global"], b["global"]) < 0.01 * change, epoch
+        for round_ in (a, b):
+            # the model is the new global parameters plus exactly the progress made while the round averaged
+            kept = [model - global_ for model, global_ in zip(round_["model"], round_["global"])]
+            assert _distance(kept, round_["progress"]) <= 1e-5 * _norm(round_["progress"]), epoch
+            progress.append(_norm(round_["progress"]) / change)
+    print(f"the progress kept / the averaged pseudo-gradient's norm: {progress}")
+    assert max(progress) > 0.01  # the model did move on while rounds averaged
+
+
 # ---------------------------------------------------------------------------------------------
 # without a swarm
 
@@ -271,3 +315,6 @@ def test_the_memory_estimate_counts_the_global_copy_and_the_outer_momentum():
     # the inner optimizer's state stays beside the model
     assert local.gpu_bytes == synchronous.gpu_bytes + synchronous.optimizer_bytes
     assert "outer momentum" in local.table() and "PCIe per round" in local.table()
+    # overlapped rounds keep the parameters each round was sent from, to keep the progress made since
+    overlapped = estimate(get_preset("small", optimizer=dict(local_steps=10, overlap_rounds=True)), optimizer="8bit")
+    assert overlapped.cpu_bytes == 16 * trainable and "parameters sent" in overlapped.table()
