@@ -300,8 +300,10 @@ class Monitor:
     def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
         # what the anchor's averagers have sent so far (its rounds and the states it served), and whether it holds the
         # swarm's state (not while another anchor shares the rounds), called in its thread
+        optimizer = self.anchor.optimizer
         self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem,
-                   averagers_sent=self.anchor.optimizer.bytes_sent, holds_state=self.anchor.optimizer.state_is_swarms)
+                   other_anchors=optimizer.last_anchors_in_group, averagers_sent=optimizer.bytes_sent,
+                   holds_state=optimizer.state_is_swarms)
 
     def _emit(self, kind: str, **fields) -> None:
         if self._on_event is not None:

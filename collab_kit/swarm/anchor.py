@@ -18,8 +18,7 @@ listening for connections, that
   it stands by (no rounds, no progress record) and downloads the swarm's state when the monitor asks;
 - applies the averaged gradients like any volunteer, so it holds the swarm's parameters and optimizer
   state: late joiners download them from it, and the monitor saves its checkpoints from it without a
-  download. Beside another anchor it only reduces, and serves the volunteers' state instead
-  (AnchorOptimizer.reduces_only);
+  download. Beside another anchor it only reduces, and serves the volunteers' state (reduces_only);
 - publishes a progress record with a throughput of exactly 0 (collab_kit.swarm.optimizer.is_anchor_record): its
   epoch is the swarm's global epoch for peers in client mode (hivemind counts only the epochs of peers
   that accept connections), and volunteers know not to count it as a training peer;
@@ -262,8 +261,9 @@ class AnchorOptimizer(CollaborativeOptimizer):
         client mode, which can join no other leader, and one whose estimate of the epoch's end is later than the
         anchor's starts looking later. So the anchor tells its averager which training peers to expect (those whose
         progress record is at this epoch or the one before, counted afresh at every tick): the group starts as soon as
-        all of them have joined (others are welcome), and at the latest ``next_chunk_timeout`` after the later of the
-        estimated end and matchmaking_time from now. Peers in client mode ask to join for later than that
+        all of them have joined (others are welcome) and the run's other anchors at this epoch have too, or
+        matchmaking_time has passed since, and at the latest ``next_chunk_timeout`` after the later of the estimated end
+        and matchmaking_time from now. Peers in client mode ask to join for later than that
         (collab_kit.swarm.averagers.RoundReportMixin.schedule_step)."""
         if self.early_round_pending:
             # the round of this epoch, started as soon as its group formed (trigger_formed_round), may be over before
@@ -277,7 +277,8 @@ class AnchorOptimizer(CollaborativeOptimizer):
             return
         # counted afresh at every tick while the round is pending: a peer that joined the swarm or fell behind since
         # the round was scheduled changes the group to wait for
-        self.grad_averager.expect_peers(self.tracker.trainers_in_epoch(self.local_epoch))
+        anchors = [peer for peer, epoch in self.tracker.other_anchor_records if epoch >= self.local_epoch - 1]
+        self.grad_averager.expect_peers(self.tracker.trainers_in_epoch(self.local_epoch), anchors, self.matchmaking_time)
         if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
             scheduled_time = max(estimated_end, now + self.matchmaking_time) + self.next_chunk_timeout
             self.scheduled_grads = self.grad_averager.schedule_step(scheduled_time=scheduled_time,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import warnings
 from collections import Counter
 from typing import AsyncIterator, Callable, Iterable, List, Optional, Sequence, Tuple
@@ -312,7 +313,10 @@ class RoundReportMixin(RunnerChoiceMixin):
     ``join_grace`` seconds later, instead of closing at a fixed time and leaving out a peer whose estimate of the
     epoch's end came later. The expected peers are no cap: a peer it did not expect (one that joined the swarm or
     loaded its state a moment ago) is let in too, while the group is open, and so is a peer whose own time comes before
-    the anchor's: the group then starts by that peer's time.
+    the anchor's: the group then starts by that peer's time. The run's other live anchors are waited for too, up to
+    ``co_anchor_wait`` seconds once the training peers are in: an anchor whose reading of the epoch's end came a moment
+    later would otherwise miss the round and leave the leader to reduce the whole vector (test_network_lab.py::
+    test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_other_dies).
     """
 
     round_role = TRAINER_ROLE
@@ -329,6 +333,8 @@ class RoundReportMixin(RunnerChoiceMixin):
     client_start_margin = 2.0
     _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
     _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
+    _expected_anchors: frozenset = frozenset()  # in the averager's process: the other anchors to wait for a while
+    _co_anchor_wait = 0.0  # in the averager's process: the seconds to wait for them once the training peers are in
     _follower_deadlines: Optional[dict] = None  # in the averager's process: followers let in before their time
     _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
 
@@ -350,16 +356,20 @@ class RoundReportMixin(RunnerChoiceMixin):
                 scheduled_time = get_dht_time() + max(0.0, kwargs["timeout"] - margin)
         return super().schedule_step(scheduled_time, **kwargs)
 
-    def expect_peers(self, peer_ids: Iterable[bytes]) -> None:
+    def expect_peers(self, peer_ids: Iterable[bytes], co_anchors: Iterable[bytes] = (), co_anchor_wait: float = 0.0
+                     ) -> None:
         """The peers to wait for in the rounds this peer leads (their ids as bytes; none: hivemind's own rule, which
-        starts the group at the leader's deadline). Sent to the averager's process when it changes."""
-        expected = tuple(sorted(set(peer_ids)))
+        starts the group at the leader's deadline), and the other anchors to wait for up to ``co_anchor_wait`` seconds
+        once those are in. Sent to the averager's process when they change."""
+        expected = (tuple(sorted(set(peer_ids))), tuple(sorted(set(co_anchors))), co_anchor_wait)
         if expected != self._expected_sent:
             self._expected_sent = expected
-            self._outer_pipe.send(("_set_expected_peers", [], dict(peer_ids=expected)))
+            self._outer_pipe.send(("_set_expected_peers", expected, {}))
 
-    async def _set_expected_peers(self, peer_ids: tuple) -> None:
+    async def _set_expected_peers(self, peer_ids: tuple, co_anchors: tuple, co_anchor_wait: float) -> None:
         self._expected_peers = frozenset(PeerID(peer_id) for peer_id in peer_ids)
+        self._expected_anchors = frozenset(PeerID(peer_id) for peer_id in co_anchors)
+        self._co_anchor_wait = co_anchor_wait
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -385,11 +395,19 @@ class RoundReportMixin(RunnerChoiceMixin):
         ``join_grace`` has passed for any it did not expect). Runs in the averager's process."""
         matchmaking = self._matchmaking
 
+        trainers_in_since: Optional[float] = None
+
         def ready() -> bool:
+            nonlocal trainers_in_since
             expected = self._expected_peers - {matchmaking.peer_id}
-            return (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
+            if not (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
                     and matchmaking.current_leader is None and bool(expected)
-                    and expected.issubset(matchmaking.current_followers))
+                    and expected.issubset(matchmaking.current_followers)):
+                trainers_in_since = None
+                return False
+            trainers_in_since = trainers_in_since or time.monotonic()
+            return ((self._expected_anchors - {matchmaking.peer_id}).issubset(matchmaking.current_followers)
+                    or time.monotonic() - trainers_in_since >= self._co_anchor_wait)
 
         def due() -> bool:  # a follower let in before its time (rpc_join_group) gives up at its own time
             deadlines = [self._follower_deadlines[peer] for peer in matchmaking.current_followers

@@ -33,6 +33,7 @@ class SwarmProgressTracker(ProgressTracker):
     training_peers: int = 0  # peers with a progress record that contribute samples (this one included)
     anchor_peers: int = 0  # peers with a progress record and no throughput (collab_kit.swarm.anchor)
     trainer_records: tuple = ()  # (peer id as bytes, local epoch) of each training peer's record
+    other_anchor_records: tuple = ()  # (peer id as bytes, local epoch) of each anchor's record but this peer's own
     client_mode_trainers: int = 0  # training peers in client mode (they average only through a peer that leads)
 
     def __init__(self, *args, min_report_period: float = 0.0, **kwargs):
@@ -99,19 +100,21 @@ class SwarmProgressTracker(ProgressTracker):
             metadata[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(),
                                                                    own_entry.expiration_time)
         progress = super()._parse_swarm_progress_data(metadata)
-        trainers, anchors, clients = [], 0, 0
+        trainers, anchors, other_anchors, clients = [], 0, [], 0
         if isinstance(metadata, dict):
-            for entry in metadata.values():
+            for key, entry in metadata.items():
                 if entry.value is None:
                     continue
                 record = LocalTrainingProgress.parse_obj(entry.value)  # valid: super() parsed it already
                 if is_anchor_record(record):
                     anchors += 1
+                    if key != self._local_public_key:
+                        other_anchors.append((record.peer_id, record.epoch))
                 else:
                     trainers.append((record.peer_id, record.epoch))
                     clients += record.client_mode
         self.trainer_records, self.training_peers, self.anchor_peers = tuple(trainers), len(trainers), anchors
-        self.client_mode_trainers = clients
+        self.client_mode_trainers, self.other_anchor_records = clients, tuple(other_anchors)
         return progress
 
     def run(self):

@@ -576,6 +576,11 @@ def test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_o
     volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["anchors"] == 2 and e["averaged"], timeout=240,
                            what="a round with both anchors")
     shared, shared_sent = bytes_per_epoch([server, second], [monitor, anchor])
+    # both anchors were in each of those rounds: the one that led waited for the other (test_optim.py::test_an_anchor_
+    # that_leads_waits_for_the_runs_other_anchor_before_it_starts_the_group)
+    for process in (monitor, anchor):
+        measured = [e for e in process.events if e["type"] == "anchor_round"][-3:]
+        assert all(e["other_anchors"] == 1 for e in measured), (process.name, measured)
     # each anchor only reduces (it holds no state meanwhile): half of the vector in, its averages out to the volunteers
     for process in (monitor, anchor):
         last = next(e for e in reversed(process.events) if e["type"] == "anchor_round")

@@ -436,6 +436,66 @@ def test_an_anchor_lets_in_a_peer_whose_time_comes_before_its_own_and_starts_the
     assert "BAD_EXPIRATION_TIME" in log and joined["members"] == 0, (joined, log[-3000:])
 
 
+# an anchor that leads, a volunteer in client mode that joins it at once, and a second anchor that starts looking 4 s
+# later, as one whose reading of the epoch's end came later. argv[1]: whether the leader expects the second anchor.
+LEADER_AND_LATE_CO_ANCHOR = textwrap.dedent("""
+    import json, sys, threading, torch
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.utils import get_dht_time
+    from collab_kit.config import SwarmConfig, get_preset
+    from collab_kit.swarm.averagers import ANCHOR_ROLE, TRAINER_ROLE, round_report_averager_class
+    from collab_kit.swarm.dht import join_addresses, start_dht
+
+    config, expects_co_anchor = get_preset("tiny").optimizer, sys.argv[1] == "expected"
+    leader_dht = start_dht(SwarmConfig(host="127.0.0.1", client_mode=False))
+    co_dht = start_dht(SwarmConfig(host="127.0.0.1", client_mode=False, initial_peers=join_addresses(leader_dht)))
+    client_dht = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(leader_dht)))
+    options = dict(prefix="run_grad_averager", min_matchmaking_time=config.matchmaking_time, request_timeout=1.0,
+                   warn=False, start=True)
+    anchor_class = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
+
+    def averager(averager_class, dht, **kwargs):
+        return averager_class([torch.nn.Parameter(torch.ones(8))], **dict(options, dht=dht, **kwargs))
+
+    leader, co_anchor = averager(anchor_class, leader_dht), averager(anchor_class, co_dht)
+    co_anchors = [co_dht.peer_id.to_bytes()] if expects_co_anchor else []
+    leader.expect_peers([client_dht.peer_id.to_bytes()], co_anchors, co_anchor_wait=20.0)
+    client = averager(round_report_averager_class(GradientAverager, TRAINER_ROLE), client_dht, client_mode=True)
+    client.client_join_timeout = config.averaging_timeout
+    leader_time = get_dht_time() + config.matchmaking_time + 6
+    leader_round = leader.schedule_step(scheduled_time=leader_time, timeout=30)
+    leader_round.weight = 0.0
+    leader.step(control=leader_round, wait=False)
+    co_round = []
+
+    def co_anchor_looks():  # its time comes after the leader's: it joins the leader's group, or finds none
+        co_round.append(co_anchor.step(weight=0.0, scheduled_time=leader_time + 5, timeout=30, wait=False))
+
+    late = threading.Timer(4.0, co_anchor_looks)
+    late.start()
+    said = client.step(weight=1.0)
+    late.join()
+    for running in (client, co_anchor, leader, client_dht, co_dht, leader_dht):
+        running.shutdown()
+    print(json.dumps(dict(members=len(said))), flush=True)
+""")
+
+
+def test_an_anchor_that_leads_waits_for_the_runs_other_anchor_before_it_starts_the_group():
+    """In the NAT lab with two anchors, one started looking a moment after the volunteers had joined the other, which
+    started the group without it and reduced the whole vector: that anchor's link carried 0.72 of one anchor's alone
+    over three epochs instead of half. The leader now waits for the run's other anchors too (at most co_anchor_wait
+    once its training peers are in)."""
+    results = {}
+    for expected in ("expected", "unexpected"):
+        finished = subprocess.run([sys.executable, "-c", LEADER_AND_LATE_CO_ANCHOR, expected], capture_output=True,
+                                  text=True, timeout=120)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        results[expected] = json.loads(finished.stdout.strip().splitlines()[-1])["members"]
+    # the control: a leader that waits only for its training peers starts without the late anchor
+    assert results == {"expected": 3, "unexpected": 2}, results
+
+
 # a peer that accepts connections, alone on loopback: the state-averaging period hivemind reads at a global step, before
 # and after the peer is found apart from the swarm, and after the step that loads the swarm's state takes that request
 STATE_ROUND_AFTER_RESYNC = textwrap.dedent("""
