@@ -153,9 +153,8 @@ class OptimizerConfig:
     # how often a peer reads the swarm's progress alone (a sixth to 10/3 of it once it can estimate the next step)
     progress_refresh_period: float = 3.0
     # seconds a peer of an averaging round may stay silent (no part sent, no result returned) before the others go on
-    # without it. It must also cover the spread of the moments the group's peers notice that a global step is due
-    # (each notices at its next reading of the swarm's progress, after its current local step). None: the longer
-    # of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
+    # without it; it also covers the spread of the moments the group's peers notice that a global step is due. None:
+    # the longer of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
     next_chunk_timeout: Optional[float] = None
     # seconds a state download may take before it is started again (a stalled one is noticed after 30 s without a part,
     # swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT); the paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s
@@ -169,27 +168,24 @@ class OptimizerConfig:
     # how peers combine their gradients (collab_kit.swarm.robust): "mean" (hivemind's weighted mean) or "centered_clip",
     # which bounds what a peer sending poisoned gradients can do, as long as honest peers hold most of the weight
     aggregation: str = "mean"
-    # CenteredClip's radius, relative: each part of the gradients is clipped at clip_tau times the median distance
-    # of the peers' parts from their coordinate-wise median, so one value fits every tensor and every stage of
-    # training. How far an attacker can pull the result grows with it (the same way every step); larger is closer to
-    # the mean when every peer is honest. With 0.5, 3 honest tiny-preset peers beside one sending its gradients
-    # x -1000 learn about as fast as without it (benchmarks/robust_aggregation.py); with 1.0 they did not
+    # CenteredClip's radius, relative: each part is clipped at clip_tau times the median distance of the peers' parts
+    # from their median. Larger is closer to the mean and lets an attacker pull further: with 0.5, 3 honest tiny peers
+    # beside one sending x -1000 learn about as fast as unattacked, with 1.0 not (benchmarks/robust_aggregation.py)
     clip_tau: float = 0.5
-    # CenteredClip iterations per part: each walks from the coordinate-wise median toward the honest mean by about
-    # clip_tau; 30 reach it beside a peer sending x -1000 (benchmarks/robust_aggregation.py), at a few norms each
+    # CenteredClip iterations per part, each about clip_tau from the median toward the honest mean: 30 reach it
     clip_iterations: int = 30
-    # Local-update mode (DiLoCo, collab_kit.swarm.local_updates): 0 keeps synchronous training, where the swarm averages
-    # gradients at every global batch of target_batch_size samples. H > 0: each peer trains on its own with the 8-bit
-    # optimizer, and the swarm averages only once every H global batches' worth of samples (a round of H x
-    # target_batch_size), exchanging the difference between the last global parameters and its own (the
-    # pseudo-gradient). About H times fewer bytes; for thin links. The outer step is SGD with Nesterov momentum on the
-    # averaged pseudo-gradient, with DiLoCo's settings (learning rate 0.7, momentum 0.9)
+    # Local-update mode (DiLoCo, collab_kit.swarm.local_updates): 0 keeps synchronous training (gradients averaged at
+    # every global batch). H > 0: each peer trains on its own with the 8-bit optimizer, and the swarm averages the
+    # pseudo-gradients (last global parameters minus the peer's own) once every H global batches' worth of samples:
+    # about H times fewer bytes, for thin links. Outer step: SGD with Nesterov momentum, DiLoCo's lr 0.7, momentum 0.9
     local_steps: int = 0
     outer_learning_rate: float = 0.7
     outer_momentum: float = 0.9
     # local-update mode: a round averages in the background while the next round's inner steps go on, its outer step
     # applied when the average arrives, the progress made meanwhile kept (collab_kit.swarm.local_updates)
     overlap_rounds: bool = False
+    # local-update mode: 4 sends large tensors' pseudo-gradients in 4 bits, with error feedback (swarm.four_bit)
+    pseudo_gradient_bits: int = 8
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -235,6 +231,9 @@ class OptimizerConfig:
         _require(self.overlap_rounds is False or (self.overlap_rounds is True and self.local_updates),
                  "optimizer.overlap_rounds", "expected true or false; true (a setting of the local-update mode) needs "
                  "optimizer.local_steps set to H > 0 too", self.overlap_rounds)
+        _require(self.pseudo_gradient_bits == 8 or (self.pseudo_gradient_bits == 4 and self.local_updates),
+                 "optimizer.pseudo_gradient_bits", "choose 8 or 4; 4 (a setting of the local-update mode) needs "
+                 "optimizer.local_steps set to H > 0 too", self.pseudo_gradient_bits)
 
     @property
     def warmup_steps(self) -> int:

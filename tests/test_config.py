@@ -110,3 +110,17 @@ def test_overlapped_rounds_are_a_setting_of_the_local_update_mode_and_read_true_
     assert get_preset("tiny", optimizer=dict(local_steps=4, overlap_rounds=True)).optimizer.overlap_rounds
     with pytest.raises(SettingProblem, match="local_steps set to H > 0 too"):
         get_preset("tiny", optimizer=dict(overlap_rounds=True))
+
+
+def test_4_bit_pseudo_gradients_are_a_setting_of_the_local_update_mode_that_the_whole_run_shares():
+    from collab_kit.config import PER_PEER_SETTINGS, parse_overrides
+
+    assert parse_overrides(["optimizer.pseudo_gradient_bits=4"]) == {"optimizer": {"pseudo_gradient_bits": 4}}
+    assert get_preset("tiny", optimizer=dict(local_steps=4, pseudo_gradient_bits=4)).optimizer.pseudo_gradient_bits == 4
+    with pytest.raises(SettingProblem, match="local_steps set to H > 0 too"):
+        get_preset("tiny", optimizer=dict(pseudo_gradient_bits=4))
+    with pytest.raises(SettingProblem, match="choose 8 or 4"):
+        get_preset("tiny", optimizer=dict(local_steps=4, pseudo_gradient_bits=2))
+    # a reducer rounds the average of the parts it would send in 4 bits itself (collab_kit.swarm.runners): every
+    # peer of the run must send the same way
+    assert ("optimizer", "pseudo_gradient_bits") not in PER_PEER_SETTINGS

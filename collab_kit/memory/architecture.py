@@ -129,7 +129,8 @@ def resolve_model(model, shared_groups: Optional[int]) -> Tuple[Architecture, di
     if isinstance(model, RunConfig):
         defaults = dict(offload=model.optimizer.offload_optimizer, min_8bit_size=model.optimizer.min_8bit_size,
                         local_updates=model.optimizer.local_updates,
-                        overlap_rounds=model.optimizer.overlap_rounds)
+                        overlap_rounds=model.optimizer.overlap_rounds,
+                        error_feedback=model.optimizer.pseudo_gradient_bits == 4)
         label, model = f"{model.preset} preset", model.model
     if isinstance(model, str):
         if model in CATALOGUE:

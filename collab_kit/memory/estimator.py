@@ -94,6 +94,7 @@ class MemoryEstimate:
     # pseudo-gradient buffer
     local_updates: bool = False
     outer_bytes: int = 0
+    cpu_extras: Tuple[str, ...] = ()  # the buffers of the mode's options on the CPU besides (4 bytes a parameter each)
 
     def parts(self) -> Dict[str, int]:
         """What the GPU holds, part by part (the optimizer state is 0 when offloaded): the bars of a chart."""
@@ -123,9 +124,7 @@ class MemoryEstimate:
                 ("total on the GPU", format_bytes(self.gpu_bytes), "")]
         if self.local_updates:
             rows += [("in CPU memory", format_bytes(self.cpu_bytes),
-                      "fp32 global weights, outer momentum, pseudo-gradient"
-                      + (", parameters sent" if self.cpu_bytes > self.outer_bytes + 4 * self.trainable_parameters
-                         else "")),
+                      ", ".join(("fp32 global weights, outer momentum, pseudo-gradient",) + self.cpu_extras)),
                      ("PCIe per round", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
         elif self.offload:
             rows += [("in CPU memory", format_bytes(self.cpu_bytes), "state + fp32 master weights and gradients"),
@@ -314,7 +313,8 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
                      shared_groups=shared_groups, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                      attention=attention, min_8bit_size=min_8bit_size, pcie_gb_per_s=pcie_gb_per_s,
                      local_updates=local_updates,
-                     overlap_rounds=local_updates and defaults.get("overlap_rounds", False))
+                     overlap_rounds=local_updates and defaults.get("overlap_rounds", False),
+                     error_feedback=local_updates and defaults.get("error_feedback", False))
 
 
 def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_gb_per_s, offload) -> str:
@@ -336,7 +336,7 @@ def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_g
 
 def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_groups, micro_batch, seq_len,
               precision, attention, min_8bit_size, pcie_gb_per_s, local_updates=False,
-              overlap_rounds=False) -> MemoryEstimate:
+              overlap_rounds=False, error_feedback=False) -> MemoryEstimate:
     notes: List[str] = []
     if seq_len is None:
         seq_len = arch.seq_len
@@ -360,13 +360,16 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
     if arch.reversible:
         notes.append("reversible layers: activations are rebuilt in backward with or without checkpointing")
     cpu = transfer = outer = 0
+    extras = []
     if local_updates:
         # hivemind's offloaded copy holds the global weights (always on the CPU in this mode), beside the outer
         # optimizer's momentum and the pseudo-gradient buffer; the inner optimizer's state stays with the model
         outer = 4 * trainable + 4 * trainable  # fp32 global weights, fp32 Nesterov momentum
         cpu = outer + 4 * trainable  # + the fp32 pseudo-gradient buffer
-        if overlap_rounds:  # + the model's parameters when the round in flight was sent (the progress since is kept)
-            cpu += 4 * trainable
+        # + the model's parameters when the round in flight was sent (the progress since is kept), and what 4-bit
+        # rounding dropped from the last pseudo-gradient (collab_kit.swarm.four_bit)
+        extras = [name for name, used in (("parameters sent", overlap_rounds), ("error feedback", error_feedback)) if used]
+        cpu += 4 * trainable * len(extras)
         transfer = per_parameter * trainable + per_parameter * trainable  # local weights out, global weights back
     elif offload:
         cpu = state + 4 * trainable + 4 * trainable  # state, fp32 master weights, fp32 gradient buffer
@@ -378,7 +381,7 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
         trainable_parameters=trainable, weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=state,
         activations_bytes=activations, weight_copies_bytes=copies, gpu_bytes=gpu, cpu_bytes=cpu,
         transfer_bytes=transfer, transfer_seconds=transfer / (pcie_gb_per_s * 1e9), notes=tuple(notes),
-        local_updates=local_updates, outer_bytes=outer)
+        local_updates=local_updates, outer_bytes=outer, cpu_extras=tuple(extras))
 
 
 def compare(model, *, micro_batch: int = 1, seq_len: Optional[int] = None, shared_groups: Optional[int] = None,

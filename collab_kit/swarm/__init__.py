@@ -10,11 +10,13 @@
 - ``keys``: the run's DHT keys, in one place.
 - ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
   and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression; ``local_updates``: the
-  local-update mode (DiLoCo), in which peers take their own steps and average pseudo-gradients once a round.
+  local-update mode (DiLoCo), in which peers take their own steps and average pseudo-gradients once a round;
+  ``four_bit``: pseudo-gradients in 4 bits (a scale per block of 64), with error feedback.
 - ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
   publishing this peer's record once per period within an epoch rather than at every step).
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front;
-  ``runners``: each round's all-reduce runner, and each member's mode in it (an auxiliary anchor only reduces).
+  ``runners``: each round's all-reduce runner, and each member's mode in it (an auxiliary anchor only reduces; a
+  4-bit part's average comes back the same to every member).
 - ``direct_state``: states passed between the peers a trainer names: volunteers behind NAT give theirs to the anchors.
 - ``streams``: the streams of rounds and matchmaking end with the caller's close once it has every message.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.

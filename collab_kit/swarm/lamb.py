@@ -6,7 +6,8 @@ state in the same layout.
 - 8-bit LAMB (bitsandbytes) keeps its two statistics in 8 bits: about 4x less optimizer memory. LAMB's layer-wise
   trust ratio is what makes batches of thousands of samples trainable.
 - Size-adaptive compression: gradients of large tensors travel in 8 bits, small tensors (biases, norms) in fp16,
-  where 8-bit quantization would cost more accuracy than it saves bytes.
+  where 8-bit quantization would cost more accuracy than it saves bytes. Pseudo-gradients of the local-update mode
+  may travel in 4 bits instead (collab_kit.swarm.four_bit).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Un
 
 from collab_kit.config import OptimizerConfig
 from collab_kit.quiet import import_bitsandbytes
+from collab_kit.swarm.four_bit import Blockwise4BitQuantization
 
 bnb = import_bitsandbytes()  # bitsandbytes, without its warning of 4-bit kernels the kit never uses
 
@@ -106,10 +108,11 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0, layer_adaptation=False)]
 
 
-def gradient_compression(threshold: int) -> SizeAdaptiveCompression:
-    """8-bit uniform quantization for tensors of ``threshold`` elements or more, fp16 for smaller ones."""
-    return SizeAdaptiveCompression(threshold=threshold, less=Float16Compression(),
-                                   greater_equal=Uniform8BitQuantization())
+def gradient_compression(threshold: int, bits: int = 8) -> SizeAdaptiveCompression:
+    """8-bit uniform quantization (or 4-bit blockwise, ``bits`` = 4) for tensors of ``threshold`` elements or more, fp16
+    for smaller ones."""
+    large = Blockwise4BitQuantization() if bits == 4 else Uniform8BitQuantization()
+    return SizeAdaptiveCompression(threshold=threshold, less=Float16Compression(), greater_equal=large)
 
 
 def make_lamb8bit(params: Iterable, config: OptimizerConfig) -> LAMB8bit:

@@ -14,7 +14,8 @@ everything the synchronous mode does keeps working:
   (collab_kit.swarm.lamb) steps the model's own parameters at every local batch; its schedule follows the swarm's
   global batches.
 - Pseudo-gradients travel through the gradient averager, compressed as gradients are (8 bits for large tensors,
-  collab_kit.swarm.lamb.gradient_compression), and reduced by the mean or CenteredClip (collab_kit.swarm.robust).
+  collab_kit.swarm.lamb.gradient_compression), or in 4 bits with error feedback (``OptimizerConfig.pseudo_gradient_bits``,
+  collab_kit.swarm.four_bit), and reduced by the mean or CenteredClip (collab_kit.swarm.robust).
 - Anchors (collab_kit.swarm.anchor) take no inner steps and add no pseudo-gradient: they reduce and take the outer step.
 - With ``OptimizerConfig.overlap_rounds`` a training peer does not wait for its round: the averaging runs in the
   background while the next round's inner steps go on, and the outer step is applied when the average arrives, the
@@ -35,6 +36,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 
 from collab_kit.config import OptimizerConfig
 from collab_kit.swarm.averagers import ANCHOR_ROLE, compose_averager
+from collab_kit.swarm.four_bit import ErrorFeedback
 from collab_kit.swarm.lamb import HoldableStepMixin, linear_warmup_then_decay, make_lamb8bit, make_scheduler_factory
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,10 @@ class LocalUpdatesMixin:
         # overlap: the model's parameters when the round in flight was sent (on the CPU), to keep the progress since
         self._sent_parameters: Optional[List[torch.Tensor]] = None
         self.overlapped_steps = 0  # inner steps taken while a round of this peer averaged in the background
+        # 4-bit pseudo-gradients: what rounding dropped from this peer's last one, added to its next
+        self.error_feedback: Optional[ErrorFeedback] = None
+        if self.local_config.pseudo_gradient_bits == 4 and self.inner_optimizer is not None:
+            self.error_feedback = ErrorFeedback(self.local_config.compression_threshold)
         self.applied_rounds = 0  # rounds whose outcome this peer has applied (an outer step taken, alone or not)
 
     @property
@@ -188,6 +194,8 @@ class LocalUpdatesMixin:
     def load_state_from_peers(self, **kwargs) -> bool:
         self._drop_round_in_flight()  # the state downloaded replaces what its average would have changed
         loaded = super().load_state_from_peers(**kwargs)
+        if loaded and self.error_feedback is not None:
+            self.error_feedback.reset()  # what its own rounds dropped is of no use from the swarm's parameters
         downloaded = self.state_averager.last_downloaded_epoch
         if self.inner_optimizer is not None and loaded and downloaded is not None and downloaded < self.local_epoch:
             # hivemind moved this peer on to the swarm's epoch after a download one epoch older
@@ -309,9 +317,13 @@ class LocalUpdatesMixin:
             for accumulator in averager._grad_accumulators():
                 accumulator.zero_()
             averager.local_samples_accumulated = averager.local_times_accumulated = 0
+            if not finite and self.error_feedback is not None:
+                self.error_feedback.reset()
         else:
             # hivemind divides the accumulators by the times they were added to: the pseudo-gradient is one whole
             averager.local_times_accumulated = 1
+            if self.error_feedback is not None:  # on the 4-bit grid already: the averager's rounding changes nothing
+                self.error_feedback.quantize_(list(averager._grad_accumulators()))
 
 
 def with_local_updates(optimizer_class: type, config: OptimizerConfig) -> type:

@@ -466,7 +466,7 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         delay_optimizer_step=config.delay_optimizer_step,
         delay_grad_averaging=False,
         average_state_every=config.average_state_every,
-        grad_compression=gradient_compression(config.compression_threshold),
+        grad_compression=gradient_compression(config.compression_threshold, config.pseudo_gradient_bits),
         state_averaging_compression=Float16Compression() if config.state_compression == "fp16" else NoCompression(),
         matchmaking_time=config.matchmaking_time,
         averaging_timeout=config.averaging_timeout,

@@ -16,6 +16,7 @@ import torch
 from collab_kit.config import get_preset
 from collab_kit.memory import estimate
 from collab_kit.roles.processes import PeerProcess
+from collab_kit.swarm.four_bit import round_4bit
 from collab_kit.swarm.local_updates import OuterNesterovSGD, make_outer_sgd
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,27 +230,35 @@ def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_
     assert ratio < 0.99, epochs_by_peer
 
 
+def _two_peers_for(epochs: int, settings, run_id: str, shards: str, tmp_path) -> dict:
+    """Peers A and B, a step every 0.05 s each, train ``epochs`` epochs together with ``settings``: their events by name
+    (their rounds' files in tmp_path/rounds)."""
+    out, logs = str(tmp_path / "rounds"), str(tmp_path)
+    peers = []
+    try:
+        peers.append(_probe("A", out, logs, 0.05, _join_args(run_id, shards, 2, epochs, settings)))
+        addresses = peers[0].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
+        peers.append(_probe("B", out, logs, 0.05, _join_args(run_id, shards, 2, epochs, settings)
+                            + ["--initial-peers", *addresses]))
+        for peer in peers:
+            assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
+        return {peer.name: peer.events for peer in peers}
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
 @pytest.mark.slow
 def test_overlapped_rounds_train_through_the_averaging_and_keep_the_inner_progress(tiny_shards, tmp_path):
     """With optimizer.overlap_rounds, each round averages while the next round's inner steps go on; its outer step,
     taken when the average arrives, moves the model to the new global parameters plus the progress made meanwhile, and
     both peers' global parameters stay equal (up to the compression's rounding, as without overlap)."""
-    out, logs = str(tmp_path / "rounds"), str(tmp_path)
-    settings = (*SETTINGS, "optimizer.overlap_rounds=true")
-    peers = []
-    try:
-        peers.append(_probe("A", out, logs, 0.05, _join_args("test_overlap", tiny_shards, 2, 5, settings)))
-        addresses = peers[0].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-        peers.append(_probe("B", out, logs, 0.05, _join_args("test_overlap", tiny_shards, 2, 5, settings)
-                            + ["--initial-peers", *addresses]))
-        for peer in peers:
-            assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
-        applied = {peer.name: {e["epoch"]: e for e in peer.events if e["type"] == "applied"} for peer in peers}
-        done = {peer.name: next(e for e in peer.events if e["type"] == "done") for peer in peers}
-        epochs = {peer.name: [e for e in peer.events if e["type"] == "epoch"] for peer in peers}
-    finally:
-        for peer in peers:
-            peer.kill()
+    out = str(tmp_path / "rounds")
+    events = _two_peers_for(5, (*SETTINGS, "optimizer.overlap_rounds=true"), "test_overlap", tiny_shards, tmp_path)
+    applied = {name: {e["epoch"]: e for e in peer_events if e["type"] == "applied"}
+               for name, peer_events in events.items()}
+    done = {name: next(e for e in peer_events if e["type"] == "done") for name, peer_events in events.items()}
+    epochs = {name: [e for e in peer_events if e["type"] == "epoch"] for name, peer_events in events.items()}
     print({name: (d["overlapped_steps"], d["local_steps"], d["averaged_rounds"]) for name, d in done.items()})
     together = [epoch for epoch in applied["A"] if epoch in applied["B"]
                 and applied["A"][epoch]["group_size"] == applied["B"][epoch]["group_size"] == 2]
@@ -271,6 +280,48 @@ def test_overlapped_rounds_train_through_the_averaging_and_keep_the_inner_progre
             progress.append(_norm(round_["progress"]) / change)
     print(f"the progress kept / the averaged pseudo-gradient's norm: {progress}")
     assert max(progress) > 0.01  # the model did move on while rounds averaged
+
+
+@pytest.mark.slow
+def test_4_bit_pseudo_gradients_with_error_feedback_average_through_hivemind(tiny_shards, tmp_path):
+    """With optimizer.pseudo_gradient_bits=4 the large tensors' pseudo-gradients travel in 4 bits: each peer sends its
+    own on the 4-bit grid (error feedback rounds it first, so the averager's rounding drops nothing more), and every
+    peer gets back the same weighted mean, rounded to the 4-bit grid once by its reducer: the peers' global parameters
+    stay together (with each peer rounding its own difference from the mean, they were 0.004, 0.009, 0.028 and 0.069
+    of a round's change apart after rounds 1 to 4)."""
+    out, threshold = str(tmp_path / "rounds"), 1024
+    settings = (*SETTINGS[:-1], f"optimizer.compression_threshold={threshold}", "optimizer.pseudo_gradient_bits=4")
+    events = _two_peers_for(4, settings, "test_4_bit", tiny_shards, tmp_path)
+    rounds = {name: _rounds(events, name) for name in events}
+    together = [epoch for epoch in rounds["A"] if epoch in rounds["B"] and rounds["A"][epoch]["file"]
+                and rounds["B"][epoch]["file"] and rounds["A"][epoch]["group_size"] == rounds["B"][epoch]["group_size"]
+                == 2]
+    assert len(together) >= 2, rounds
+    for epoch in together:
+        a, b = (_round_file(out, rounds[name][epoch]) for name in ("A", "B"))
+        weighted = [(a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
+                    for pa, pb in zip(a["pseudo"], b["pseudo"])]
+        large = [index for index, tensor in enumerate(weighted) if tensor.numel() >= threshold]
+        assert large
+        for round_ in (a, b):
+            for index in large:
+                sent, got = round_["pseudo"][index], round_["averaged"][index]
+                assert torch.equal(round_4bit(sent), sent), (epoch, index)
+                # the mean on the 4-bit grid (a value at a rounding's edge may go either way: one step at most)
+                mean = weighted[index].reshape(-1)
+                blocks = torch.cat([mean, mean.new_zeros((-mean.numel()) % 64)]).view(-1, 64)
+                step = (blocks.abs().amax(dim=1, keepdim=True) / 7 * 1.01 + 1e-9).expand_as(blocks)
+                assert torch.equal(round_4bit(got), got), (epoch, index)
+                off = (got.reshape(-1) - round_4bit(mean)).abs()
+                assert bool((off <= step.reshape(-1)[:off.numel()]).all()), (epoch, index)
+                assert float((off > 1e-9).float().mean()) < 0.001, (epoch, index)
+        apart = _distance(a["global"], b["global"]) / _norm(a["averaged"])
+        print(f"round ending at epoch {epoch}: A's average off the weighted mean by "
+              f"{_distance(a['averaged'], weighted) / _norm(weighted):.4f} of its norm, A's and B's global parameters "
+              f"{apart:.6f} of the round's change apart")
+        # the same 4-bit average for both (the small tensors, in fp16, differ by fp16's rounding, as in 8-bit mode)
+        assert all(torch.allclose(a["averaged"][i], b["averaged"][i], rtol=0, atol=1e-9) for i in large), epoch
+        assert apart < 0.01, epoch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,3 +369,7 @@ def test_the_memory_estimate_counts_the_global_copy_and_the_outer_momentum():
     # overlapped rounds keep the parameters each round was sent from, to keep the progress made since
     overlapped = estimate(get_preset("small", optimizer=dict(local_steps=10, overlap_rounds=True)), optimizer="8bit")
     assert overlapped.cpu_bytes == 16 * trainable and "parameters sent" in overlapped.table()
+    # 4-bit pseudo-gradients keep what rounding dropped from the last one
+    both = estimate(get_preset("small", optimizer=dict(local_steps=10, overlap_rounds=True, pseudo_gradient_bits=4)),
+                    optimizer="8bit")
+    assert both.cpu_bytes == 20 * trainable and "parameters sent, error feedback" in both.table()
