@@ -65,12 +65,13 @@ def decoding_error(tensor: torch.Tensor, parts: Sequence) -> float:
 
 
 def round_bytes(tensors: Sequence[torch.Tensor], threshold: int, check_decoding: bool = True,
-                names: Optional[Sequence[str]] = None) -> Dict[str, object]:
+                names: Optional[Sequence[str]] = None, bits: int = 8) -> Dict[str, object]:
     """Serialized bytes of ``tensors`` with the kit's compression and with none, and how many went 8-bit.
 
     :param check_decoding: also decode the compressed parts, as a receiving peer does, and report the
       largest relative error (or the error that decoding raised)
     :param names: the tensors' names, to say which one decoded worst
+    :param bits: the bits of the large tensors' values (8, or 4 for pseudo-gradients: collab_kit.swarm.four_bit)
     """
     from hivemind.compression import NoCompression
 
@@ -80,7 +81,7 @@ def round_bytes(tensors: Sequence[torch.Tensor], threshold: int, check_decoding:
     worst_error, worst_name, decode_failure = 0.0, None, None
     names = list(names) if names is not None else [f"tensor {i}" for i in range(len(tensors))]
     for name, tensor in zip(names, tensors):
-        serialized = serialize_parts(tensor, gradient_compression(threshold))
+        serialized = serialize_parts(tensor, gradient_compression(threshold, bits))
         compressed, parts = compressed + sum(part.ByteSize() for part in serialized), parts + len(serialized)
         fp32 += sum(part.ByteSize() for part in serialize_parts(tensor, NoCompression()))
         eight_bit_elements += tensor.numel() if tensor.numel() >= threshold else 0

@@ -368,7 +368,8 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
         cpu = outer + 4 * trainable  # + the fp32 pseudo-gradient buffer
         # + the model's parameters when the round in flight was sent (the progress since is kept), and what 4-bit
         # rounding dropped from the last pseudo-gradient (collab_kit.swarm.four_bit)
-        extras = [name for name, used in (("parameters sent", overlap_rounds), ("error feedback", error_feedback)) if used]
+        extras = [name for name, used in (("parameters sent", overlap_rounds), ("error feedback", error_feedback))
+                  if used]
         cpu += 4 * trainable * len(extras)
         transfer = per_parameter * trainable + per_parameter * trainable  # local weights out, global weights back
     elif offload:

@@ -278,7 +278,8 @@ class AnchorOptimizer(CollaborativeOptimizer):
         # counted afresh at every tick while the round is pending: a peer that joined the swarm or fell behind since
         # the round was scheduled changes the group to wait for
         anchors = [peer for peer, epoch in self.tracker.other_anchor_records if epoch >= self.local_epoch - 1]
-        self.grad_averager.expect_peers(self.tracker.trainers_in_epoch(self.local_epoch), anchors, self.matchmaking_time)
+        self.grad_averager.expect_peers(self.tracker.trainers_in_epoch(self.local_epoch), anchors,
+                                        co_anchor_wait=self.matchmaking_time)
         if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
             scheduled_time = max(estimated_end, now + self.matchmaking_time) + self.next_chunk_timeout
             self.scheduled_grads = self.grad_averager.schedule_step(scheduled_time=scheduled_time,
@@ -446,8 +447,7 @@ class Anchor:
             self._stop.wait(self.tick)
 
     def _report_round(self, epoch: int) -> None:
-        optimizer = self.optimizer
-        trainers, problem = optimizer.last_group_size, optimizer.last_round_problem
+        trainers, problem = self.optimizer.last_group_size, self.optimizer.last_round_problem
         if trainers:
             self.rounds += 1
             logger.info(f"anchor: epoch {epoch} averaged the gradients of {trainers} training peer(s)")

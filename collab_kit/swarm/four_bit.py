@@ -141,9 +141,10 @@ install()
 
 
 class ErrorFeedback:
-    """Error feedback for 4-bit pseudo-gradients: before a peer sends them, each tensor that travels in 4 bits (``threshold``
-    elements or more; smaller ones go in fp16) gets what rounding dropped from it last time, and is rounded to the
-    4-bit grid here, where the peer keeps what this rounding drops. The averager's own rounding then changes nothing.
+    """Error feedback for 4-bit pseudo-gradients: before a peer sends them, each tensor that travels in 4 bits
+    (``threshold`` elements or more; smaller ones go in fp16) gets what rounding dropped from it last time, and is
+    rounded to the 4-bit grid here, where the peer keeps what this rounding drops. The averager's own rounding then
+    changes nothing.
 
     :param threshold: the size from which tensors travel in 4 bits (OptimizerConfig.compression_threshold)
     """
