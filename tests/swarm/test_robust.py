@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from collab_kit.swarm import averagers, robust, runners
+from collab_kit.swarm.four_bit import round_4bit
 from collab_kit.swarm.p2p_fixes import install_p2p_fixes
 from collab_kit.config import OptimizerConfig, get_preset
 from collab_kit.swarm.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
@@ -175,17 +176,18 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 # ---------------------------------------------------------------------------------------------
 # inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
 
-def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, auxiliary=(), **kwargs):
+def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, auxiliary=(), bits=8, **kwargs):
     """One round of ``averager_class`` (or of one class per DHT) among one averager per DHT; each averager's tensors
     afterwards, and what each round gave back (a RoundResult: its members, and the share of the average that came back).
-    The averagers whose indices are in ``auxiliary`` are hivemind's auxiliary peers (they weigh nothing).
+    The averagers whose indices are in ``auxiliary`` are hivemind's auxiliary peers (they weigh nothing); tensors of
+    1024 values or more travel in ``bits`` bits.
     """
     from collab_kit.swarm.lamb import gradient_compression
 
     classes = averager_class if isinstance(averager_class, list) else [averager_class] * len(dhts)
     averagers = [cls([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True, auxiliary=index in auxiliary,
                      target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,
-                     request_timeout=1.0, compression=gradient_compression(threshold=1024), **kwargs)
+                     request_timeout=1.0, compression=gradient_compression(threshold=1024, bits=bits), **kwargs)
                  for index, (cls, dht, tensors) in enumerate(zip(classes, dhts, tensors_by_peer))]
     try:
         controls = [averager.step(weight=None if index in auxiliary else weight, wait=False, timeout=60)
@@ -285,8 +287,9 @@ def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average(
         outcomes = {}
         for name, anchors, aggregation in (("whole", whole_parts_class, {}), ("stand-ins", anchor_class, {}),
                                            ("robust stand-ins", robust.with_centered_clip(anchor_class),
-                                            dict(clip_tau=1.0, clip_iterations=5))):
-            trainer = robust.with_centered_clip(trainer_class) if aggregation else trainer_class
+                                            dict(clip_tau=1.0, clip_iterations=5)),
+                                           ("4-bit stand-ins", anchor_class, dict(bits=4))):
+            trainer = robust.with_centered_clip(trainer_class) if "clip_tau" in aggregation else trainer_class
             outcomes[name] = _average_in_group([trainer, trainer, anchors, anchors], name.replace(" ", "_"), dhts,
                                                tensors_by_peer, weights, **aggregation)
     finally:
@@ -297,7 +300,13 @@ def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average(
         assert [(r.received, r.failed_senders) for r in rounds] == [(1.0, 0)] * 4, (name, rounds)
         for result in results:  # every member, anchors included, holds the trainers' weighted mean
             error = ((torch.cat(result) - mean).norm() / mean.norm()).item()
-            assert error < (0.05 if name != "robust stand-ins" else 0.5), (name, error)
+            assert error < {"robust stand-ins": 0.5, "4-bit stand-ins": 0.15}.get(name, 0.05), (name, error)
+    # in 4 bits each reducer rounds its parts' average once and every member, the anchors too, gets that same average
+    # (collab_kit.swarm.runners.SharedFourBitAverageMixin)
+    four_bit = outcomes["4-bit stand-ins"][0]
+    assert all(torch.allclose(torch.cat(result[:-1]), torch.cat(four_bit[2][:-1]), rtol=0, atol=1e-6)
+               for result in four_bit)
+    assert all(torch.equal(round_4bit(tensor), tensor) for tensor in four_bit[2][:-1])  # an anchor's: exact
     # an anchor reduces a quarter of the vector and sends its three senders their averages (3/4 of a vector) in both
     # cases; with whole parts it sent its zeros as well (3/4 more), with stand-ins a few bytes per part
     whole = [r.bytes_sent for r in outcomes["whole"][1]]
