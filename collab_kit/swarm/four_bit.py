@@ -14,9 +14,9 @@ The wire. hivemind tags every tensor part with a CompressionType, a protobuf enu
 a part by its tag. The kit never sends hivemind's blockwise 8-bit parts (its 8-bit parts are uniform 8-bit ones, its
 small tensors fp16), so 4-bit parts travel under that tag, with a ``dtype`` that starts with ``MARKER``; the codec
 registered for the tag (``install``, done when this module is imported) decodes both kinds, and hivemind's blockwise
-8-bit parts still decode as before. A reducer returns each sender's share of the average in the sender's own format:
-a peer that sends 4 bits gets 4 bits back. Rounding the delta it gets back makes each peer's copy of the global
-parameters differ from the others' by a fraction of one 4-bit step (as the 8-bit mode's do, by a smaller one).
+8-bit parts still decode as before. A reducer returns a 4-bit part's average rounded once, whole, under
+``AVERAGE_MARKER`` (collab_kit.swarm.runners.SharedFourBitAverageMixin): every member gets the same 4-bit average,
+where hivemind's reply (the average minus the sender's part, rounded for each sender) would set them apart.
 
 Blocks align with hivemind's parts: ``estimate_compression_ratio`` says 4 bits a value exactly (the scales' extra
 1/32 left out), so a part holds 2^20 values of a 2^19-byte part, a whole number of blocks, and a block is the same
@@ -110,10 +110,13 @@ class Blockwise4BitQuantization(CompressionBase):
         return 4 / torch.finfo(info.descriptor.dtype).bits
 
 
+_CODEC = Blockwise4BitQuantization()  # the one this process registers for the tag (``install``) and replies with
+
+
 def serialize_average(average: torch.Tensor) -> runtime_pb2.Tensor:
     """A reducer's reply for a part that travels in 4 bits: the part's average itself, already on the 4-bit grid (so
     sent exactly), which the sender turns into a difference with the part it sent."""
-    message = Blockwise4BitQuantization().compress(average, CompressionInfo.from_tensor(average))
+    message = _CODEC.compress(average, CompressionInfo.from_tensor(average))
     message.dtype = AVERAGE_MARKER + message.dtype[len(MARKER):]
     return message
 
@@ -132,9 +135,9 @@ def sends_4_bits(compression, info: CompressionInfo) -> bool:
 
 def install() -> None:
     """Register the 4-bit codec for its tag in hivemind's table of decoders (this process and those it forks later),
-    so that this peer decodes 4-bit parts and returns a 4-bit sender's share in 4 bits."""
+    so that this peer decodes 4-bit parts."""
     if not isinstance(serialization._BASE_COMPRESSION_TYPES.get("BLOCKWISE_8BIT"), Blockwise4BitQuantization):
-        serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = Blockwise4BitQuantization()
+        serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = _CODEC
 
 
 install()

@@ -14,8 +14,9 @@ everything the synchronous mode does keeps working:
   (collab_kit.swarm.lamb) steps the model's own parameters at every local batch; its schedule follows the swarm's
   global batches.
 - Pseudo-gradients travel through the gradient averager, compressed as gradients are (8 bits for large tensors,
-  collab_kit.swarm.lamb.gradient_compression), or in 4 bits with error feedback (``OptimizerConfig.pseudo_gradient_bits``,
-  collab_kit.swarm.four_bit), and reduced by the mean or CenteredClip (collab_kit.swarm.robust).
+  collab_kit.swarm.lamb.gradient_compression), or in 4 bits with error feedback
+  (``OptimizerConfig.pseudo_gradient_bits``, collab_kit.swarm.four_bit), and reduced by the mean or CenteredClip
+  (collab_kit.swarm.robust).
 - Anchors (collab_kit.swarm.anchor) take no inner steps and add no pseudo-gradient: they reduce and take the outer step.
 - With ``OptimizerConfig.overlap_rounds`` a training peer does not wait for its round: the averaging runs in the
   background while the next round's inner steps go on, and the outer step is applied when the average arrives, the
