@@ -21,15 +21,29 @@ class EpochReportsMixin:
         averaged = optimizer.averaged_rounds > rounds_before
         # an epoch that ended by loading the swarm's state (this peer was behind) had no round of its own; a round of
         # the swarm's next epoch ended that one (this peer's losses went into its gradients)
-        in_round = averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1)
+        if averaged or optimizer.last_round_epoch in (epoch_before, epoch_before + 1):
+            return self._record(optimizer.last_round_epoch, losses, seconds, averaged, optimizer.last_group_size,
+                                optimizer.last_anchors_in_group, optimizer.last_round_problem)
+        return self._record(epoch_before, losses, seconds, averaged, 1, 0, "this peer was behind the swarm")
+
+    def _background_epoch_record(self, epoch: int, losses: List[float], seconds: float) -> EpochRecord:
+        """The record of an epoch whose round averaged in the background (overlapped rounds), from that round's own
+        outcome, never from the optimizer's last figures, which may be the next round's by now. A round left for a
+        download of the swarm's state has none: the epoch is reported as not averaged
+        (tests/roles/test_volunteer.py::test_a_background_rounds_epoch_is_reported_with_its_own_outcome)."""
+        applied = self.optimizer.applied_in_background.pop(epoch, None)
+        if applied is None:
+            return self._record(epoch, losses, seconds, False, 1, 0, "its round was left for the swarm's state")
+        return self._record(epoch, losses, seconds, applied.averaged, applied.group_size, applied.anchors,
+                            applied.problem)
+
+    def _record(self, epoch: int, losses: List[float], seconds: float, averaged: bool, group_size: int, anchors: int,
+                problem: Optional[str]) -> EpochRecord:
         return EpochRecord(
-            epoch=optimizer.last_round_epoch if in_round else epoch_before,
-            loss=sum(losses) / len(losses), local_steps=len(losses),
-            samples=len(losses) * self.config.optimizer.batch_size_per_step, averaged=averaged,
-            group_size=optimizer.last_group_size if in_round else 1, num_peers=self.global_progress.num_peers,
-            seconds=seconds, anchors=optimizer.last_anchors_in_group if in_round else 0,
-            training_peers=max(1, optimizer.tracker.training_peers),
-            problem=optimizer.last_round_problem if in_round else "this peer was behind the swarm")
+            epoch=epoch, loss=sum(losses) / len(losses), local_steps=len(losses),
+            samples=len(losses) * self.config.optimizer.batch_size_per_step, averaged=averaged, group_size=group_size,
+            num_peers=self.global_progress.num_peers, seconds=seconds, anchors=anchors,
+            training_peers=max(1, self.optimizer.tracker.training_peers), problem=problem)
 
     def _report_epoch(self, record: EpochRecord, history: TrainingHistory,
                       on_epoch: Optional[Callable[[EpochRecord], None]],

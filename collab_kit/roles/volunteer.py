@@ -306,7 +306,7 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         epoch_losses: List[float] = []
         epoch_start = time.perf_counter()
         # with overlapped rounds (local-update mode), an epoch is reported once its round's outcome is in:
-        # (epoch, averaged rounds when it ended, its losses, its seconds)
+        # (epoch, its losses, its seconds)
         pending: List[tuple] = []
         self.model.train()
 
@@ -318,7 +318,7 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
             if wait:
                 self.optimizer.finish_round_in_flight()
             while pending and self.optimizer.epoch_in_flight != pending[0][0]:
-                record = self._epoch_record(*pending.pop(0))
+                record = self._background_epoch_record(*pending.pop(0))
                 self._report_epoch(record, history, on_epoch, on_lone)
 
         for batch in stream:
@@ -366,7 +366,7 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
             if self.local_epoch != epoch_before:
                 seconds = time.perf_counter() - epoch_start
                 if self.optimizer.epoch_in_flight == epoch_before:  # its round averages in the background
-                    pending.append((epoch_before, self.optimizer.averaged_rounds, epoch_losses, seconds))
+                    pending.append((epoch_before, epoch_losses, seconds))
                 else:
                     record = self._epoch_record(epoch_before, rounds_before, epoch_losses, seconds)
                     self._report_epoch(record, history, on_epoch, on_lone)

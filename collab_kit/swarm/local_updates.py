@@ -29,8 +29,9 @@ the outer optimizer's state is not LAMB's): the averagers of this mode carry ``L
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -102,6 +103,17 @@ def mode_averager_class(averager_class: type, config: OptimizerConfig) -> type:
                             qualname=f"LocalUpdates{averager_class.__qualname__}")
 
 
+@dataclass(frozen=True)
+class AppliedRound:
+    """What a round that averaged in the background did, kept by its epoch until the volunteer reports that epoch:
+    by then the next round may have begun or ended and replaced the optimizer's ``last_*`` figures."""
+
+    group_size: int  # training peers in the round, this one included
+    anchors: int
+    problem: Optional[str]
+    averaged: bool  # with at least one other training peer
+
+
 class LocalUpdatesMixin:
     """Put before CollaborativeOptimizer (or a subclass): DiLoCo's local-update mode (see the module's docstring).
 
@@ -137,6 +149,7 @@ class LocalUpdatesMixin:
         if self.local_config.pseudo_gradient_bits == 4 and self.inner_optimizer is not None:
             self.error_feedback = ErrorFeedback(self.local_config.compression_threshold)
         self.applied_rounds = 0  # rounds whose outcome this peer has applied (an outer step taken, alone or not)
+        self.applied_in_background: Dict[int, AppliedRound] = {}  # by epoch, until the volunteer reports it (pop)
 
     @property
     def local_epoch(self) -> int:
@@ -261,7 +274,11 @@ class LocalUpdatesMixin:
             for sent, param in zip(self._sent_parameters, self.state_averager.main_parameters):
                 sent.sub_(param.detach().to(sent.device)).neg_()  # now the progress since the round was sent
             self._round_in_flight = None  # from here the peer's epoch is its global parameters' again
+            averaged_before = self.averaged_rounds
             self._take_outer_step(control, epoch)
+            self.applied_in_background[epoch] = AppliedRound(
+                self.last_group_size, self.last_anchors_in_group, self.last_round_problem,
+                averaged=self.averaged_rounds > averaged_before)
             for progress, param in zip(self._sent_parameters, self.state_averager.main_parameters):
                 param.add_(progress.to(param.device))
             self.grad_averager.local_samples_accumulated = samples  # this round's, so far

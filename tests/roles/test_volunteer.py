@@ -12,6 +12,7 @@ from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.data.stream import peer_stream
 from collab_kit.model.device import DeviceFacts, GpuFacts
 from collab_kit.roles.volunteer import NonFiniteTrainingError, Volunteer
+from collab_kit.swarm.local_updates import AppliedRound
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import read_metrics
 from collab_kit.swarm.optimizer import make_optimizer
@@ -45,9 +46,9 @@ def volunteer_with(tiny_shards):
     """Build a lone volunteer from parts: ``volunteer_with(model_class=..., **class_attributes)``; closed at teardown."""
     built = []
 
-    def build(model_class=TextToImageTransformer, **attributes) -> Volunteer:
+    def build(model_class=TextToImageTransformer, optimizer_settings=(), **attributes) -> Volunteer:
         config = get_preset("tiny", swarm=dict(host="127.0.0.1", run_id=RUN_ID),
-                            optimizer=dict(target_batch_size=TARGET_BATCH))
+                            optimizer=dict(target_batch_size=TARGET_BATCH, **dict(optimizer_settings)))
         membership = SwarmMembership(config)
         config = membership.config
         model = initial_model(config.model, RUN_ID, model_class=model_class)
@@ -77,6 +78,22 @@ def test_the_step_loop_trains_alone_and_records_each_epoch(volunteer_with):
     assert history.skipped_steps == 0 and history.restores == [] and history.averaged_rounds == 0
     after = volunteer.parameters_snapshot()
     assert any(not torch.equal(before[name], after[name]) for name in before), "two global steps changed nothing"
+
+
+def test_a_background_rounds_epoch_is_reported_with_its_own_outcome(volunteer_with):
+    volunteer = volunteer_with(optimizer_settings=dict(local_steps=4, overlap_rounds=True))
+    optimizer = volunteer.optimizer
+    # round 2 applied in a group of two with an anchor, then round 3 ended at once, alone: the optimizer's last
+    # figures are round 3's when epoch 2 is reported
+    optimizer.applied_in_background[2] = AppliedRound(group_size=2, anchors=1, problem=None, averaged=True)
+    optimizer.last_round_epoch, optimizer.last_group_size, optimizer.last_round_problem = 3, 1, "no group"
+    record = volunteer._background_epoch_record(2, [3.0, 2.0], 1.5)
+    assert (record.epoch, record.group_size, record.anchors, record.averaged, record.problem) == (2, 2, 1, True, None)
+    assert record.loss == 2.5 and record.local_steps == 2 and 2 not in optimizer.applied_in_background
+    # a round left for a download of the swarm's state was never applied: its epoch is its own, not averaged
+    dropped = volunteer._background_epoch_record(4, [2.0], 1.0)
+    assert (dropped.epoch, dropped.averaged, dropped.group_size) == (4, False, 1)
+    assert "left for the swarm's state" in dropped.problem
 
 
 def test_a_volunteer_at_a_quarter_load_pauses_three_times_as_long_as_it_computes(volunteer_with):
