@@ -86,12 +86,19 @@ def load_rows() -> List[dict]:
 
 
 def merge_rows(old_rows: Sequence[dict], new_rows: Sequence[dict], ran: Sequence[str],
-               known: Sequence[str]) -> List[dict]:
+               known: Sequence[str], partial: bool = False) -> List[dict]:
     """Replace the rows of the benchmarks in ``ran`` measured on this machine (or on the machine that measured the new
-    rows, when a GPU run's rows are recorded here); drop unknown benchmarks."""
+    rows, when a GPU run's rows are recorded here); drop unknown benchmarks. ``partial``: replace only the rows of
+    the same names as new ones (part of a benchmark ran)."""
     machines = {machine_description(), *(row["machine"] for row in new_rows)}
-    kept = [row for row in old_rows
-            if row["benchmark"] in known and not (row["benchmark"] in ran and row["machine"] in machines)]
+    measured = {(row["benchmark"], row["name"]) for row in new_rows}
+
+    def replaced(row: dict) -> bool:
+        if row["benchmark"] not in ran or row["machine"] not in machines:
+            return False
+        return not partial or (row["benchmark"], row["name"]) in measured
+
+    kept = [row for row in old_rows if row["benchmark"] in known and not replaced(row)]
     order = {name: index for index, name in enumerate(known)}
     # a stable sort: benchmarks in registry order, this machine's new rows after older rows of other machines
     return sorted([*kept, *new_rows], key=lambda row: order[row["benchmark"]])
@@ -126,12 +133,13 @@ def render_markdown(rows: Sequence[dict], modules: Sequence[ModuleType]) -> str:
     return "\n".join(lines)
 
 
-def record(new_rows: Sequence[dict], ran: Sequence[ModuleType]) -> None:
-    """Merge ``new_rows`` into results.json and rewrite RESULTS.md."""
+def record(new_rows: Sequence[dict], ran: Sequence[ModuleType], partial: bool = False) -> None:
+    """Merge ``new_rows`` into results.json and rewrite RESULTS.md (``partial``: some parts of the modules ran, and
+    only the figures they measured are replaced)."""
     from benchmarks.run_all import BENCHMARKS
 
     known = [short_name(module) for module in BENCHMARKS]
-    rows = merge_rows(load_rows(), new_rows, [short_name(module) for module in ran], known)
+    rows = merge_rows(load_rows(), new_rows, [short_name(module) for module in ran], known, partial=partial)
     with open(RESULTS_JSON, "w") as f:
         json.dump(rows, f, indent=1)
         f.write("\n")
@@ -152,17 +160,19 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)) for line in (header, *body))
 
 
-def run_modules(modules: Sequence[ModuleType], quick: bool = False, write: bool = True) -> int:
+def run_modules(modules: Sequence[ModuleType], quick: bool = False, write: bool = True,
+                parts: Optional[Sequence[str]] = None) -> int:
     """Run benchmarks, print the table, record the rows; returns the exit code (1 if any benchmark failed).
 
     :param quick: a smoke test with fewer steps and repeats; its figures are never recorded
+    :param parts: of a module with ``PARTS``, only these (its other figures in RESULTS.md are kept)
     """
     rows: List[dict] = []
     failed = False
     for index, module in enumerate(modules):
         print(f"[{index + 1}/{len(modules)}] {module.TITLE}", flush=True)
         try:
-            rows += module.run(quick=quick)
+            rows += module.run(quick=quick, parts=parts) if parts else module.run(quick=quick)
         except Exception as e:  # one failing benchmark must not hide the figures of the others
             traceback.print_exc()
             rows.append(error_row(module, e))
@@ -172,7 +182,7 @@ def run_modules(modules: Sequence[ModuleType], quick: bool = False, write: bool 
     if quick:
         print("\n--quick: a smoke test, RESULTS.md left as it was")
     elif write:
-        record(rows, modules)
+        record(rows, modules, partial=bool(parts))
         print(f"\nwrote {os.path.relpath(RESULTS_MD)}")
     return 1 if failed else 0
 
@@ -183,8 +193,12 @@ def main(module: ModuleType, argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="fewer repeats and steps: a smoke test, not a figure (RESULTS.md is not touched)")
     parser.add_argument("--no-write", action="store_true", help="print the figures without touching RESULTS.md")
+    parts = getattr(module, "PARTS", None)
+    if parts:
+        parser.add_argument("--only", action="append", choices=list(parts), metavar="PART",
+                            help=f"measure only this part ({', '.join(parts)}); the others' figures are kept")
     args = parser.parse_args(argv)
-    sys.exit(run_modules([module], quick=args.quick, write=not args.no_write))
+    sys.exit(run_modules([module], quick=args.quick, write=not args.no_write, parts=getattr(args, "only", None)))
 
 
 def main_or_peer(module: ModuleType, argv: Optional[Sequence[str]], description: str,

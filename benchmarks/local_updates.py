@@ -21,6 +21,9 @@ UNEVEN_LOCAL_STEPS = 4
 # the small preset over a longer run: H = 100, 10 rounds, and the synchronous run over the same 1000 global batches
 SMALL_LOCAL_STEPS = 100
 SMALL_ROUNDS = 10
+# the mode at its fewest bytes, over the same 1000 global batches: H = 250 and 4-bit pseudo-gradients (4 rounds)
+BEST_LOCAL_STEPS = 250
+BEST_SETTINGS = ("optimizer.pseudo_gradient_bits=4",)
 SMALL_SETTINGS = ("optimizer.target_batch_size=32",  # one local step of 16 per volunteer and global batch
                   f"optimizer.total_steps={SMALL_LOCAL_STEPS * SMALL_ROUNDS}",  # the schedule spans the run
                   "optimizer.matchmaking_time=0.5",  # two peers on loopback meet well within it
@@ -57,7 +60,12 @@ setting in SMALL_SETTINGS)}; the preset's 256 pictures per global batch would ta
 samples: the mean loss of the volunteers' local steps over the last {SMALL_LOCAL_STEPS} global batches (the
 synchronous run's last {SMALL_LOCAL_STEPS} global epochs, the local-update run's last round), local / synchronous:
 target <= 1.05. Bytes: each volunteer's bytes sent in averaging rounds (as for the toy world), synchronous / local:
-target >= 50. `--quick`: H = 4, 2 rounds against 8 global steps.
+target >= 50. The mode at its fewest bytes, over the same global batches: H = {BEST_LOCAL_STEPS} with 4-bit
+pseudo-gradients and error feedback ({', '.join(f'`{setting}`' for setting in BEST_SETTINGS)}), {SMALL_LOCAL_STEPS *
+SMALL_ROUNDS // BEST_LOCAL_STEPS} rounds: bytes, synchronous / this run, target >= 400 (INTELLECT-1 and Streaming
+DiLoCo's figure), at a loss no worse than the synchronous run's over the same last {BEST_LOCAL_STEPS} global batches
+(this run / synchronous <= 1.0). `--quick`: H = 4 and 8, 2 rounds against 8 global steps. `--only small` measures
+this part alone (as `--only toy`, `lab` and `uneven` the others).
 
 Network lab (`collab_kit.netlab`): `collab-kit monitor --preset toy` on a public host (its anchor reduces every
 round, its link uncapped) and 2 volunteers (`collab-kit join --preset toy`, 1 torch thread each, the toy world's
@@ -98,20 +106,24 @@ def _toy_runs(quick: bool, folder: str) -> dict:
 
 
 def _small_runs(quick: bool, folder: str) -> dict:
-    """The small preset over the same global batches in both modes: (mode -> DemoResult, H)."""
+    """The small preset over the same global batches in both modes, and in the local-update mode at its best
+    settings: (mode -> DemoResult, H, best H)."""
     from collab_kit.demo import run_demo
 
-    local_steps, rounds = (4, 2) if quick else (SMALL_LOCAL_STEPS, SMALL_ROUNDS)
-    settings = [setting if "total_steps" not in setting else f"optimizer.total_steps={local_steps * rounds}"
+    local_steps, rounds, best_steps = (4, 2, 8) if quick else (SMALL_LOCAL_STEPS, SMALL_ROUNDS, BEST_LOCAL_STEPS)
+    batches = local_steps * rounds
+    settings = [setting if "total_steps" not in setting else f"optimizer.total_steps={batches}"
                 for setting in SMALL_SETTINGS]
-    runs = {"local_steps": local_steps}
-    for mode, overrides, epochs in (("synchronous", settings, local_steps * rounds),
-                                    ("local", settings + [f"optimizer.local_steps={local_steps}"], rounds)):
+    runs = {"local_steps": local_steps, "best_steps": best_steps}
+    for mode, overrides, epochs in (
+            ("synchronous", settings, batches),
+            ("local", settings + [f"optimizer.local_steps={local_steps}"], rounds),
+            ("best", settings + [f"optimizer.local_steps={best_steps}", *BEST_SETTINGS], batches // best_steps)):
         started = time.perf_counter()
         # about 1.7 s a synchronous global step and 70 s a round of H = 100 here: twice that before giving up
         runs[mode] = run_demo(num_volunteers=2, epochs=epochs, preset="small",
                               workdir=os.path.join(folder, f"small_{mode}"), output_dir=None, overrides=overrides,
-                              timeout=600 + 4.0 * local_steps * rounds)
+                              timeout=600 + 4.0 * batches)
         print(f"  small, {mode}: {runs[mode].summary_line()} ({time.perf_counter() - started:.0f} s)", flush=True)
     return runs
 
@@ -197,35 +209,22 @@ def _rounds_bytes(result) -> float:
     return result.bytes_sent - result.bytes_served
 
 
-def run(quick: bool = False) -> List[dict]:
-    folder = tempfile.mkdtemp(prefix="collab_kit_bench_local_")
-    try:
-        toy = _toy_runs(quick, folder)
-        small = _small_runs(quick, folder)
-        lab = _lab_time_to_loss(quick, folder)
-        sim = QUICK_UNEVEN if quick else UNEVEN
-        tag = f"{os.getpid()}_{int(time.time())}"
-        equal = swarm_scaling.measure([1.0] * swarm_scaling.UNEVEN_PEERS, sim, f"bench_local_equal_{tag}", folder)
-        slow = 1.0 / swarm_scaling.SLOW_FACTOR
-        uneven = swarm_scaling.measure([1.0] * (swarm_scaling.UNEVEN_PEERS - 1) + [slow], sim,
-                                       f"bench_local_uneven_{tag}", folder)
-    except BaseException:
-        print(f"  the logs are kept in {folder}", flush=True)
-        raise
-    shutil.rmtree(folder, ignore_errors=True)
+MIB = 2 ** 20
 
+
+def _toy_rows(quick: bool, folder: str) -> List[dict]:
+    toy = _toy_runs(quick, folder)
     synchronous, local, h = toy["synchronous"], toy["local"], toy["local_steps"]
-    mib = 2 ** 20
 
     def describe(result) -> str:
         return (f"colour match {result.color_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
-                f"{result.averaged_rounds} rounds averaged, {_rounds_bytes(result) / mib:.2f} MiB sent per volunteer "
-                f"in rounds (+{result.bytes_served / mib:.2f} MiB of states served), {result.seconds:.0f} s")
+                f"{result.averaged_rounds} rounds averaged, {_rounds_bytes(result) / MIB:.2f} MiB sent per volunteer "
+                f"in rounds (+{result.bytes_served / MIB:.2f} MiB of states served), {result.seconds:.0f} s")
 
     details = f"synchronous: {describe(synchronous)}; local updates (H = {h}): {describe(local)}."
     loss_ratio = local.loss_last / synchronous.loss_last
     bytes_ratio = _rounds_bytes(synchronous) / max(1.0, _rounds_bytes(local))
-    rows = [
+    return [
         common.make_row(__spec__.name, f"toy demo, local updates (H = {h}): colour match of CLIP's best 4",
                         local.color_match, ">= 0.6", f"{local.color_match:.3f}", details,
                         note=f"synchronous: {synchronous.color_match:.3f}"),
@@ -234,52 +233,88 @@ def run(quick: bool = False) -> List[dict]:
                         note=f"{local.loss_last:.3f} vs {synchronous.loss_last:.3f}"),
         common.make_row(__spec__.name, f"toy demo: bytes sent per volunteer, synchronous / local updates (H = {h})",
                         bytes_ratio, ">= 10", f"{bytes_ratio:.1f}x", details,
-                        note=f"{_rounds_bytes(synchronous) / mib:.1f} vs {_rounds_bytes(local) / mib:.2f} MiB"),
+                        note=f"{_rounds_bytes(synchronous) / MIB:.1f} vs {_rounds_bytes(local) / MIB:.2f} MiB"),
     ]
 
-    small_h = small["local_steps"]
-    small_sync, small_local = small["synchronous"], small["local"]
+
+def _describe_rounds(result, h: int) -> str:
+    return (f"{result.epochs} rounds, loss {result.loss_first:.3f} -> {_window_loss(result, 1):.3f} in the last, "
+            f"{result.averaged_rounds} rounds averaged, {_rounds_bytes(result) / MIB:.2f} MiB sent per volunteer in "
+            f"rounds (+{result.bytes_served / MIB:.1f} MiB of states served), {result.seconds:.0f} s. Each round's "
+            f"loss: " + ", ".join(f"{result.epoch_losses[epoch]:.3f}" for epoch in sorted(result.epoch_losses)))
+
+
+def _small_rows(quick: bool, folder: str) -> List[dict]:
+    small = _small_runs(quick, folder)
+    small_h, best_h = small["local_steps"], small["best_steps"]
+    small_sync, small_local, best = small["synchronous"], small["local"], small["best"]
     sync_window, local_window = _window_loss(small_sync, small_h), _window_loss(small_local, 1)
     small_loss_ratio = local_window / sync_window
     small_bytes_ratio = _rounds_bytes(small_sync) / max(1.0, _rounds_bytes(small_local))
+
+    def sync_curve(h: int) -> str:
+        return ", ".join(f"{_window_loss_between(small_sync, start, start + h):.3f}"
+                         for start in range(0, len(small_sync.epoch_losses) - h + 1, h))
+
     small_details = (
         f"synchronous: {small_sync.epochs} global steps, loss {small_sync.loss_first:.3f} -> {sync_window:.3f} over "
         f"the last {small_h} (last step {small_sync.loss_last:.3f}), {small_sync.averaged_rounds} rounds averaged, "
-        f"{_rounds_bytes(small_sync) / mib:.1f} MiB sent per volunteer in rounds "
-        f"(+{small_sync.bytes_served / mib:.1f} MiB of states served), {small_sync.seconds:.0f} s; local updates "
-        f"(H = {small_h}): {small_local.epochs} rounds, loss {small_local.loss_first:.3f} -> {local_window:.3f} in "
-        f"the last, {small_local.averaged_rounds} rounds averaged, {_rounds_bytes(small_local) / mib:.2f} MiB sent "
-        f"per volunteer in rounds (+{small_local.bytes_served / mib:.1f} MiB of states served), "
-        f"{small_local.seconds:.0f} s. Each round's loss: "
-        + ", ".join(f"{small_local.epoch_losses[epoch]:.3f}" for epoch in sorted(small_local.epoch_losses))
-        + "; the synchronous run's over the same global batches: "
-        + ", ".join(f"{_window_loss_between(small_sync, start, start + small_h):.3f}"
-                    for start in range(0, len(small_sync.epoch_losses) - small_h + 1, small_h)) + ".")
-    rows += [
-        common.make_row(__spec__.name, f"small preset, {small_sync.epochs} global batches: loss at equal samples, "
+        f"{_rounds_bytes(small_sync) / MIB:.1f} MiB sent per volunteer in rounds "
+        f"(+{small_sync.bytes_served / MIB:.1f} MiB of states served), {small_sync.seconds:.0f} s; local updates "
+        f"(H = {small_h}): {_describe_rounds(small_local, small_h)}; the synchronous run's over the same global "
+        f"batches: {sync_curve(small_h)}.")
+    batches = small_sync.epochs
+    best_name = f"local updates at its fewest bytes (H = {best_h}, 4-bit pseudo-gradients)"
+    best_sync_window, best_window = _window_loss(small_sync, best_h), _window_loss(best, 1)
+    best_bytes_ratio = _rounds_bytes(small_sync) / max(1.0, _rounds_bytes(best))
+    best_loss_ratio = best_window / best_sync_window
+    best_details = (
+        f"synchronous: {_rounds_bytes(small_sync) / MIB:.1f} MiB sent per volunteer in rounds, loss "
+        f"{best_sync_window:.3f} over its last {best_h} global steps; {best_name}: {_describe_rounds(best, best_h)}; the synchronous run's "
+        f"over the same global batches: {sync_curve(best_h)}.")
+    return [
+        common.make_row(__spec__.name, f"small preset, {batches} global batches: loss at equal samples, "
                         f"local updates (H = {small_h}) / synchronous", small_loss_ratio, "<= 1.05",
                         f"{small_loss_ratio:.3f}", small_details, note=f"{local_window:.3f} vs {sync_window:.3f}"),
-        common.make_row(__spec__.name, f"small preset, {small_sync.epochs} global batches: bytes sent per volunteer, "
+        common.make_row(__spec__.name, f"small preset, {batches} global batches: bytes sent per volunteer, "
                         f"synchronous / local updates (H = {small_h})", small_bytes_ratio, ">= 50",
                         f"{small_bytes_ratio:.0f}x", small_details,
-                        note=f"{_rounds_bytes(small_sync) / mib:.0f} vs {_rounds_bytes(small_local) / mib:.2f} MiB"),
+                        note=f"{_rounds_bytes(small_sync) / MIB:.0f} vs {_rounds_bytes(small_local) / MIB:.2f} MiB"),
+        common.make_row(__spec__.name, f"small preset, {batches} global batches: bytes sent per volunteer, "
+                        f"synchronous / {best_name}", best_bytes_ratio, ">= 400", f"{best_bytes_ratio:.0f}x",
+                        best_details,
+                        note=f"{_rounds_bytes(small_sync) / MIB:.0f} vs {_rounds_bytes(best) / MIB:.2f} MiB"),
+        common.make_row(__spec__.name, f"small preset, {batches} global batches: loss at equal samples, {best_name} "
+                        f"/ synchronous", best_loss_ratio, "<= 1.0", f"{best_loss_ratio:.3f}", best_details,
+                        note=f"{best_window:.3f} vs {best_sync_window:.3f} over the last {best_h} global batches"),
     ]
 
+
+def _lab_rows(quick: bool, folder: str) -> List[dict]:
+    lab = _lab_time_to_loss(quick, folder)
     reached = lab["reached"]
     lab_ratio = reached[0] / lab["target_seconds"] if reached is not None else None
 
     def curve(points) -> str:
         return ", ".join(f"{seconds:.0f} s {loss:.3f}" for seconds, loss in points)
 
-    rows.append(common.make_row(
+    return [common.make_row(
         __spec__.name, f"network lab, NAT volunteers on {LAB_MBIT:g} Mbit/s links: time to the synchronous run's "
         f"final loss, local updates (H = {lab['local_steps']}) / synchronous", lab_ratio, "<= 0.5",
         f"{lab_ratio:.2f}x" if lab_ratio is not None else "not reached",
         f"synchronous reached {lab['target_loss']:.3f} after {lab['target_seconds']:.0f} s of training; local updates "
         + (f"reached {reached[1]:.3f} after {reached[0]:.0f} s" if reached is not None else "never reached it")
         + f". Loss by training time (end of each global epoch): synchronous {curve(lab['synchronous'])}; local "
-        f"updates {curve(lab['local'])}."))
+        f"updates {curve(lab['local'])}.")]
 
+
+def _uneven_rows(quick: bool, folder: str) -> List[dict]:
+    sim = QUICK_UNEVEN if quick else UNEVEN
+    tag = f"{os.getpid()}_{int(time.time())}"
+    equal = swarm_scaling.measure([1.0] * swarm_scaling.UNEVEN_PEERS, sim, f"bench_local_equal_{tag}", folder)
+    slow = 1.0 / swarm_scaling.SLOW_FACTOR
+    uneven = swarm_scaling.measure([1.0] * (swarm_scaling.UNEVEN_PEERS - 1) + [slow], sim,
+                                   f"bench_local_uneven_{tag}", folder)
     overhead = equal["seconds"] - equal["compute"]
     predicted = uneven["compute"] + overhead
     ratio = uneven["seconds"] / predicted
@@ -287,7 +322,7 @@ def run(quick: bool = False) -> List[dict]:
     # a swarm that waited for every peer to process an equal share of the round (as OpenDiLoCo waits for every
     # worker's H steps)
     waiting = sim.target_batch_size * sim.local_steps / swarm_scaling.UNEVEN_PEERS / (sim.peer_rate * slow) + overhead
-    rows.append(common.make_row(
+    return [common.make_row(
         __spec__.name, f"local updates (H = {sim.local_steps}), simulated compute: time per round with 1 of "
         f"{swarm_scaling.UNEVEN_PEERS} peers {swarm_scaling.SLOW_FACTOR:g}x slower / predicted by summed throughput",
         ratio, "<= 1.15", f"{ratio:.2f}x",
@@ -297,7 +332,23 @@ def run(quick: bool = False) -> List[dict]:
         f"{equal['mean_group']:.1f}); the slow peer contributed {100 * share:.1f}% of the samples (its throughput "
         f"share: {100 * slow / (swarm_scaling.UNEVEN_PEERS - 1 + slow):.1f}%), mean group "
         f"{uneven['mean_group']:.1f}{swarm_scaling.left_behind(uneven)}.",
-        note=f"waiting for its equal share: {waiting / predicted:.1f}x"))
+        note=f"waiting for its equal share: {waiting / predicted:.1f}x")]
+
+
+# each part measures on its own (``python -m benchmarks.local_updates --only small``)
+PARTS = {"toy": _toy_rows, "small": _small_rows, "lab": _lab_rows, "uneven": _uneven_rows}
+
+
+def run(quick: bool = False, parts=tuple(PARTS)) -> List[dict]:
+    folder = tempfile.mkdtemp(prefix="collab_kit_bench_local_")
+    rows: List[dict] = []
+    try:
+        for part in parts:
+            rows += PARTS[part](quick, folder)
+    except BaseException:
+        print(f"  the logs are kept in {folder}", flush=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
     return rows
 
 
