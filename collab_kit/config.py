@@ -118,9 +118,8 @@ class ModelConfig:
     def layer_plan(self) -> Tuple[Tuple[int, str], ...]:
         """``(block index, attention kind)`` for every layer, in order.
 
-        Without sharing every layer is its own block. With sharing, layer ``i`` uses block
-        ``i % len(attention_pattern)``, and the last layer (when ``last_layer_attention`` is set) has
-        a block of its own: 64 layers, pattern of 4 -> 5 blocks.
+        Without sharing each layer is its own block. Shared, layer ``i`` uses block ``i % len(attention_pattern)``,
+        and the last layer (when ``last_layer_attention`` is set) has a block of its own: 64 layers, pattern of 4 -> 5.
         """
         pattern, plan, blocks = self.attention_pattern, [], {}
         for i in range(self.num_layers):
@@ -168,9 +167,8 @@ class OptimizerConfig:
     # how peers combine their gradients (collab_kit.swarm.robust): "mean" (hivemind's weighted mean) or "centered_clip",
     # which bounds what a peer sending poisoned gradients can do, as long as honest peers hold most of the weight
     aggregation: str = "mean"
-    # CenteredClip's radius, relative: each part is clipped at clip_tau times the median distance of the peers' parts
-    # from their median. Larger is closer to the mean and lets an attacker pull further: with 0.5, 3 honest tiny peers
-    # beside one sending x -1000 learn about as fast as unattacked, with 1.0 not (benchmarks/robust_aggregation.py)
+    # CenteredClip's radius: parts are clipped at clip_tau x the median distance of the peers' parts from their median;
+    # larger lets an attacker pull further (3 tiny peers beside one sending x -1000: 0.5 holds, 1.0 not; benchmarks)
     clip_tau: float = 0.5
     # CenteredClip iterations per part, each about clip_tau from the median toward the honest mean: 30 reach it
     clip_iterations: int = 30
@@ -186,6 +184,9 @@ class OptimizerConfig:
     overlap_rounds: bool = False
     # local-update mode: 4 sends large tensors' pseudo-gradients in 4 bits, with error feedback (swarm.four_bit)
     pseudo_gradient_bits: int = 8
+    # local-update mode: F fragments of the parameters, each averaged once every H global batches, in turn (an epoch
+    # is H / F global batches and averages one): a link's peak load falls about F-fold (collab_kit.swarm.fragments)
+    fragments: int = 1
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -228,12 +229,15 @@ class OptimizerConfig:
         _positive_float("optimizer", "outer_learning_rate", self.outer_learning_rate)
         _require(isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
                  "optimizer.outer_momentum", "must be in [0, 1)", self.outer_momentum)
+        in_mode = "(a setting of the local-update mode) needs optimizer.local_steps set to H > 0 too"
         _require(self.overlap_rounds is False or (self.overlap_rounds is True and self.local_updates),
-                 "optimizer.overlap_rounds", "expected true or false; true (a setting of the local-update mode) needs "
-                 "optimizer.local_steps set to H > 0 too", self.overlap_rounds)
+                 "optimizer.overlap_rounds", f"expected true or false; true {in_mode}", self.overlap_rounds)
         _require(self.pseudo_gradient_bits == 8 or (self.pseudo_gradient_bits == 4 and self.local_updates),
-                 "optimizer.pseudo_gradient_bits", "choose 8 or 4; 4 (a setting of the local-update mode) needs "
-                 "optimizer.local_steps set to H > 0 too", self.pseudo_gradient_bits)
+                 "optimizer.pseudo_gradient_bits", f"choose 8 or 4; 4 {in_mode}", self.pseudo_gradient_bits)
+        fragments_fit = type(self.fragments) is int and self.fragments >= 1 and (self.fragments == 1 or (
+            self.local_updates and self.local_steps % self.fragments == 0))
+        _require(fragments_fit, "optimizer.fragments", f"expected an integer >= 1; F > 1 {in_mode}, a multiple of F",
+                 self.fragments)
 
     @property
     def warmup_steps(self) -> int:
@@ -245,17 +249,20 @@ class OptimizerConfig:
         return self.local_steps > 0
 
     @property
+    def epoch_batches(self) -> int:
+        """Global batches between two averaging rounds (an epoch): 1, or H / F in local-update mode."""
+        return max(1, self.local_steps) // self.fragments
+
+    @property
     def round_samples(self) -> int:
-        """Samples the whole swarm processes between two averaging rounds: a global batch (``target_batch_size``), or
-        ``local_steps`` of them in local-update mode."""
-        return self.target_batch_size * max(1, self.local_steps)
+        """Samples the whole swarm processes in an epoch (between two averaging rounds): ``epoch_batches`` batches."""
+        return self.target_batch_size * self.epoch_batches
 
     @property
     def chunk_timeout(self) -> float:
         """``next_chunk_timeout``, or the default it stands for when None."""
-        if self.next_chunk_timeout is not None:
-            return float(self.next_chunk_timeout)
-        return max(self.matchmaking_time, 3 * self.progress_refresh_period * 10 / 3)
+        default = max(self.matchmaking_time, 3 * self.progress_refresh_period * 10 / 3)
+        return default if self.next_chunk_timeout is None else float(self.next_chunk_timeout)
 
 
 @dataclass
@@ -365,24 +372,21 @@ def _with(config_cls, base: Any, overrides: dict):
 def get_preset(name: str, **overrides: dict) -> RunConfig:
     """Return the named preset, optionally with per-section overrides.
 
-    :param name: one of ``tiny``, ``small``, ``paper``
+    :param name: one of ``tiny``, ``small``, ``toy``, ``paper``
     :param overrides: ``model=``, ``optimizer=``, ``swarm=``, ``data=`` dictionaries of fields to change
     :example: ``get_preset("small", optimizer=dict(target_batch_size=64))``
     """
     if name not in PRESETS:
         raise SettingProblem(f"preset={name!r} is not allowed: choose one of {', '.join(PRESETS)}")
     unknown = set(overrides) - {"model", "optimizer", "swarm", "data"}
-    if unknown:
-        raise SettingProblem(f"get_preset got unknown section(s) {sorted(unknown)}: use model=, optimizer=, swarm=, "
-                             f"data=")
+    _require(not unknown, "get_preset's sections", "use model=, optimizer=, swarm=, data=", sorted(unknown))
 
     if name == "paper":
         model, optimizer = ModelConfig(), OptimizerConfig()
     elif name == "small":
         model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=16, image_side=8,
                             codebook_size=256, text_vocab_size=259, pad_token_id=0, conv_kernel_size=5)
-        # a short schedule so that a few global steps already leave warm-up; a higher peak rate
-        # because the demo only has a handful of steps to show learning
+        # a short schedule, out of warm-up in a few global steps, and a high peak rate: a demo has few steps to learn
         optimizer = OptimizerConfig(learning_rate=2e-2, total_steps=100, warmup_fraction=0.03,
                                     target_batch_size=256, batch_size_per_step=16,
                                     matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
@@ -390,11 +394,9 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
         # the small preset's model on the toy world: 12 word tokens, the toy VQGAN's 8 x 8 codes from 512
         model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=12, image_side=8,
                             codebook_size=512, text_vocab_size=27, pad_token_id=0, conv_kernel_size=5)
-        # Colours are learned in steps, not samples: 60 global steps of 64 pictures teach them where 40 of
-        # 256 do not, so the demo takes many small steps. The optimizer step runs at once (not delayed by
-        # one epoch as in the paper's run): with so few local steps per epoch, stale gradients halved the
-        # progress per step. Gradient averaging keeps the peers' parameters equal; state averaging every
-        # 5 steps only guards against drift.
+        # Colours are learned in steps, not samples: 60 global steps of 64 pictures teach them, 40 of 256 do not. The
+        # step runs at once (not one epoch late as in the paper's run): with few local steps per epoch, stale gradients
+        # halved the progress per step. State averaging every 5 steps only guards against drift.
         optimizer = OptimizerConfig(learning_rate=3e-2, total_steps=60, warmup_fraction=0.03,
                                     target_batch_size=64, batch_size_per_step=16, delay_optimizer_step=False,
                                     average_state_every=5, matchmaking_time=1.5, averaging_timeout=30.0,
@@ -402,8 +404,7 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
     else:  # tiny
         model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
                             codebook_size=32, text_vocab_size=259, pad_token_id=0, conv_kernel_size=3)
-        # a tiny step takes milliseconds: a large target batch still makes each global epoch last about
-        # a second, long enough for peers to see each other's progress in the DHT
+        # a step takes milliseconds: a large target batch makes an epoch last a second, for peers to see it in the DHT
         optimizer = OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_fraction=0.02,
                                     target_batch_size=2048, batch_size_per_step=8,
                                     matchmaking_time=2.0, averaging_timeout=20.0, progress_refresh_period=0.6)

@@ -114,11 +114,10 @@ class DemoFailed(CollabKitError, RuntimeError):
 DEFAULT_EPOCHS = {"toy": 60}  # global batches the demo trains by default (5 for other presets): all of its schedule
 
 
-def default_epochs(preset: str, local_steps: int = 0) -> int:
+def default_epochs(preset: str, epoch_batches: int = 1) -> int:
     """Global epochs the demo trains by default: the preset's global batches (``DEFAULT_EPOCHS``), which in
-    local-update mode are rounds of ``local_steps`` global batches each (rounded up)."""
-    batches = DEFAULT_EPOCHS.get(preset, 5)
-    return -(-batches // local_steps) if local_steps > 0 else batches
+    local-update mode come ``epoch_batches`` to an epoch (H, or H / F with fragments; rounded up)."""
+    return -(-DEFAULT_EPOCHS.get(preset, 5) // max(1, epoch_batches))
 
 
 def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str = "toy",
@@ -146,7 +145,7 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     :raises DemoFailed: with what went wrong and where the logs are
     """
     config = get_preset(preset, **parse_overrides(overrides))
-    epochs = epochs if epochs is not None else default_epochs(preset, config.optimizer.local_steps)
+    epochs = epochs if epochs is not None else default_epochs(preset, config.optimizer.epoch_batches)
     if num_volunteers < 1 or epochs < 1:
         raise ValueError(f"the demo needs at least one volunteer and one epoch (got peers={num_volunteers}, "
                          f"epochs={epochs})")

@@ -59,8 +59,8 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
                            f"and at most 1 (1: all of it)")
     config = build_config(args)
     if args.epochs is None and args.max_epochs is None and args.max_steps is None:
-        # the whole schedule: its global batches, which in local-update mode come H to a round (a global epoch)
-        args.max_epochs = -(-config.optimizer.total_steps // max(1, config.optimizer.local_steps))
+        # the whole schedule: its global batches, which in local-update mode come H / F to an epoch (a round)
+        args.max_epochs = -(-config.optimizer.total_steps // config.optimizer.epoch_batches)
     # a swarm out of reach, a refused token, a setting to change: CollabKitErrors, one line from main()
     # a micro-batch or reversible layers set on the command line are kept; otherwise a GPU takes what fits it
     fit_settings = not any(setting.split("=", 1)[0].strip() in ("optimizer.batch_size_per_step", "model.reversible")
@@ -78,9 +78,13 @@ def run(args: argparse.Namespace, make_volunteer: Optional[Callable[..., "Volunt
             print(f"device: {volunteer.device_note}", flush=True)
         print(f"device: {volunteer.plan.describe()}", flush=True)
         if config.optimizer.local_updates:
+            optimizer_config = config.optimizer
+            in_turn = f", a 1/{optimizer_config.fragments} fragment of the model at a time" \
+                if optimizer_config.fragments > 1 else ""
             print(f"local-update mode: this peer takes its own steps and averages with the swarm once every "
-                  f"{config.optimizer.local_steps} global batches ({config.optimizer.round_samples} samples of the "
-                  f"swarm's)", flush=True)
+                  f"{optimizer_config.local_steps} global batches "
+                  f"({optimizer_config.local_steps * optimizer_config.target_batch_size} samples of the swarm's)"
+                  f"{in_turn}", flush=True)
         if args.events:
             emit_event("ready", peer_id=str(volunteer.dht.peer_id), addresses=join_addresses(volunteer.dht),
                        device=str(volunteer.plan.device), precision=volunteer.plan.precision)

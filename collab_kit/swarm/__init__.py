@@ -11,7 +11,8 @@
 - ``optimizer``: ``CollaborativeOptimizer`` (hivemind.Optimizer with the kit's rounds, schedule and state downloads)
   and ``make_optimizer``; ``lamb``: 8-bit LAMB, its schedule, and gradient compression; ``local_updates``: the
   local-update mode (DiLoCo), in which peers take their own steps and average pseudo-gradients once a round;
-  ``four_bit``: pseudo-gradients in 4 bits (a scale per block of 64), with error feedback.
+  ``four_bit``: pseudo-gradients in 4 bits (a scale per block of 64), with error feedback; ``fragments``: the
+  parameters averaged in fragments, one a round, in turn.
 - ``progress``: the swarm's progress as a peer reads it (hivemind's tracker, telling anchors from training peers, and
   publishing this peer's record once per period within an epoch rather than at every step).
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front;

@@ -25,7 +25,7 @@ Blocks align with hivemind's parts: ``estimate_compression_ratio`` says 4 bits a
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from hivemind.compression import CompressionBase, CompressionInfo
@@ -157,10 +157,13 @@ class ErrorFeedback:
         self.residuals: Dict[int, torch.Tensor] = {}  # by the tensor's index: what its last rounding dropped
 
     @torch.no_grad()
-    def quantize_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Add each large tensor's residual to it, round it to the 4-bit grid in place, and keep the new residual."""
+    def quantize_(self, tensors: Sequence[torch.Tensor], sent: Optional[Sequence[int]] = None) -> None:
+        """Add each large tensor's residual to it, round it to the 4-bit grid in place, and keep the new residual.
+
+        :param sent: the indices of the tensors this round sends (fragments); None: all
+        """
         for index, tensor in enumerate(tensors):
-            if tensor.numel() < self.threshold:
+            if tensor.numel() < self.threshold or (sent is not None and index not in sent):
                 continue
             residual = self.residuals.get(index)
             if residual is None:

@@ -22,6 +22,8 @@ everything the synchronous mode does keeps working:
   background while the next round's inner steps go on, and the outer step is applied when the average arrives, the
   inner progress made meanwhile kept on top of the new global parameters (Streaming DiLoCo's overlapped outer step,
   one round late). A round still under way when the next one is due holds that one until it is over.
+- With ``OptimizerConfig.fragments`` = F the parameters are averaged in F fragments, in turn: an epoch is H / F global
+  batches and its round averages one fragment, whose outer step moves that fragment alone (collab_kit.swarm.fragments).
 
 Peers of the two modes must not average together (a gradient and a pseudo-gradient are not the same quantity, and
 the outer optimizer's state is not LAMB's): the averagers of this mode carry ``LocalUpdateRoundsMixin``'s RPC prefix.
@@ -39,6 +41,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from collab_kit.config import OptimizerConfig
 from collab_kit.swarm.averagers import ANCHOR_ROLE, compose_averager
 from collab_kit.swarm.four_bit import ErrorFeedback
+from collab_kit.swarm.fragments import FragmentStepMixin, fragment_of_tensors, fragment_rounds_mixin, round_fragment
 from collab_kit.swarm.lamb import HoldableStepMixin, linear_warmup_then_decay, make_lamb8bit, make_scheduler_factory
 
 logger = logging.getLogger(__name__)
@@ -56,17 +59,29 @@ class OuterNesterovSGD(HoldableStepMixin, torch.optim.SGD):
     def __init__(self, params, lr: float, momentum: float):
         super().__init__(params, lr=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=0.0)
         self.dropped_steps = 0  # outer steps dropped for a non-finite pseudo-gradient
+        # with fragments (collab_kit.swarm.fragments): the parameters the next steps move, by the groups' order; the
+        # others, and their momentum, stay as they are. None: all
+        self.fragment_mask: Optional[List[bool]] = None
 
     @torch.no_grad()
     def step(self, closure=None):
         if self._step_is_held():
             return None
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in self.param_groups for p in group["params"]]
+        mask = self.fragment_mask if self.fragment_mask is not None else [True] * len(params)
+        left_out = [(p, p.grad) for p, inside in zip(params, mask) if not inside]
+        grads = [p.grad for p, inside in zip(params, mask) if inside and p.grad is not None]
         if grads and not all(bool(torch.isfinite(grad).all()) for grad in grads):
             self.dropped_steps += 1
             logger.warning("the averaged pseudo-gradient is not finite: this round's outer step is dropped")
             return None
-        return super().step(closure)
+        try:
+            for param, _ in left_out:
+                param.grad = None  # torch's SGD passes over a parameter without a gradient, momentum and all
+            return super().step(closure)
+        finally:
+            for param, grad in left_out:
+                param.grad = grad
 
 
 def make_outer_sgd(params: Iterable, config: OptimizerConfig) -> OuterNesterovSGD:
@@ -94,13 +109,16 @@ class LocalUpdateRoundsMixin:
     rpc_name_prefix = "LocalUpdates"
 
 
-def mode_averager_class(averager_class: type, config: OptimizerConfig) -> type:
+def mode_averager_class(averager_class: type, config: OptimizerConfig, gradients: bool = True) -> type:
     """``averager_class`` as the mode of ``config`` needs it: itself in synchronous mode, with LocalUpdateRoundsMixin
-    in front in local-update mode."""
+    in front in local-update mode, and with fragments (collab_kit.swarm.fragments) a gradient averager's rounds
+    average one fragment each, and a state averager (``gradients`` False) copies the stepped fragment alone."""
     if not config.local_updates:
         return averager_class
-    return compose_averager(averager_class, LocalUpdateRoundsMixin,
-                            qualname=f"LocalUpdates{averager_class.__qualname__}")
+    mixins = [LocalUpdateRoundsMixin]
+    if config.fragments > 1:
+        mixins.append(fragment_rounds_mixin(config.fragments) if gradients else FragmentStepMixin)
+    return compose_averager(averager_class, *mixins, qualname=f"LocalUpdates{averager_class.__qualname__}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +168,11 @@ class LocalUpdatesMixin:
             self.error_feedback = ErrorFeedback(self.local_config.compression_threshold)
         self.applied_rounds = 0  # rounds whose outcome this peer has applied (an outer step taken, alone or not)
         self.applied_in_background: Dict[int, AppliedRound] = {}  # by epoch, until the volunteer reports it (pop)
+        # fragments (collab_kit.swarm.fragments): the fragment of each parameter, by the optimizer's order
+        self._fragment_of: Optional[Tuple[int, ...]] = None
+        if self.local_config.fragments > 1:
+            self._fragment_of = fragment_of_tensors([param.numel() for param in self.state_averager.main_parameters],
+                                                    self.local_config.fragments)
 
     @property
     def local_epoch(self) -> int:
@@ -163,14 +186,14 @@ class LocalUpdatesMixin:
         return None if self._round_in_flight is None else self._round_in_flight[1]
 
     def _state_averager_class(self) -> type:
-        return mode_averager_class(super()._state_averager_class(), self.local_config)
+        return mode_averager_class(super()._state_averager_class(), self.local_config, gradients=False)
 
     @property
     def global_batch(self) -> int:
         """The swarm's global batch now: H per round ended, and those of this round the swarm has processed so far."""
         config = self.local_config
         in_round = int(self.tracker.global_progress.samples_accumulated // config.target_batch_size)
-        return self.local_epoch * config.local_steps + min(config.local_steps - 1, max(0, in_round))
+        return self.local_epoch * config.epoch_batches + min(config.epoch_batches - 1, max(0, in_round))
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
         if self.inner_optimizer is None:
@@ -207,6 +230,7 @@ class LocalUpdatesMixin:
 
     def load_state_from_peers(self, **kwargs) -> bool:
         self._drop_round_in_flight()  # the state downloaded replaces what its average would have changed
+        self._select_fragment(None)  # every parameter of the model takes the state's
         loaded = super().load_state_from_peers(**kwargs)
         if loaded and self.error_feedback is not None:
             self.error_feedback.reset()  # what its own rounds dropped is of no use from the swarm's parameters
@@ -221,6 +245,10 @@ class LocalUpdatesMixin:
             self.request_resync(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1}, and its "
                                 f"global parameters were of epoch {self.local_epoch}")
             return
+        if self.inner_optimizer is not None and self._fragment_of is not None and result.epoch() != self.local_epoch:
+            # the group averaged the fragment of its own epoch, and this peer stepped its epoch's
+            self.request_resync(f"this peer's round was of epoch {self.local_epoch}, its group's of {result.epoch()}")
+            return
         super()._follow_round_epoch(result, parameters_from_swarm)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
@@ -231,9 +259,11 @@ class LocalUpdatesMixin:
 
     def _update_global_epoch(self, grad_scaler) -> None:
         if self.inner_optimizer is None:
+            self._select_fragment(self.local_epoch)
             return super()._update_global_epoch(grad_scaler)
         if self._round_in_flight is not None:
             self._apply_round_in_flight()  # the last round first: this one's pseudo-gradient starts from its result
+        self._select_fragment(self.local_epoch)
         self._load_pseudo_gradient()
         if self.overlap and self.tracker.global_progress.num_peers > 1 and not self._resync_requested:
             self._send_round_in_background(grad_scaler)
@@ -269,9 +299,12 @@ class LocalUpdatesMixin:
         """The outer step of the round that averaged in the background (waiting for it, up to its timeout, if it is
         not over), with the inner progress made since it was sent kept on top of the new global parameters."""
         control, epoch = self._round_in_flight
+        mask = self._select_fragment(epoch)  # the model's other fragments are not touched: they keep their progress
         with self.tracker.pause_updates(), torch.no_grad():
             samples = self.grad_averager.local_samples_accumulated
-            for sent, param in zip(self._sent_parameters, self.state_averager.main_parameters):
+            pairs = zip(self._sent_parameters, self.state_averager.main_parameters)
+            stepped = [pair for index, pair in enumerate(pairs) if mask is None or mask[index]]
+            for sent, param in stepped:
                 sent.sub_(param.detach().to(sent.device)).neg_()  # now the progress since the round was sent
             self._round_in_flight = None  # from here the peer's epoch is its global parameters' again
             averaged_before = self.averaged_rounds
@@ -279,9 +312,20 @@ class LocalUpdatesMixin:
             self.applied_in_background[epoch] = AppliedRound(
                 self.last_group_size, self.last_anchors_in_group, self.last_round_problem,
                 averaged=self.averaged_rounds > averaged_before)
-            for progress, param in zip(self._sent_parameters, self.state_averager.main_parameters):
+            for progress, param in stepped:
                 param.add_(progress.to(param.device))
             self.grad_averager.local_samples_accumulated = samples  # this round's, so far
+
+    def _select_fragment(self, epoch: Optional[int]) -> Optional[List[bool]]:
+        """With fragments: the next outer steps (of the round that ends ``epoch``) move that round's fragment alone,
+        and copy it alone into the model; ``epoch`` None: every parameter (a download). Returns the mask, None without
+        fragments."""
+        if self._fragment_of is None:
+            return None
+        fragment = None if epoch is None else round_fragment(epoch, self.local_config.fragments)
+        mask = None if fragment is None else [owner == fragment for owner in self._fragment_of]
+        self.state_averager.step_fragment = self.state_averager.optimizer.fragment_mask = mask
+        return mask
 
     def _take_outer_step(self, round_control, epoch: int) -> None:
         """Read the round's outcome (CollaborativeOptimizer's accounting) and step the global parameters, which the
@@ -341,7 +385,9 @@ class LocalUpdatesMixin:
             # hivemind divides the accumulators by the times they were added to: the pseudo-gradient is one whole
             averager.local_times_accumulated = 1
             if self.error_feedback is not None:  # on the 4-bit grid already: the averager's rounding changes nothing
-                self.error_feedback.quantize_(list(averager._grad_accumulators()))
+                mask = self.state_averager.step_fragment  # with fragments, only the tensors this round sends
+                sent = None if mask is None else [index for index, inside in enumerate(mask) if inside]
+                self.error_feedback.quantize_(list(averager._grad_accumulators()), sent=sent)
 
 
 def with_local_updates(optimizer_class: type, config: OptimizerConfig) -> type:

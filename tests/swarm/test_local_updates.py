@@ -17,6 +17,7 @@ from collab_kit.config import get_preset
 from collab_kit.memory import estimate
 from collab_kit.roles.processes import PeerProcess
 from collab_kit.swarm.four_bit import round_4bit
+from collab_kit.swarm.fragments import fragment_of_tensors
 from collab_kit.swarm.local_updates import OuterNesterovSGD, make_outer_sgd
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -322,6 +323,41 @@ def test_4_bit_pseudo_gradients_with_error_feedback_average_through_hivemind(tin
         # the same 4-bit average for both (the small tensors, in fp16, differ by fp16's rounding, as in 8-bit mode)
         assert all(torch.allclose(a["averaged"][i], b["averaged"][i], rtol=0, atol=1e-9) for i in large), epoch
         assert apart < 0.01, epoch
+
+
+@pytest.mark.slow
+def test_fragments_average_in_turn_and_the_others_keep_training(tiny_shards, tmp_path):
+    """With optimizer.fragments=2 (H = 4: an epoch of 2 global batches), the round ending epoch R averages fragment
+    R % 2 alone: its tensors come back as the weighted mean of both peers' pseudo-gradients, the other fragment's
+    stay each peer's own (never sent) and the outer step leaves them out; the model takes the new global parameters of
+    the averaged fragment, and keeps its inner steps' progress in the other."""
+    out = str(tmp_path / "rounds")
+    events = _two_peers_for(6, (*SETTINGS, "optimizer.fragments=2"), "test_fragments", tiny_shards, tmp_path)
+    rounds = {name: _rounds(events, name) for name in events}
+    together = [epoch for epoch in rounds["A"] if epoch in rounds["B"] and rounds["A"][epoch]["file"]
+                and rounds["B"][epoch]["file"] and rounds["A"][epoch]["group_size"] == rounds["B"][epoch]["group_size"]
+                == 2]
+    assert len(together) >= 3 and {(epoch - 1) % 2 for epoch in together} == {0, 1}, rounds
+    for epoch in together:
+        a, b = (_round_file(out, rounds[name][epoch]) for name in ("A", "B"))
+        assert a["epoch"] == b["epoch"] == epoch - 1
+        assignment = fragment_of_tensors([tensor.numel() for tensor in a["pseudo"]], 2)
+        averaged = [index for index, owner in enumerate(assignment) if owner == (epoch - 1) % 2]
+        kept = [index for index, owner in enumerate(assignment) if owner != (epoch - 1) % 2]
+        weighted = [(a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
+                    for pa, pb in zip(a["pseudo"], b["pseudo"])]
+        change = _norm([weighted[index] for index in averaged])
+        for round_ in (a, b):
+            got = [round_["averaged"][index] for index in averaged]
+            assert _distance(got, [weighted[index] for index in averaged]) < 0.01 * change, epoch
+            assert all(torch.equal(round_["averaged"][index], round_["pseudo"][index]) for index in kept), epoch
+        assert _distance([a["global"][i] for i in averaged], [b["global"][i] for i in averaged]) < 0.01 * change
+        for name in ("A", "B"):
+            event = rounds[name][epoch]
+            same = [event["model"][index] == event["global"][index] for index in range(len(assignment))]
+            assert all(same[index] for index in averaged), (name, epoch)
+            # the other fragment's parameters trained on since their own round: the model's are not the global ones
+            assert sum(not same[index] for index in kept) >= 0.8 * len(kept), (name, epoch, same)
 
 
 # ---------------------------------------------------------------------------------------------
