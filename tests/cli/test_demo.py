@@ -49,9 +49,11 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
 
 
 def test_the_demo_takes_the_local_update_mode(tmp_path):
+    """The mode and its settings of the whole run (here fragments: H = 2 in 2 fragments, an epoch a global batch)."""
     result = subprocess.run(
         [sys.executable, "-m", "collab_kit.cli", "demo", "--preset", "tiny", "--peers", "2", "--local-steps", "2",
-         "--epochs", "3", "--workdir", str(tmp_path), "--output", str(tmp_path / "out")],
+         "--set", "optimizer.fragments=2", "--epochs", "3", "--workdir", str(tmp_path),
+         "--output", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
@@ -62,7 +64,8 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
     # the volunteers ran in that mode, and their join lines carry it
     log = (tmp_path / "volunteer_1.log").read_text()
     assert "local-update mode: this peer takes its own steps and averages with the swarm once every 2" in log
-    assert "--set optimizer.local_steps=2" in log
+    assert "a 1/2 fragment of the model at a time" in log
+    assert "--set optimizer.local_steps=2" in log and "--set optimizer.fragments=2" in log
     # its summary says what it sent
     assert re.search(r"join: epochs \d+->\d+: .* global steps averaged with other peers, [\d.]+ [KM]iB sent to them", log)
     # the monitor recorded the run and saved the swarm's state (the global parameters, downloaded from a volunteer
@@ -73,7 +76,7 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
     with RunHistory(str(tmp_path / "out" / "monitor.sqlite"), read_only=True) as history:
         assert len(history.leaderboard()) == 2 and history.checkpoints(), history.checkpoints()
     _, saved_config, _, _ = load_latest_checkpoint(str(tmp_path / "out" / "checkpoints"))
-    assert saved_config.optimizer.local_steps == 2
+    assert (saved_config.optimizer.local_steps, saved_config.optimizer.fragments) == (2, 2)
 
 
 def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
