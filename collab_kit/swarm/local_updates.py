@@ -170,6 +170,7 @@ class LocalUpdatesMixin:
         self.applied_in_background: Dict[int, AppliedRound] = {}  # by epoch, until the volunteer reports it (pop)
         # fragments (collab_kit.swarm.fragments): the fragment of each parameter, by the optimizer's order
         self._fragment_of: Optional[Tuple[int, ...]] = None
+        self._step_mask: Optional[List[bool]] = None  # the fragment the next outer steps move (None: all)
         if self.local_config.fragments > 1:
             self._fragment_of = fragment_of_tensors([param.numel() for param in self.state_averager.main_parameters],
                                                     self.local_config.fragments)
@@ -215,14 +216,15 @@ class LocalUpdatesMixin:
         return True
 
     # A peer's outer step must start from the swarm's global parameters: nothing else brings a peer back in this mode
-    # (state averaging is rare or off). hivemind lets a peer one epoch behind go on, and the synchronous mode follows the
-    # swarm's round with parameters a few updates old; here such a peer's global parameters would stay one round apart
-    # for good. So a training peer behind the swarm's epoch, or holding a state older than its epoch, loads the swarm's
-    # state (tests/swarm/test_local_updates.py::test_peers_end_every_round_with_equal_global_parameters).
+    # (state averaging is rare or off). A training peer more than one epoch behind the swarm loads its state. One epoch
+    # behind, it ends its epoch at once (hivemind's rule): with overlapped rounds the others report the next epoch as
+    # soon as their round is sent, and this peer's round joins theirs. A round that turns out to be another epoch's
+    # (a member at a later epoch) makes it load the swarm's state (_follow_round_epoch), or it would stay a round
+    # apart for good (tests/swarm/test_local_updates.py::test_peers_end_every_round_with_equal_global_parameters).
 
     def _should_load_state_from_peers(self) -> bool:
         if self.inner_optimizer is not None and not self._resync_requested \
-                and self.local_epoch < self.tracker.global_epoch:
+                and self.local_epoch < self.tracker.global_epoch - 1:
             self._loaded = None  # a download that the swarm overtook is not gone on from, as the synchronous mode does
             self.request_resync(f"the swarm is at epoch {self.tracker.global_epoch}, this peer at {self.local_epoch}: "
                                 f"its next outer step must start from the swarm's global parameters")
@@ -244,6 +246,11 @@ class LocalUpdatesMixin:
         if self.inner_optimizer is not None and result.epoch() == self.local_epoch + 1:
             self.request_resync(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1}, and its "
                                 f"global parameters were of epoch {self.local_epoch}")
+            return
+        epochs = [member.get("epoch") for member in result.values() if isinstance(member, dict)]
+        later = [epoch for epoch in epochs if isinstance(epoch, int) and epoch > self.local_epoch]
+        if self.inner_optimizer is not None and result.epoch() is None and later:
+            self.request_resync(f"this peer's round of epoch {self.local_epoch} had a member at epoch {max(later)}")
             return
         if self.inner_optimizer is not None and self._fragment_of is not None and result.epoch() != self.local_epoch:
             # the group averaged the fragment of its own epoch, and this peer stepped its epoch's
@@ -324,7 +331,7 @@ class LocalUpdatesMixin:
             return None
         fragment = None if epoch is None else round_fragment(epoch, self.local_config.fragments)
         mask = None if fragment is None else [owner == fragment for owner in self._fragment_of]
-        self.state_averager.step_fragment = self.state_averager.optimizer.fragment_mask = mask
+        self._step_mask = self.state_averager.step_fragment = self.state_averager.optimizer.fragment_mask = mask
         return mask
 
     def _take_outer_step(self, round_control, epoch: int) -> None:
@@ -385,7 +392,7 @@ class LocalUpdatesMixin:
             # hivemind divides the accumulators by the times they were added to: the pseudo-gradient is one whole
             averager.local_times_accumulated = 1
             if self.error_feedback is not None:  # on the 4-bit grid already: the averager's rounding changes nothing
-                mask = self.state_averager.step_fragment  # with fragments, only the tensors this round sends
+                mask = self._step_mask  # with fragments, only the tensors this round sends
                 sent = None if mask is None else [index for index, inside in enumerate(mask) if inside]
                 self.error_feedback.quantize_(list(averager._grad_accumulators()), sent=sent)
 
