@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Dict, List, Sequence, Tuple
 
-from benchmarks import common, swarm_scaling
+from benchmarks import common, local_updates, swarm_scaling
 
 LINK_MBIT = 100.0  # each volunteer's link, each way: a round of the toy model takes well under a second on it
 LOCAL_STEPS = 16
@@ -80,21 +80,9 @@ def _lab_run(fragments: int, local_steps: int, rounds: int, shards: str, log_dir
     run_id = f"bench_fragments_{fragments}_{os.getpid()}"
     epochs = rounds * fragments
     settings = [f"optimizer.local_steps={local_steps}", f"optimizer.fragments={fragments}", *SETTINGS]
-    options = [arg for setting in settings for arg in ("--set", setting)]
     with NetworkLab() as lab:
-        server = lab.public_host("server")
-        monitor = server.start("monitor", ["monitor", "--preset", "toy", "--run-id", run_id, "--host", "0.0.0.0",
-                                           "--events", "--db", "", "--checkpoint-every", "0", *options],
-                               os.path.join(log_dir, f"{run_id}-monitor.log"))
-        addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=180, what="its address")["addresses"]
-        homes = [lab.home(f"home{i}") for i in range(2)]
-        for home in homes:
-            home.limit(LINK_MBIT)
-        volunteers = [home.start(home.name, ["join", "--preset", "toy", "--run-id", run_id, "--initial-peers",
-                                             *addresses, "--data", shards, "--threads", "1", "--events",
-                                             "--no-progress", "--wait-for-peers", "2", "--max-epochs", str(epochs),
-                                             *options], os.path.join(log_dir, f"{run_id}-{home.name}.log"))
-                      for home in homes]
+        monitor, homes, volunteers = local_updates.start_toy_swarm(lab, run_id, settings, 2, LINK_MBIT, epochs,
+                                                                   shards, log_dir)
         sampler = LinkSampler(homes)
         sampler.start()
         try:

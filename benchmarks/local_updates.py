@@ -139,27 +139,36 @@ def _window_loss_between(result, start: int, stop: int) -> float:
     return sum(result.epoch_losses[epoch] for epoch in window) / len(window)
 
 
+def start_toy_swarm(lab, run_id: str, settings: List[str], volunteers: int, mbit: float, epochs: int, shards: str,
+                    log_dir: str):
+    """In ``lab``: the monitor of a toy run (``--set`` ``settings``) on a public host, and ``volunteers`` volunteers
+    each behind its own NAT with its link capped at ``mbit``, training ``epochs`` epochs: (monitor, homes,
+    volunteers)."""
+    options = [arg for setting in settings for arg in ("--set", setting)]
+    server = lab.public_host("server")
+    monitor = server.start("monitor", ["monitor", "--preset", "toy", "--run-id", run_id, "--host", "0.0.0.0",
+                                       "--events", "--db", "", "--checkpoint-every", "0", *options],
+                           os.path.join(log_dir, f"{run_id}-monitor.log"))
+    addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=180, what="its address")["addresses"]
+    homes = [lab.home(f"home{i}") for i in range(volunteers)]
+    for home in homes:
+        home.limit(mbit)
+    started = [home.start(home.name, ["join", "--preset", "toy", "--run-id", run_id, "--initial-peers", *addresses,
+                                      "--data", shards, "--threads", "1", "--events", "--no-progress",
+                                      "--wait-for-peers", str(volunteers), "--max-epochs", str(epochs), *options],
+                          os.path.join(log_dir, f"{run_id}-{home.name}.log"))
+               for home in homes]
+    return monitor, homes, started
+
+
 def _lab_run(lab_setting: dict, overrides, epochs: int, shards: str, log_dir: str, tag: str) -> List[List[dict]]:
     """One run in a fresh network lab: the volunteers' epoch events."""
     from collab_kit.netlab import NetworkLab
 
     run_id = f"bench_local_lab_{tag}_{os.getpid()}"
-    settings = [arg for setting in overrides for arg in ("--set", setting)]
     with NetworkLab() as lab:
-        server = lab.public_host("server")
-        monitor = server.start("monitor", ["monitor", "--preset", "toy", "--run-id", run_id, "--host", "0.0.0.0",
-                                           "--events", "--db", "", "--checkpoint-every", "0", *settings],
-                               os.path.join(log_dir, f"{run_id}-monitor.log"))
-        addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=180, what="its address")["addresses"]
-        homes = [lab.home(f"home{i}") for i in range(lab_setting["volunteers"])]
-        for home in homes:
-            home.limit(lab_setting["mbit"])
-        volunteers = [home.start(home.name, ["join", "--preset", "toy", "--run-id", run_id, "--host", "0.0.0.0",
-                                             "--initial-peers", *addresses, "--data", shards, "--threads", "1",
-                                             "--events", "--no-progress", "--wait-for-peers", str(len(homes)),
-                                             "--max-epochs", str(epochs), *settings],
-                                 os.path.join(log_dir, f"{run_id}-{home.name}.log"))
-                      for home in homes]
+        monitor, _, volunteers = start_toy_swarm(lab, run_id, list(overrides), lab_setting["volunteers"],
+                                                 lab_setting["mbit"], epochs, shards, log_dir)
         try:
             for volunteer in volunteers:
                 volunteer.wait_for(lambda e: e["type"] == "done", timeout=120 + 60 * epochs, what="the end")
@@ -270,7 +279,8 @@ def _small_rows(quick: bool, folder: str) -> List[dict]:
     best_loss_ratio = best_window / best_sync_window
     best_details = (
         f"synchronous: {_rounds_bytes(small_sync) / MIB:.1f} MiB sent per volunteer in rounds, loss "
-        f"{best_sync_window:.3f} over its last {best_h} global steps; {best_name}: {_describe_rounds(best, best_h)}; the synchronous run's "
+        f"{best_sync_window:.3f} over its last {best_h} global steps; {best_name}: {_describe_rounds(best, best_h)}; "
+        f"the synchronous run's "
         f"over the same global batches: {sync_curve(best_h)}.")
     return [
         common.make_row(__spec__.name, f"small preset, {batches} global batches: loss at equal samples, "
