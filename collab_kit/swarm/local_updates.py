@@ -216,15 +216,18 @@ class LocalUpdatesMixin:
         return True
 
     # A peer's outer step must start from the swarm's global parameters: nothing else brings a peer back in this mode
-    # (state averaging is rare or off). A training peer more than one epoch behind the swarm loads its state. One epoch
-    # behind, it ends its epoch at once (hivemind's rule): with overlapped rounds the others report the next epoch as
-    # soon as their round is sent, and this peer's round joins theirs. A round that turns out to be another epoch's
-    # (a member at a later epoch) makes it load the swarm's state (_follow_round_epoch), or it would stay a round
-    # apart for good (tests/swarm/test_local_updates.py::test_peers_end_every_round_with_equal_global_parameters).
+    # (state averaging is rare or off). A training peer behind the swarm's epoch loads its state, and so does one whose
+    # download the swarm overtook (the synchronous mode would go on from it, an update short for good). With overlapped
+    # rounds, one epoch behind is allowed to a peer that trained on its own parameters: the others report the next
+    # epoch as soon as their round is sent, so this peer ends its epoch at once (hivemind's rule) and its round joins
+    # theirs. A round that turns out to be another epoch's (a member at a later epoch) makes it load the swarm's state
+    # (_follow_round_epoch), or it would stay a round apart for good
+    # (tests/swarm/test_local_updates.py::test_peers_end_every_round_with_equal_global_parameters).
 
     def _should_load_state_from_peers(self) -> bool:
+        allowed_lag = 1 if self.overlap and self._loaded is None else 0
         if self.inner_optimizer is not None and not self._resync_requested \
-                and self.local_epoch < self.tracker.global_epoch - 1:
+                and self.local_epoch < self.tracker.global_epoch - allowed_lag:
             self._loaded = None  # a download that the swarm overtook is not gone on from, as the synchronous mode does
             self.request_resync(f"the swarm is at epoch {self.tracker.global_epoch}, this peer at {self.local_epoch}: "
                                 f"its next outer step must start from the swarm's global parameters")
