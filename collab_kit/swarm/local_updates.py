@@ -385,6 +385,10 @@ class LocalUpdatesMixin:
             self.dropped_pseudo_gradients += 1
             logger.warning(f"this peer's pseudo-gradient of round {self.local_epoch} is not finite: it takes part "
                            f"in the round with weight 0, and goes on from the swarm's parameters")
+            # every fragment's: an outer step copies only the fragment it moves, and an overlapped one keeps progress
+            for global_param, local_param in zip(global_parameters, local_parameters):
+                local_param.copy_(global_param.to(local_param.device))
+            self.inner_optimizer.state.clear()  # moments of a blown-up step would blow up the next: they start anew
         if not finite or averager.local_samples_accumulated == 0:
             for accumulator in averager._grad_accumulators():
                 accumulator.zero_()

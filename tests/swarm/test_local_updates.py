@@ -185,33 +185,44 @@ def test_a_late_joiner_gets_the_global_parameters_and_the_outer_momentum(uneven_
 
 
 @pytest.mark.slow
-def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_from_the_swarm(tiny_shards, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("optimizer.overlap_rounds=true", "optimizer.fragments=2")],
+                         ids=["plain", "overlap-fragments"])
+def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_from_the_swarm(tiny_shards, tmp_path,
+                                                                                            extra):
     out, logs = str(tmp_path / "rounds"), str(tmp_path)
+    settings = (*SETTINGS, *extra)
     peers = []
     try:
-        first = _probe("A", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5))
+        first = _probe("A", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5, settings))
         peers.append(first)
         addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-        faulty = _probe("B", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5)
+        faulty = _probe("B", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5, settings)
                         + ["--initial-peers", *addresses], "--nan-at-epoch", "2")
         peers.append(faulty)
         for peer in peers:
             assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
-        rounds_a, rounds_b = _rounds({"A": first.events}, "A"), _rounds({"B": faulty.events}, "B")
         fault = next(e for e in faulty.events if e["type"] == "fault")
         bad_round = torch.load(os.path.join(out, f"B-{fault['epoch']}.pt"))
         assert bad_round["weight"] == 0  # sent with no weight
+        # each round's outcome: with overlap, as its outer step applied it (by the round's epoch), else as the step that
+        # ended the round's epoch took it (by the epoch it ended)
+        kind, first_after = ("applied", fault["epoch"]) if extra else ("round", fault["epoch"] + 1)
+        outcomes = {peer.name: {e["epoch"]: e for e in peer.events if e["type"] == kind} for peer in peers}
         # the swarm's parameters stayed finite and equal; the faulty peer goes on from them
-        after = torch.load(os.path.join(out, f"A-{fault['epoch']}.pt"))
+        after = _round_file(out, outcomes["A"][first_after])
         assert all(bool(torch.isfinite(t).all()) for t in after["averaged"])
-        common = [epoch for epoch in rounds_a if epoch in rounds_b and epoch > fault["epoch"]]
+        common = [epoch for epoch in outcomes["A"] if epoch in outcomes["B"] and epoch >= first_after]
         assert common
         for epoch in common:
-            a, b = _round_file(out, rounds_a[epoch]), _round_file(out, rounds_b[epoch])
+            a, b = _round_file(out, outcomes["A"][epoch]), _round_file(out, outcomes["B"][epoch])
             assert all(bool(torch.isfinite(t).all()) for t in b["global"])
             change = _norm(a["averaged"])
             assert _distance(a["global"], b["global"]) < 0.01 * change, epoch
-            assert rounds_b[epoch]["model"] == rounds_b[epoch]["global"]
+            if not extra:  # with overlap the model keeps the inner progress made while the round averaged
+                assert outcomes["B"][epoch]["model"] == outcomes["B"][epoch]["global"]
+        # its model trains on from the swarm's parameters (with fragments, every fragment's, not only the one stepped)
+        losses = [e["loss"] for e in faulty.events if e["type"] == "epoch" and e["epoch"] > fault["epoch"] + 1]
+        assert losses and all(math.isfinite(loss) for loss in losses), losses
         assert "not finite: it takes part in the round with weight 0" in open(os.path.join(logs, "B.log")).read()
     finally:
         for peer in peers:
@@ -219,11 +230,17 @@ def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_fro
 
 
 @pytest.mark.slow
-def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_contained(tiny_shards, tmp_path):
+@pytest.mark.parametrize("settings", [
+    ("optimizer.local_steps=2",),
+    # an epoch as long, of fragment rounds that overlap the next inner steps, in 4 bits
+    ("optimizer.local_steps=4", "optimizer.fragments=2", "optimizer.overlap_rounds=true",
+     "optimizer.pseudo_gradient_bits=4")], ids=["plain", "overlap-fragments-4bit"])
+def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_contained(tiny_shards, tmp_path,
+                                                                                           settings):
     from byzantine_peer import loss_ratio, run_poisoned_swarm
 
     epochs_by_peer = run_poisoned_swarm("centered_clip", -1000.0, 8, tiny_shards, str(tmp_path), "test_local_clip",
-                                        extra_settings=("optimizer.local_steps=2",))
+                                        extra_settings=settings)
     ratio = loss_ratio(epochs_by_peer)
     print(f"honest loss last / first: {ratio:.4f}; rounds: {json.dumps(epochs_by_peer)}")
     assert all(len(epochs) >= 6 for epochs in epochs_by_peer)
