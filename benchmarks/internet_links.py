@@ -85,25 +85,34 @@ def small_preset_peer(args: argparse.Namespace):
     """A peer of the simulated swarm, as a volunteer builds it: the `small` preset's model with the run's seed, the
     kit's optimizer, client mode where the reachability probe says so. Yields (config, model, optimizer); shut down
     after."""
+    from collab_kit.config import get_preset
+
+    config = get_preset("small", swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
+                        optimizer=dict(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch))
+    with volunteer_peer(config) as (model, optimizer):
+        yield config, model, optimizer
+
+
+@contextlib.contextmanager
+def volunteer_peer(config):
+    """``config``'s model with the run's seed and the kit's optimizer, as a volunteer builds them (client mode where
+    the reachability probe says so, its state served to anchors): yields (model, optimizer); shut down after."""
     import torch
 
-    from collab_kit.config import get_preset
     from collab_kit.model.transformer import TextToImageTransformer, model_seed
     from collab_kit.swarm.dht import resolve_reachability, start_dht
     from collab_kit.swarm.optimizer import make_optimizer
 
     torch.set_num_threads(1)
-    config = get_preset("small", swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
-                        optimizer=dict(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch))
     swarm, _ = resolve_reachability(config.swarm)
     dht = start_dht(swarm)
     optimizer = None
     try:
-        torch.manual_seed(model_seed(args.run_id))
+        torch.manual_seed(model_seed(config.swarm.run_id))
         model = TextToImageTransformer(config.model)
-        optimizer = make_optimizer(model, dht, args.run_id, config.optimizer, client_mode=swarm.client_mode)
+        optimizer = make_optimizer(model, dht, config.swarm.run_id, config.optimizer, client_mode=swarm.client_mode)
         optimizer.serve_state_to_anchors(swarm)  # as a volunteer does: anchors that only reduce serve its state
-        yield config, model, optimizer
+        yield model, optimizer
     finally:
         if optimizer is not None:
             optimizer.shutdown()
