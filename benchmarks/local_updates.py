@@ -280,8 +280,7 @@ def _small_rows(quick: bool, folder: str) -> List[dict]:
     best_details = (
         f"synchronous: {_rounds_bytes(small_sync) / MIB:.1f} MiB sent per volunteer in rounds, loss "
         f"{best_sync_window:.3f} over its last {best_h} global steps; {best_name}: {_describe_rounds(best, best_h)}; "
-        f"the synchronous run's "
-        f"over the same global batches: {sync_curve(best_h)}.")
+        f"the synchronous run's loss in windows of {best_h} global batches: {sync_curve(best_h)}.")
     return [
         common.make_row(__spec__.name, f"small preset, {batches} global batches: loss at equal samples, "
                         f"local updates (H = {small_h}) / synchronous", small_loss_ratio, "<= 1.05",
