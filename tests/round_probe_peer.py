@@ -20,7 +20,9 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
   torch and hivemind) before, so that it joins at the moment the test chooses, however busy the machine;
 - in local-update mode with overlapped rounds, after each round's outer step taken once its average arrived prints
   ``@event {"type": "applied", "epoch": E, "file": NAME-applied-E.pt, ...}`` and saves there the progress the inner
-  steps made while the round averaged, the model's and the global parameters after the step, and the average;
+  steps made while the round averaged, the model's and the global parameters after the step, the average, and this
+  peer's weight and pseudo-gradient in the round (the event also carries the weight and the digests of the global
+  parameters and the outer momentum after the step);
 - with ``--nan-at-epoch E``, fills its model's token embedding with nan at the end of round E, after its last inner
   step (an inner step that blew up): its pseudo-gradient of that round is not finite.
 
@@ -77,6 +79,7 @@ def main(argv: List[str]) -> int:
     def probing_make_optimizer(model, dht, run_id, config, **kwargs):
         optimizer = make_optimizer(model, dht, run_id, config, **kwargs)
         record, poisoned = {}, []
+        sent_rounds = {}  # overlap: each round's (weight, pseudo-gradient) by its epoch, until its step is applied
         load_pseudo_gradient = optimizer._load_pseudo_gradient
         average = optimizer._average_gradients_and_load_into_optimizer
         update = optimizer._update_global_epoch
@@ -92,6 +95,8 @@ def main(argv: List[str]) -> int:
             averager = optimizer.grad_averager
             record.update(epoch=optimizer.local_epoch, weight=averager.local_samples_accumulated,
                           pseudo=[acc.clone() for acc in averager._grad_accumulators()])
+            if getattr(optimizer, "overlap", False):
+                sent_rounds[record["epoch"]] = (record["weight"], record["pseudo"])
 
         def probed_average(control):
             average(control)
@@ -135,11 +140,16 @@ def main(argv: List[str]) -> int:
             after = [p.detach().clone() for p in optimizer.state_averager.main_parameters]
             global_after = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
                             for p in group["params"]]
+            weight, pseudo = sent_rounds.pop(epoch, (None, None))
             saved = f"{options.name}-applied-{epoch}.pt"
             torch.save(dict(epoch=epoch, progress=progress, model=after, averaged=record.get("averaged"),
-                            **{"global": global_after}), os.path.join(options.out, saved))
+                            weight=weight, pseudo=pseudo, **{"global": global_after}),
+                       os.path.join(options.out, saved))
+            global_digest, momentum_digest = global_state(optimizer)
             emit_event("applied", epoch=epoch, file=saved, group_size=optimizer.last_group_size,
-                       problem=optimizer.last_round_problem, overlapped_steps=optimizer.overlapped_steps)
+                       problem=optimizer.last_round_problem, overlapped_steps=optimizer.overlapped_steps,
+                       weight=weight, resync=optimizer._resync_requested,
+                       **{"global": global_digest, "momentum": momentum_digest})
 
         if hasattr(optimizer, "_apply_round_in_flight"):
             apply_round_in_flight = optimizer._apply_round_in_flight

@@ -167,6 +167,9 @@ class LocalUpdatesMixin:
         if self.local_config.pseudo_gradient_bits == 4 and self.inner_optimizer is not None:
             self.error_feedback = ErrorFeedback(self.local_config.compression_threshold)
         self.applied_rounds = 0  # rounds whose outcome this peer has applied (an outer step taken, alone or not)
+        # why this peer's global parameters are an epoch older than its epoch (a download hivemind moved on), until a
+        # download at its epoch replaces them
+        self._behind_swarm: Optional[str] = None
         self.applied_in_background: Dict[int, AppliedRound] = {}  # by epoch, until the volunteer reports it (pop)
         # fragments (collab_kit.swarm.fragments): the fragment of each parameter, by the optimizer's order
         self._fragment_of: Optional[Tuple[int, ...]] = None
@@ -240,9 +243,17 @@ class LocalUpdatesMixin:
         if loaded and self.error_feedback is not None:
             self.error_feedback.reset()  # what its own rounds dropped is of no use from the swarm's parameters
         downloaded = self.state_averager.last_downloaded_epoch
-        if self.inner_optimizer is not None and loaded and downloaded is not None and downloaded < self.local_epoch:
+        if self.inner_optimizer is None:
+            return loaded
+        if loaded and downloaded is not None and downloaded < self.local_epoch:
             # hivemind moved this peer on to the swarm's epoch after a download one epoch older
-            self.request_resync(f"the state downloaded was of epoch {downloaded}, the swarm's of {self.local_epoch}")
+            self._behind_swarm = f"the state downloaded was of epoch {downloaded}, the swarm's of {self.local_epoch}"
+            self.request_resync(self._behind_swarm)
+        elif loaded:
+            self._behind_swarm = None
+        elif self._behind_swarm is not None:
+            # refused (the sharers' round was still in flight, their state one epoch old): asked again at the next step
+            self.request_resync(self._behind_swarm)
         return loaded
 
     def _follow_round_epoch(self, result, parameters_from_swarm: bool) -> None:

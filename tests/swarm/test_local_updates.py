@@ -40,18 +40,16 @@ def _probe(name: str, out: str, log_dir: str, period: float, args, *extra: str) 
                        os.path.join(log_dir, f"{name}.log"), command=(sys.executable, PROBE))
 
 
-@pytest.fixture(scope="module")
-def uneven_swarm(tiny_shards, tmp_path_factory):
+def _uneven_peers(folder, tiny_shards, run_id: str, settings=SETTINGS):
     """Peers A (a step every 0.05 s), B (every 0.10 s, and twice its own step's work: half A's pace on a busy machine
-    too) and C (0.05 s, joining after A's third round) in local-update mode for ROUNDS rounds: (their events by name,
-    the folder of their rounds' pseudo-gradients)."""
-    folder = tmp_path_factory.mktemp("local_updates")
+    too) and C (0.05 s, joining after A's third round) in local-update mode with ``settings`` for ROUNDS rounds: (their
+    events by name, the folder of their rounds' pseudo-gradients)."""
     out, logs = str(folder / "rounds"), str(folder)
     peers = {}
     try:
-        peers["A"] = _probe("A", out, logs, 0.05, _join_args("test_local_updates", tiny_shards, 2, ROUNDS))
+        peers["A"] = _probe("A", out, logs, 0.05, _join_args(run_id, tiny_shards, 2, ROUNDS, settings))
         addresses = peers["A"].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-        joining = _join_args("test_local_updates", tiny_shards, 2, ROUNDS) + ["--initial-peers", *addresses]
+        joining = _join_args(run_id, tiny_shards, 2, ROUNDS, settings) + ["--initial-peers", *addresses]
         peers["B"] = _probe("B", out, logs, 0.10, joining, "--slowness", "2")
         # C's process starts now and joins once A has ended three rounds: started then, on a busy machine its imports
         # alone outlasted A's last five rounds, and it found A gone
@@ -66,6 +64,12 @@ def uneven_swarm(tiny_shards, tmp_path_factory):
     finally:
         for peer in peers.values():
             peer.kill()
+
+
+@pytest.fixture(scope="module")
+def uneven_swarm(tiny_shards, tmp_path_factory):
+    """_uneven_peers with rounds awaited, the whole model in each."""
+    return _uneven_peers(tmp_path_factory.mktemp("local_updates"), tiny_shards, "test_local_updates")
 
 
 def _rounds(events, name):
@@ -178,6 +182,55 @@ def test_a_late_joiner_gets_the_global_parameters_and_the_outer_momentum(uneven_
     held = [_rounds(events, name)[load["epoch"]] for name in ("A", "B")]
     assert _each_tensor_from(load["global"], [state["global"] for state in held]), (load, held)
     assert _each_tensor_from(load["momentum"], [state["momentum"] for state in held]), (load, held)
+
+
+OVERLAPPED_FRAGMENTS = (*SETTINGS, "optimizer.overlap_rounds=true", "optimizer.fragments=2")
+
+
+@pytest.mark.slow
+def test_overlapped_fragment_rounds_weigh_uneven_peers_and_take_a_late_joiner_in_without_a_wait(tiny_shards,
+                                                                                                  tmp_path):
+    """The uneven swarm with optimizer.overlap_rounds and optimizer.fragments=2: each round's fragment comes back as
+    the mean of A's and B's pseudo-gradients weighted by their samples, every round leaves all peers with the same
+    global parameters, and the late joiner C downloads a state A or B held after a round, while A's rounds go on: C's
+    arrival costs A no round, and C's first round from the downloaded state adds no pseudo-gradient of older
+    parameters to the swarm's (every round it averages in ends with A's global parameters)."""
+    events, out = _uneven_peers(tmp_path, tiny_shards, "test_overlapped_uneven", OVERLAPPED_FRAGMENTS)
+    applied = {name: {e["epoch"]: e for e in events[name] if e["type"] == "applied"} for name in events}
+    print({name: [(epoch, e["group_size"], e["weight"], e["problem"]) for epoch, e in sorted(rounds.items())]
+           for name, rounds in applied.items()})
+    weighed, together = 0, 0
+    for epoch, round_a in sorted(applied["A"].items()):
+        round_b = applied["B"].get(epoch)
+        if round_b is None or round_a["group_size"] < 2 or round_b["group_size"] < 2:
+            continue
+        a, b = (torch.load(os.path.join(out, event["file"])) for event in (round_a, round_b))
+        fragment = [index for index, owner in enumerate(fragment_of_tensors([t.numel() for t in a["global"]], 2))
+                    if owner == epoch % 2]
+        change = _norm([a["averaged"][index] for index in fragment])
+        # every peer of the round ends it with the same global parameters, the other fragment's included
+        assert _distance(a["global"], b["global"]) < 0.01 * change, epoch
+        together += 1
+        if round_a["group_size"] == 2 and a["pseudo"] is not None and b["pseudo"] is not None:
+            share_b = b["weight"] / (a["weight"] + b["weight"])
+            assert 0.2 < share_b < 0.45, (epoch, a["weight"], b["weight"])  # B steps at half A's pace
+            weighted = [(a["weight"] * a["pseudo"][i] + b["weight"] * b["pseudo"][i]) / (a["weight"] + b["weight"])
+                        for i in fragment]
+            assert _distance([a["averaged"][i] for i in fragment], weighted) < 0.01 * _norm(weighted), epoch
+            weighed += 1
+    assert together >= ROUNDS - 4 and weighed >= 1, applied
+    # the late joiner: a state one of them held after a round, and no round of A's lost or alone once C arrives
+    load = next(e for e in events["C"] if e["type"] == "loaded" and e["loaded"])
+    held = [event for name in ("A", "B") for event in applied[name].values() if event["epoch"] + 1 == load["epoch"]]
+    assert _each_tensor_from(load["global"], [event["global"] for event in held]), (load, held)
+    assert _each_tensor_from(load["momentum"], [event["momentum"] for event in held]), (load, held)
+    after = [event for epoch, event in sorted(applied["A"].items()) if epoch >= load["epoch"]]
+    assert after and all(event["problem"] is None and event["group_size"] >= 2 for event in after), after
+    with_c = [epoch for epoch, event in applied["C"].items() if event["group_size"] == 3 and not event["resync"]]
+    assert with_c, applied["C"]
+    for epoch in with_c:
+        a, c = (torch.load(os.path.join(out, applied[name][epoch]["file"])) for name in ("A", "C"))
+        assert _distance(a["global"], c["global"]) < 0.01 * _norm(a["averaged"]), epoch
 
 
 # ---------------------------------------------------------------------------------------------
