@@ -347,18 +347,24 @@ def test_the_readmes_commands_and_the_printed_line_train_a_small_run_together_be
 
 @needs_lab
 @pytest.mark.slow
-def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_monitor(lab, tmp_path, tiny_shards):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["rounds-awaited", "overlap-fragments"])
+def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_monitor(lab, tmp_path, tiny_shards,
+                                                                                     overlapped):
     """The local-update mode (DiLoCo) behind NAT: the monitor's anchor leads and reduces the rounds of pseudo-gradients
-    as it does gradients, and the volunteers end each round together."""
+    as it does gradients, and the volunteers end each round together; also with the run in fragments and each
+    volunteer overlapping its rounds with its training (the README's settings for a thin link)."""
     run_id, last_epoch = "nat_local_run", 6
     # a round of 2 global batches of 1024: as many samples as a synchronous epoch of this lab
     local = ["--set", "optimizer.target_batch_size=1024", "--set", "optimizer.local_steps=2"]
+    if overlapped:
+        local += ["--set", "optimizer.fragments=2"]
     server, monitor, line = start_monitor(lab, tmp_path, run_id, "--checkpoint-every", "0", data=tiny_shards,
                                           settings=local)
     assert "--set optimizer.local_steps=2" in " ".join(line), line  # the printed line carries the mode
+    own_choice = ["--set", "optimizer.overlap_rounds=true"] if overlapped else []
     homes = [lab.home(f"home{i}") for i in range(2)]
-    volunteers = [start_volunteer(home, tmp_path, line, "--max-epochs", str(last_epoch), "--wait-for-peers", "2")
-                  for home in homes]
+    volunteers = [start_volunteer(home, tmp_path, line, "--max-epochs", str(last_epoch), "--wait-for-peers", "2",
+                                  *own_choice) for home in homes]
     for volunteer in volunteers:
         volunteer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
         assert "accepts no connections" in log_of(volunteer)
@@ -367,6 +373,7 @@ def test_volunteers_behind_nat_average_their_local_update_rounds_through_the_mon
         done = peer.wait_for(lambda e: e["type"] == "done", timeout=400, what="the end of training")
         assert done["final_epoch"] >= last_epoch and not done["interrupted"], done
         assert done["bytes_sent"] > 0, done
+        assert (done["overlapped_steps"] > 0) == overlapped, done  # inner steps went on while rounds averaged
     for peer in volunteers:
         epochs = [event for event in epochs_of(peer) if event["epoch"] >= 1]
         together = [event for event in epochs if event["averaged"] and event["group_size"] >= 2]
