@@ -6,7 +6,9 @@ connections (unreachable). So a peer about to join asks peers of the swarm to co
 Petals' servers do, and libp2p's AutoNAT in spirit:
 
 1. it starts a temporary libp2p host on the port it will listen on, connected to the initial peers;
-2. it asks up to ``max_helpers`` of them over a stream of their own protocol (``PROTOCOL``) to dial it back;
+2. it asks up to ``max_helpers`` of them over a stream of their own protocol (``PROTOCOL``) to dial it back, and
+   asks once more each one that gave no answer (tests/swarm/test_swarm.py::test_a_helper_that_drops_a_reachability_
+   check_is_asked_once_more);
 3. each helper opens a fresh TCP connection to the address it sees the request come from and the port
    asked about, and checks that a libp2p host answers there (the multistream-select handshake);
 4. the peer is reachable when most helpers that answered got through, and then announces the address
@@ -130,9 +132,10 @@ async def _dial_back(ip: str, port: int, timeout: float) -> str:
 
 
 async def _handle_check(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        timeout: float = 3.0) -> None:
+                        timeout: float = 3.0, read_timeout: float = 10.0) -> None:
     try:
-        request = json.loads(await asyncio.wait_for(reader.readline(), timeout) or b"{}")
+        # the asker writes its request as soon as the stream opens; on a busy machine it may take seconds to come
+        request = json.loads(await asyncio.wait_for(reader.readline(), read_timeout) or b"{}")
         ports = [port for port in request.get("ports", []) if isinstance(port, int) and 0 < port < 65536]
         ports = list(dict.fromkeys(ports))[:MAX_PORTS]
         ip = _observed_ip(stream_info.addr)
@@ -143,7 +146,7 @@ async def _handle_check(stream_info, reader: asyncio.StreamReader, writer: async
         writer.write(json.dumps(dict(observed=ip, results=results)).encode() + b"\n")
         await writer.drain()
     except Exception as e:  # a malformed or abandoned request: nothing to answer
-        logger.debug(f"a reachability check failed: {e!r}")
+        logger.info(f"a reachability check from {stream_info.peer_id} got no answer ({type(e).__name__}: {e})")
     finally:
         writer.close()
 
@@ -186,9 +189,13 @@ async def _ask(p2p: P2P, helper: PeerID, ports: Sequence[int], timeout: float) -
         try:
             writer.write(json.dumps(dict(ports=list(ports))).encode() + b"\n")
             await writer.drain()
-            reply = json.loads(await asyncio.wait_for(reader.readline(), timeout))
+            line = await asyncio.wait_for(reader.readline(), timeout)
         finally:
             writer.close()
+        if not line:
+            answer.problem = "it closed the stream without an answer"
+            return answer
+        reply = json.loads(line)
         answer.observed_address = reply.get("observed")
         answer.results = {int(port): result for port, result in dict(reply.get("results", {})).items()}
         if answer.observed_address is None:
@@ -198,6 +205,11 @@ async def _ask(p2p: P2P, helper: PeerID, ports: Sequence[int], timeout: float) -
     except Exception as e:  # an older peer without the protocol, a dropped stream, a malformed reply
         answer.problem = f"{type(e).__name__}: {str(e)[:120]}"
     return answer
+
+
+async def _ask_again_unless_answered(p2p: P2P, helper: PeerID, answer: HelperAnswer, ports: Sequence[int],
+                                     timeout: float) -> HelperAnswer:
+    return answer if answer.reachable is not None else await _ask(p2p, helper, ports, timeout)
 
 
 async def _probe(initial_peers: Sequence[str], host: str, port: int, extra_ports: Sequence[int], timeout: float,
@@ -211,6 +223,10 @@ async def _probe(initial_peers: Sequence[str], host: str, port: int, extra_ports
         helpers = _helper_ids(initial_peers, max_helpers)
         ports = [port, *[p for p in extra_ports if p != port]][:MAX_PORTS]
         answers = list(await asyncio.gather(*(_ask(p2p, helper, ports, timeout) for helper in helpers)))
+        # a helper busy with a round may drop one check: those that gave no answer are asked once more, since an anchor
+        # that no helper could check must not start (it would join in client mode)
+        answers = list(await asyncio.gather(*(_ask_again_unless_answered(p2p, helper, answer, ports, timeout)
+                                              for helper, answer in zip(helpers, answers))))
     finally:
         await p2p.shutdown()
     votes = [answer.reachable for answer in answers if answer.reachable is not None]

@@ -189,3 +189,40 @@ def test_the_dht_hard_stop_is_not_shown_unless_debug_logs_are_asked_for():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_a_helper_that_drops_a_reachability_check_is_asked_once_more():
+    """A helper busy with a round may close a check's stream without an answer: the peer asks it again rather than
+    join in client mode, which would stop an anchor from starting (collab_kit.swarm.reachability._probe)."""
+    import asyncio
+    import threading
+
+    from hivemind.p2p import P2P
+
+    from collab_kit.swarm import reachability
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True, name="helper-loop").start()
+    checks = []
+
+    async def drop_the_first_check(stream_info, reader, writer):
+        checks.append(stream_info.peer_id)
+        if len(checks) == 1:
+            writer.close()
+            return
+        await reachability._handle_check(stream_info, reader, writer)
+
+    async def start_helper():
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        await p2p.add_binary_stream_handler(reachability.PROTOCOL, drop_the_first_check)
+        return p2p, [str(address) for address in await p2p.get_visible_maddrs()]
+
+    helper, addresses = asyncio.run_coroutine_threadsafe(start_helper(), loop).result(60)
+    try:
+        verdict = reachability.probe_reachability(addresses, host="127.0.0.1")
+        assert verdict.reachable is True and len(checks) == 2, verdict.explain()
+        [answer] = verdict.answers
+        assert answer.observed_address == "127.0.0.1" and answer.problem is None, answer
+    finally:
+        asyncio.run_coroutine_threadsafe(helper.shutdown(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
