@@ -298,12 +298,14 @@ class Monitor:
         self._emit("anchor_resumed", epoch=epoch, source="swarm", held_epoch=held_epoch)
 
     def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
-        # what the anchor's averagers have sent so far (its rounds and the states it served), and whether it holds the
-        # swarm's state (not while another anchor shares the rounds), called in its thread
+        # what the anchor's averagers have sent so far (its rounds and the states it served) and of that the states
+        # served, whether the round only reduced, and whether it holds the swarm's state (not while another anchor
+        # shares the rounds), called in its thread
         optimizer = self.anchor.optimizer
+        sent, served = optimizer.sent_bytes()
         self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem,
-                   other_anchors=optimizer.last_anchors_in_group, averagers_sent=optimizer.bytes_sent,
-                   holds_state=optimizer.state_is_swarms)
+                   other_anchors=optimizer.last_anchors_in_group, averagers_sent=sent, averagers_served=served,
+                   reduced_only=optimizer.last_round_reduced_only, holds_state=optimizer.state_is_swarms)
 
     def _emit(self, kind: str, **fields) -> None:
         if self._on_event is not None:

@@ -157,6 +157,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
     other_anchors = 0  # live anchors of the run besides this one (Anchor.set_other_anchors)
     state_is_swarms = True  # whether its parameters and optimizer state are the swarm's (not after reducing only)
     keeps_state = False  # whether nobody else holds the swarm's state (it took a checkpoint when nobody did)
+    last_round_reduced_only = False  # whether its last round was announced as reducing only
 
     @property
     def reduces_only(self) -> bool:
@@ -329,7 +330,8 @@ class AnchorOptimizer(CollaborativeOptimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if self._round_only_reduced(maybe_step_control):
+        self.last_round_reduced_only = self._round_only_reduced(maybe_step_control)
+        if self.last_round_reduced_only:
             # it got no average back: a step would move its state away from the swarm's, which it no longer holds
             self.state_averager.optimizer.hold_next_step()
             if self.state_is_swarms:
