@@ -92,7 +92,7 @@ def main(argv: List[str]) -> int:
     from collab_kit.cli import join, main as collab_kit_main
     from collab_kit.roles.volunteer import Volunteer
     from collab_kit.swarm import robust
-    from collab_kit.swarm.averagers import compose_averager
+    from collab_kit.swarm.averagers import TRAINER_ROLE, compose_averager, round_report_averager_class
     from collab_kit.swarm.local_updates import mode_averager_class
     from collab_kit.swarm.optimizer import make_optimizer
 
@@ -116,9 +116,10 @@ def main(argv: List[str]) -> int:
         return compose_averager(averager_class, PoisonedGradientsMixin)
 
     def poisoned_make_optimizer(model, dht, run_id, config, **kwargs):
-        # the averager the swarm's honest peers build (this peer reduces its own span with it, honestly); in
-        # local-update mode, what it sends is its pseudo-gradient (collab_kit.swarm.local_updates)
-        mode_class = mode_averager_class(GradientAverager, config)
+        # the averager the swarm's honest peers build, the kit's fixes of hivemind's streams included (this peer
+        # reduces its own span with it, honestly); in local-update mode, what it sends is its pseudo-gradient
+        # (collab_kit.swarm.local_updates)
+        mode_class = mode_averager_class(round_report_averager_class(GradientAverager, TRAINER_ROLE), config)
         honest_class = mode_class if config.aggregation == "mean" else robust.with_centered_clip(mode_class)
         kwargs["grad_averager_factory"] = robust.grad_averager_factory(
             config.aggregation, config.clip_tau, config.clip_iterations, poisoned(honest_class),
