@@ -4,6 +4,7 @@
   it each member's mode (an auxiliary peer only reduces).
 - ``StandInRunnerMixin``: an anchor's runner sends its reducers one value per part, since its parts weigh nothing.
 - ``SharedFourBitAverageMixin``: parts sent in 4 bits come back to every member as one and the same 4-bit average.
+- ``StreamedResultsMixin``: a kit peer in client mode gets its averages while it still sends its parts.
 """
 from __future__ import annotations
 
@@ -122,8 +123,42 @@ class SharedFourBitAverageMixin:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class StandInAllReduceRunner(SharedFourBitAverageMixin, StandInRunnerMixin, AllReduceRunner):
-    """hivemind's AllReduceRunner with SharedFourBitAverageMixin and StandInRunnerMixin."""
+class StreamedResultsMixin:
+    """Put before hivemind's AllReduceRunner: a member in client mode that is a kit peer gets its averaged parts while
+    it still sends (``streamed_results``: per member, whether it reads its averages as they come).
+
+    hivemind 1.1.12 holds a client-mode member's averages back until it has sent all of its parts, on both ends of
+    the stream (``should_delay_results``): its link carries the vector up, then the averages down, one after the
+    other. A volunteer behind NAT has a link each way, so the two can overlap, as they do for members that accept
+    connections, and a fragment's round takes the longer of the two instead of their sum (python -m
+    benchmarks.utilization). A member that is not a kit peer (one written with plain hivemind calls) reads its
+    averages only once it has sent everything: a reducer that streamed them would stall on the unread ones, so it
+    keeps hivemind's rule (tests/swarm/test_robust.py::test_a_member_in_client_mode_gets_averages_while_it_sends).
+    """
+
+    def __init__(self, *, streamed_results: Sequence[bool] = (), **kwargs):
+        super().__init__(**kwargs)
+        self.streamed_results = tuple(streamed_results)
+
+    def should_delay_results(self, peer_id) -> bool:
+        index = self.ordered_peer_ids.index(peer_id)
+        if index < len(self.streamed_results) and self.streamed_results[index]:
+            return False
+        return super().should_delay_results(peer_id)
+
+
+def reads_averages_as_they_come(serializer, gathered: bytes) -> bool:
+    """Whether a member of a round is a kit peer, which reads its averages while it sends: its all-gather entry (bytes,
+    hivemind's [bandwidth, mode, user data]) carries a dict with its role (collab_kit.swarm.averagers.round_member)."""
+    try:
+        member = serializer.loads(serializer.loads(gathered)[2])
+    except Exception:  # not hivemind's layout: hivemind's rule for it
+        return False
+    return isinstance(member, dict) and "role" in member
+
+
+class StandInAllReduceRunner(StreamedResultsMixin, SharedFourBitAverageMixin, StandInRunnerMixin, AllReduceRunner):
+    """hivemind's AllReduceRunner with StreamedResultsMixin, SharedFourBitAverageMixin and StandInRunnerMixin."""
 
 
 class RunnerChoiceMixin:
@@ -157,9 +192,10 @@ class RunnerChoiceMixin:
                                       **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.setdefault("modes", self.round_modes(group_info, kwargs["peer_fractions"]))
+        streamed = tuple(reads_averages_as_they_come(self.serializer, entry) for entry in group_info.gathered)
         runner = self.make_allreduce_runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                             tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                            stand_ins=self.sends_stand_ins, **kwargs)
+                                            stand_ins=self.sends_stand_ins, streamed_results=streamed, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
 

@@ -198,7 +198,8 @@ def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, au
         for averager, round_result in zip(averagers, rounds):
             with averager.get_tensors() as averaged:
                 results.append([t.clone() for t in averaged])
-            round_result.bytes_sent = averager.bytes_sent()[0]  # SentBytesMixin: this averager's parts and averages
+            if hasattr(averager, "bytes_sent"):  # SentBytesMixin (not on hivemind's own class): parts and averages
+                round_result.bytes_sent = averager.bytes_sent()[0]
         return results, rounds
     finally:
         for averager in averagers:
@@ -342,6 +343,44 @@ def test_an_auxiliary_anchor_only_reduces():
     print(f"bytes sent by the trainers and the anchors: stand-ins {slim}, auxiliary {aux}")
     for anchor in (2, 3):
         assert 0.55 < aux[anchor] / slim[anchor] < 0.78, (slim, aux)
+
+
+@pytest.mark.slow
+def test_a_member_in_client_mode_gets_averages_while_it_sends():
+    """A kit peer in client mode reads its averages as they come, and its reducers stream them to it; a member written
+    with plain hivemind calls reads them only once it has sent everything, and keeps hivemind's rule: a reducer that
+    streamed it 8 MB of averages would stall on the unread ones (collab_kit.swarm.runners.StreamedResultsMixin)."""
+    import hivemind
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    def gathered(member):  # a member's all-gather entry, as hivemind's DecentralizedAverager.step builds it
+        return MSGPackSerializer.dumps([1.0, AveragingMode.CLIENT.value, MSGPackSerializer.dumps(member)])
+
+    assert runners.reads_averages_as_they_come(MSGPackSerializer, gathered(averagers.round_member("trainer", 3)))
+    assert not runners.reads_averages_as_they_come(MSGPackSerializer, gathered(None))  # hivemind's Optimizer
+    assert not runners.reads_averages_as_they_come(MSGPackSerializer, gathered(7))  # a state round's epoch
+
+    # a reducer that accepts connections, a kit peer in client mode and a plain hivemind one in client mode
+    generator = torch.Generator().manual_seed(4)
+    shapes = [250000] * 32 + [100]
+    tensors_by_peer = [[torch.randn(size, generator=generator) for size in shapes] for _ in range(3)]
+    weights = [1.0, 2.0, 1.0]
+    mean = torch.cat([sum(w * peer[i] for w, peer in zip(weights, tensors_by_peer)) / 4.0 for i in range(len(shapes))])
+    kit_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager, averagers.TRAINER_ROLE)
+    install_p2p_fixes()
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, client_mode=True, initial_peers=dhts[0].get_visible_maddrs()) for _ in range(2)]
+    try:
+        results, rounds = _average_in_group([kit_class, kit_class, hivemind.averaging.DecentralizedAverager],
+                                            "streamed", dhts, tensors_by_peer, weights)
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    assert [r.received for r in rounds[:2]] == [1.0, 1.0], rounds
+    for index, result in enumerate(results):  # every member holds the weighted mean, the plain hivemind one too
+        error = ((torch.cat(result) - mean).norm() / mean.norm()).item()
+        assert error < 0.05, (index, error)
 
 
 # ---------------------------------------------------------------------------------------------
