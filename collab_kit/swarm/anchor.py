@@ -161,9 +161,8 @@ class AnchorOptimizer(CollaborativeOptimizer):
 
     @property
     def reduces_only(self) -> bool:
-        """Whether its next round only reduces (hivemind's auxiliary mode: it sends nothing of its own and gets nothing
-        back): while another anchor shares the rounds, unless nobody else holds the swarm's state (``keeps_state``),
-        and while its state is not the swarm's."""
+        """Whether its next round only reduces (hivemind's auxiliary mode: nothing of its own out, nothing back): beside
+        another anchor, unless nobody else holds the swarm's state (``keeps_state``), and while its state is not it."""
         return not self.state_is_swarms or (self.other_anchors > 0 and not self.keeps_state)
 
     def choose_round_mode(self) -> None:
@@ -336,8 +335,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
             self.state_averager.optimizer.hold_next_step()
             if self.state_is_swarms:
                 self.state_is_swarms = False
-                logger.info("another anchor shares the rounds: this one only reduces, and serves the training peers' "
-                            "state")
+                logger.info("another anchor shares the rounds: this one only reduces and serves the peers' state")
             self._serve_training_peers_state()
             return
         if self.last_group_size == 0 or self.last_round_problem is not None:
