@@ -7,7 +7,8 @@
 Tables (the file is the interface: the dashboard and notebooks read it, possibly while the monitor
 writes it, which SQLite's WAL mode allows):
 
-    swarm(time, epoch, loss, alive_peers, samples_per_second)           one row per poll
+    swarm(time, epoch, loss, alive_peers, samples_per_second, anchors, samples)  one row per poll (anchors: the
+        run's anchors the monitor read; samples: every contributor's samples credited so far)
     contributors(name, samples, compute_seconds, first_seen, last_seen, device)  the leaderboard (device: the
         last one its records named, with its precision: "Tesla T4, fp16")
     peers(key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, lone_epochs, lone_reason)
@@ -50,8 +51,9 @@ CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS anchors (peer_id TEXT PRIMARY KEY, addresses TEXT NOT NULL, last_seen REAL NOT NULL);
 """
 # columns added after the first release: added to a file that lacks them (name, SQL type)
-LATER_COLUMNS = {"peers": (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT")),
-                 "contributors": (("device", "TEXT"),)}
+LATER_COLUMNS = {"peers": (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT"),
+                           ("activity", "TEXT")),
+                 "contributors": (("device", "TEXT"),), "swarm": (("anchors", "INTEGER"), ("samples", "INTEGER"))}
 
 
 @dataclass
@@ -87,13 +89,16 @@ class PeerAveraging:
     averaged_with: Optional[int]
     lone_epochs: Optional[int]
     lone_reason: Optional[str]
+    activity: Optional[str] = None  # what it is busy with instead of training ("downloading_state")
 
     @property
     def alone(self) -> bool:
         return bool(self.lone_epochs)
 
     def describe(self) -> str:
-        """"averaging with 2 peers", "alone for 4 epochs: why", or "not reported"."""
+        """"downloading the swarm's state", "averaging with 2 peers", "alone for 4 epochs: why", or "not reported"."""
+        if self.activity == "downloading_state":
+            return "downloading the swarm's state"
         if self.alone:
             return f"alone for {self.lone_epochs} epoch(s): {self.lone_reason or 'no reason given'}"
         if self.averaged_with is None:
@@ -199,11 +204,13 @@ class RunHistory:
         :param records: (the record's subkey, the record, the name to credit: a verified username or the peer id)
         """
         with self._lock, self._connection:  # one transaction: all of this poll or none of it
-            self._connection.execute(
-                "INSERT INTO swarm (time, epoch, loss, alive_peers, samples_per_second) VALUES (?, ?, ?, ?, ?)",
-                (snapshot.time, snapshot.epoch, snapshot.loss, snapshot.alive_peers, snapshot.samples_per_second))
             for key, record, name in records:
                 self._credit(bytes(key), record, name)
+            snapshot.samples = int(self._connection.execute("SELECT SUM(samples) FROM contributors").fetchone()[0] or 0)
+            self._connection.execute(
+                "INSERT INTO swarm (time, epoch, loss, alive_peers, samples_per_second, anchors, samples) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)", (snapshot.time, snapshot.epoch, snapshot.loss, snapshot.alive_peers,
+                                                 snapshot.samples_per_second, snapshot.anchors, snapshot.samples))
 
     def _credit(self, key: bytes, record: PeerMetrics, name: str) -> None:
         row = self._connection.execute(
@@ -220,13 +227,13 @@ class RunHistory:
                 else record.compute_seconds
         self._connection.execute(
             "INSERT INTO peers (key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, "
-            "lone_epochs, lone_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+            "lone_epochs, lone_reason, activity) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
             "peer_id = excluded.peer_id, name = excluded.name, samples_accumulated = excluded.samples_accumulated, "
             "compute_seconds = excluded.compute_seconds, last_seen = excluded.last_seen, "
             "averaged_with = excluded.averaged_with, lone_epochs = excluded.lone_epochs, "
-            "lone_reason = excluded.lone_reason",
+            "lone_reason = excluded.lone_reason, activity = excluded.activity",
             (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time,
-             record.averaged_with, record.lone_epochs, record.lone_reason))
+             record.averaged_with, record.lone_epochs, record.lone_reason, record.activity))
         self._connection.execute(
             "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen, device) "
             "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
@@ -255,11 +262,16 @@ class RunHistory:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def series(self) -> List[SwarmSnapshot]:
-        """Every polled point, oldest first."""
+    def series(self, since: Optional[float] = None) -> List[SwarmSnapshot]:
+        """Every polled point, oldest first (``since``: only those polled after that time)."""
+        columns = "time, epoch, loss, alive_peers, samples_per_second"
+        query = " FROM swarm WHERE time > ? ORDER BY time"
+        since = float("-inf") if since is None else since
         with self._lock:
-            rows = self._connection.execute(
-                "SELECT time, epoch, loss, alive_peers, samples_per_second FROM swarm ORDER BY time").fetchall()
+            try:
+                rows = self._connection.execute(f"SELECT {columns}, anchors, samples" + query, (since,)).fetchall()
+            except sqlite3.OperationalError:  # a file from before those columns, opened read-only
+                rows = self._connection.execute(f"SELECT {columns}" + query, (since,)).fetchall()
         return [SwarmSnapshot(*row) for row in rows]
 
     def last_epoch(self) -> int:
@@ -285,11 +297,16 @@ class RunHistory:
 
         :param since: only peers seen at this DHT time or later (None: every peer ever seen)
         """
+        columns = "peer_id, name, last_seen, averaged_with, lone_epochs, lone_reason"
+        since = since if since is not None else float("-inf")
         try:
             with self._lock:
-                rows = self._connection.execute(
-                    "SELECT peer_id, name, last_seen, averaged_with, lone_epochs, lone_reason FROM peers "
-                    "WHERE last_seen >= ?", (since if since is not None else float("-inf"),)).fetchall()
+                try:
+                    rows = self._connection.execute(f"SELECT {columns}, activity FROM peers WHERE last_seen >= ?",
+                                                    (since,)).fetchall()
+                except sqlite3.OperationalError:  # a read-only file from before the activity column
+                    rows = self._connection.execute(f"SELECT {columns} FROM peers WHERE last_seen >= ?",
+                                                    (since,)).fetchall()
         except sqlite3.OperationalError:  # a file from before these columns, opened read-only
             return []
         peers = [PeerAveraging(*row) for row in rows]

@@ -88,6 +88,7 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
                                        on_link_back=self._on_link_back)
         optimizer.serve_state_to_anchors(config.swarm)
+        optimizer.on_state_download = self._report_state_download  # the monitor's page shows it until the next epoch
         self._closed = False
         self._stop_requested = threading.Event()
         self._non_finite_streak = 0
@@ -96,6 +97,13 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         self._undialable = undialable_reason(config, self.reachability)
         self.data_description = "training on its own stream"  # what from_config chose, in words
         self.device_note: Optional[str] = None  # why from_config trains elsewhere than asked (a GPU too small)
+
+    def _report_state_download(self) -> None:
+        try:
+            self.metrics.publish_activity("downloading_state", self.optimizer.local_epoch, self.plan.name,
+                                          self.plan.precision)
+        except Exception as e:  # the DHT may be out of reach: the download goes on all the same
+            logger.debug(f"could not say that this peer downloads the state: {e!r}")
 
     @classmethod
     def from_config(cls, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,

@@ -60,6 +60,9 @@ class PeerMetrics(BaseModel):
     # where it trains and in what precision ("Tesla T4", "fp16"; collab_kit.model.device), for the leaderboard
     device: Optional[constr(strict=True, max_length=64)] = None
     precision: Optional[constr(strict=True, regex=r"^(fp32|bf16|fp16)$")] = None
+    # what it is busy with instead of training, said as it starts ("downloading_state": the swarm's state), until its
+    # next epoch's record
+    activity: Optional[constr(strict=True, regex=r"^downloading_state$")] = None
 
     @validator("loss", "samples_per_second", "compute_seconds", "time")
     def _finite(cls, value: float) -> float:
@@ -95,6 +98,8 @@ class SwarmSnapshot:
     loss: Optional[float]  # mean of the alive peers' losses, weighted by their local steps (None: no peer)
     alive_peers: int
     samples_per_second: float  # the whole swarm's throughput
+    anchors: Optional[int] = None  # the run's anchors alive (None: not counted)
+    samples: Optional[int] = None  # every sample credited to the contributors so far (set when the poll is stored)
 
 
 def summarize(records: List[PeerMetrics], now: Optional[float] = None) -> SwarmSnapshot:
@@ -102,8 +107,9 @@ def summarize(records: List[PeerMetrics], now: Optional[float] = None) -> SwarmS
     now = get_dht_time() if now is None else now
     if not records:
         return SwarmSnapshot(time=now, epoch=0, loss=None, alive_peers=0, samples_per_second=0.0)
-    weights = [max(record.mini_steps, 1) for record in records]
-    loss = sum(weight * record.loss for weight, record in zip(weights, records)) / sum(weights)
+    trained = [record for record in records if record.mini_steps > 0]  # a joiner's first record says no loss yet
+    weights = [record.mini_steps for record in trained]
+    loss = sum(weight * record.loss for weight, record in zip(weights, trained)) / sum(weights) if trained else None
     return SwarmSnapshot(time=now, epoch=max(record.epoch for record in records), loss=loss,
                          alive_peers=len(records), samples_per_second=sum(r.samples_per_second for r in records))
 
@@ -125,6 +131,7 @@ class MetricsPublisher:
         self.public_key_subkey: bytes = self._signature_validator.local_public_key
         self.samples_accumulated = 0
         self.compute_seconds = 0.0
+        self._last_report: Optional[dict] = None  # the last epoch's figures (publish's arguments)
 
     def add_work(self, samples: int, seconds: float) -> None:
         """Count samples processed and seconds spent on them (called as training goes)."""
@@ -150,6 +157,23 @@ class MetricsPublisher:
         if not math.isfinite(loss):
             logger.warning(f"not publishing metrics for epoch {epoch}: the loss is {loss}")
             return False
+        self._last_report = dict(epoch=epoch, loss=loss, mini_steps=mini_steps, samples_per_second=samples_per_second,
+                                 averaged_with=averaged_with, lone_epochs=lone_epochs, lone_reason=lone_reason,
+                                 device=device, precision=precision)
+        return self._store(activity=None, wait=wait, **self._last_report)
+
+    def publish_activity(self, activity: str, epoch: int, device: Optional[str] = None,
+                         precision: Optional[str] = None) -> bool:
+        """Say what this peer is busy with now (``"downloading_state"``), with its last epoch's figures (none yet: no
+        loss, zero local steps); its next epoch's record ends it. Stored in the background."""
+        report = dict(self._last_report or dict(loss=0.0, mini_steps=0, samples_per_second=0.0, averaged_with=None,
+                                                lone_epochs=None, lone_reason=None, device=device,
+                                                precision=precision), epoch=epoch)
+        return self._store(activity=activity, wait=False, **report)
+
+    def _store(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float, wait: bool,
+               averaged_with: Optional[int], lone_epochs: Optional[int], lone_reason: Optional[str],
+               device: Optional[str], precision: Optional[str], activity: Optional[str]) -> bool:
         record = PeerMetrics(
             peer_id=self.dht.peer_id.to_base58(), username=self.username, epoch=int(epoch),
             samples_per_second=float(samples_per_second), samples_accumulated=self.samples_accumulated,
@@ -157,7 +181,7 @@ class MetricsPublisher:
             averaged_with=None if averaged_with is None else max(0, int(averaged_with)),
             lone_epochs=None if lone_epochs is None else int(lone_epochs),
             lone_reason=None if lone_reason is None else str(lone_reason)[:300],
-            device=None if device is None else str(device)[:64], precision=precision)
+            device=None if device is None else str(device)[:64], precision=precision, activity=activity)
         stored = self.dht.store(metrics_key(self.run_id), subkey=self.public_key_subkey, value=record.dict(),
                                 expiration_time=get_dht_time() + self.expiration, return_future=not wait)
         if not wait:

@@ -74,6 +74,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     def __init__(self, peer_gate=None, on_averaging_start: Optional[Callable[[int, str], None]] = None, **kwargs):
         self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
         self.on_averaging_start = on_averaging_start
+        self.on_state_download: Optional[Callable[[], None]] = None  # called as each download of the state begins
         super().__init__(**kwargs)
         if self.client_mode or self.round_role == ANCHOR_ROLE:
             # Averaging parameters needs a peer that accepts connections to lead each round: for a peer in client mode,
@@ -144,6 +145,8 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             self.scheduled_grads = None
         started = time.monotonic()
         reason, self._load_reason = self._load_reason, None
+        if self.on_state_download is not None:
+            self.on_state_download()
         super().load_state_from_peers(**kwargs)
         downloaded = self.state_averager.last_downloaded_epoch
         # hivemind refuses a state from an epoch behind this peer's (and keeps its own)

@@ -38,7 +38,8 @@ def run_id(request) -> str:
 def honest_record(dht, **changes) -> dict:
     fields = dict(peer_id=dht.peer_id.to_base58(), username=None, epoch=3, samples_per_second=12.5,
                   samples_accumulated=640, loss=2.5, mini_steps=10, compute_seconds=30.0, time=get_dht_time(),
-                  averaged_with=None, lone_epochs=None, lone_reason=None, device=None, precision=None)
+                  averaged_with=None, lone_epochs=None, lone_reason=None, device=None, precision=None,
+                  activity=None)
     fields.update(changes)
     return fields
 
