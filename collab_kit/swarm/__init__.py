@@ -28,7 +28,8 @@
 - ``run_card``: the run's shared settings and data, published signed by its first peer; what a joining peer compares
   its own with, and the data it streams when it names none.
 - ``bindings``: peer ids bound to access tokens in the DHT, and the gate the averagers ask in an authorized run.
-- ``metrics``: each peer's signed metrics record, and what the monitor reads of them.
+- ``metrics``: each peer's signed metrics record, and what the monitor reads of them; ``liveness``: which peers answer
+  now (connected, or dialled at once).
 """
 from collab_kit.lazy import lazy_exports
 
