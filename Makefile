@@ -75,7 +75,7 @@ test-fast: $(STAMP) chromium netlab
 # test that fails now and then shows here (`make soak REPEAT=5`; one repetition takes about as long as `make test`)
 REPEAT ?= 5
 PEER_TESTS := tests/roles/test_processes.py tests/roles/test_swarm_training.py tests/roles/test_faults.py tests/roles/test_auth_swarm.py \
-	tests/roles/test_monitor.py tests/roles/test_lone_training.py tests/roles/test_volunteer.py \
+	tests/roles/test_monitor.py tests/roles/test_lone_training.py tests/roles/test_volunteer.py tests/roles/test_live_page.py \
 	tests/netlab/test_network_lab.py tests/swarm/test_swarm_scaling_sim.py tests/swarm/test_robust.py \
 	tests/swarm/test_swarm.py tests/swarm/test_watchdog.py tests/swarm/test_local_updates.py tests/swarm/test_p2p_fixes.py tests/swarm/test_optim.py tests/swarm/test_metrics.py tests/swarm/test_keys_and_averagers.py tests/swarm/test_streams.py \
 	tests/cli/test_demo.py \

@@ -52,6 +52,13 @@ def register(commands: argparse._SubParsersAction) -> None:
                          help="the longest wait between two retries (default: 300)")
     monitor.add_argument("--download-timeout", type=float, default=300.0, metavar="SECONDS",
                          help="give up one state download after this long (default: 300)")
+    monitor.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+                         help="serve the run's live page (loss, peers, leaderboard, checkpoints, the join line) and "
+                              "its JSON API (/api/status, /api/series) on this port while it monitors (0: any free "
+                              "one; the monitor prints the link)")
+    monitor.add_argument("--dashboard-host", default="127.0.0.1", metavar="ADDRESS",
+                         help="the address the live page listens on (default: 127.0.0.1, this machine only; "
+                              "0.0.0.0 publishes it on every interface)")
     monitor.set_defaults(handler=run)
 
 
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         db_path=args.db or None, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
         keep_last=args.keep, push_to=args.push_to, poll_every=args.poll_every, wandb_project=args.wandb_project,
         backoff_initial=args.backoff, backoff_max=args.backoff_max, download_timeout=args.download_timeout,
-        address_file=args.address_file, anchor=args.anchor)
+        address_file=args.address_file, anchor=args.anchor, dashboard_port=args.dashboard_port,
+        dashboard_host=args.dashboard_host)
     # a refused token, a swarm out of reach, a database of another run: CollabKitErrors, one line from main()
     monitor = Monitor(config, settings, on_event=emit_event if args.events else None)
     with monitor:

@@ -9,6 +9,9 @@
   behind NAT; ``monitor_settings``: what it keeps and how often; ``monitor_address``: its identity and port, kept
   across restarts; ``checkpointer``: its checkpoints.
 - ``run_history``: the monitor's SQLite database: loss, peers, throughput, the contributors' leaderboard.
+- ``live_status``: what the monitor's live page shows, built once a poll (peers gone, leaderboard, the join line);
+  ``live_page``: the page and its JSON API, served by a process of the monitor's (``--dashboard-port``);
+  ``wandb_log``: the monitor's optional log to Weights & Biases.
 - ``processes``: a peer as a child process that reports events (``PeerProcess``), for the demo, services and tests.
 - ``services``: a maintainer's one-call start of the monitor, the auth server and volunteers, with join lines.
 """
@@ -22,6 +25,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "checkpointer": ["Checkpointer"],
     "records": ["EpochRecord", "RestoreRecord", "TrainingHistory", "LoneWarning", "LONE_AFTER_EPOCHS"],
     "run_history": ["RunHistory"],
+    "live_page": ["LivePage", "LivePageError"],
     "processes": ["PeerProcess", "PeerFailed", "emit_event"],
     "services": ["start_monitor", "start_auth_server", "start_volunteer_process", "stop_all", "running_services",
                  "ServiceError"],

@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -56,9 +56,12 @@ from collab_kit.auth.tokens import binding_problem
 from collab_kit.config import RunConfig
 from collab_kit.model.checkpoint import list_checkpoints, load_latest_checkpoint
 from collab_kit.roles.checkpointer import Checkpointer
+from collab_kit.roles.live_page import LivePage
+from collab_kit.roles.live_status import PeerPresence, page_document, page_document_path, run_facts, write_document
 from collab_kit.roles.monitor_address import lasting_address, note_port, write_address_file
 from collab_kit.roles.monitor_settings import MonitorError, MonitorSettings
 from collab_kit.roles.run_history import RunHistory
+from collab_kit.roles.wandb_log import WandbLogger, require_wandb
 from collab_kit.swarm.anchor import Anchor
 from collab_kit.swarm.anchor_records import anchor_validators, publish_anchor, read_anchor_addresses
 from collab_kit.swarm.bindings import read_binding
@@ -102,20 +105,23 @@ def monitor_validators(run_id: str) -> list:
             *anchor_validators(run_id), RSASignatureValidator()]
 
 
-def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> SwarmProgress:
+def read_swarm_progress(dht: hivemind.DHT, run_id: str, gone: Collection[str] = ()) -> SwarmProgress:
     """Read the progress records that hivemind.Optimizer peers publish under ``<run_id>_progress``.
 
     Anchors' records (no throughput: collab_kit.swarm.optimizer.is_anchor_record) set the epoch but are no training
     peers.
 
     :param dht: a DHT started with ``record_validators=progress_validators(run_id)``
+    :param gone: peer ids (base58) known to be gone, whose records are left out while they last
     """
     found = dht.get(progress_key(run_id), latest=True)
     records = []
     if found is not None and isinstance(found.value, dict):
         for entry in found.value.values():
             try:
-                records.append(LocalTrainingProgress.parse_obj(entry.value))
+                record = LocalTrainingProgress.parse_obj(entry.value)
+                if not gone or PeerID(record.peer_id).to_base58() not in gone:
+                    records.append(record)
             except Exception:  # a malformed record from a broken peer does not stop the monitor
                 logger.debug("skipped a malformed progress record", exc_info=True)
     if not records:
@@ -154,41 +160,6 @@ def verified_username(subkey: bytes, record: PeerMetrics, binding_value, server_
     if RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", token.public_key) != bytes(subkey):
         return None  # a valid token and binding, but the record was signed by another key
     return token.username
-
-# ---------------------------------------------------------------------------------------------
-# Weights & Biases
-
-
-def require_wandb(project: str):
-    """The ``wandb`` module; :raises MonitorError: saying how to install it, when it is not installed."""
-    try:
-        # lazy: wandb is optional (`pip install wandb`), needed only with a W&B project
-        import wandb
-    except ImportError:
-        raise MonitorError(f"--wandb-project {project}: Weights & Biases is not installed. Install it with "
-                           f"`pip install wandb` and log in with `wandb login`, or leave out --wandb-project "
-                           f"(and unset WANDB_PROJECT)") from None
-    return wandb
-
-
-class WandbLogger:
-    """Logs each poll to a Weights & Biases run named after the run id (resumed after a restart)."""
-
-    def __init__(self, project: str, config: RunConfig):
-        wandb = require_wandb(project)
-        self.run = wandb.init(project=project, name=config.swarm.run_id, id=config.swarm.run_id, resume="allow",
-                              job_type="monitor", config=config.to_dict())
-
-    def log(self, snapshot: SwarmSnapshot, contributors: int) -> None:
-        values = dict(epoch=snapshot.epoch, alive_peers=snapshot.alive_peers,
-                      samples_per_second=snapshot.samples_per_second, contributors=contributors)
-        if snapshot.loss is not None:
-            values["loss"] = snapshot.loss
-        self.run.log(values)
-
-    def close(self) -> None:
-        self.run.finish()
-
 
 # ---------------------------------------------------------------------------------------------
 # the monitor
@@ -232,6 +203,7 @@ class Monitor:
         # the run's epoch does not go back meanwhile
         self._last_epoch = 0
         self._other_anchors: List[str] = []  # the addresses of the run's other anchors, on the join line printed last
+        self._page_run: Optional[dict] = None  # the run as the live page shows it (live_status.run_facts)
         try:
             if self.settings.port_file and not self.dht.client_mode and not config.swarm.announce_maddrs:
                 note_port(self.settings.port_file, self.dht)
@@ -258,6 +230,11 @@ class Monitor:
                 self.wandb = WandbLogger(self.settings.wandb_project, config)
             if self.anchor is not None:
                 self.anchor.start()
+            self.presence, self.live_page, self._polls = None, None, 0
+            if self.settings.dashboard_port is not None:
+                self.presence = PeerPresence(self.dht, timeout=min(3.0, self.settings.poll_every / 2))
+                self.live_page = LivePage(page_document_path(self.settings.db_path), self.settings.dashboard_host,
+                                          self.settings.dashboard_port)
         except BaseException:
             self.close()
             raise
@@ -342,9 +319,10 @@ class Monitor:
             names[key] = self._verified[key]
         return names
 
-    def _update_anchors(self) -> None:
+    def _update_anchors(self) -> int:
         """Publish this monitor's anchor, and print the join line again when the run's other anchors change: every line
-        lists them all, so a volunteer who joins through it reaches the run while any one of them lives."""
+        lists them all, so a volunteer who joins through it reaches the run while any one of them lives. Returns how
+        many anchors the run has now."""
         own = join_addresses(self.dht)
         if self.anchor is not None:
             publish_anchor(self.dht, self.run_id, own, ttl=max(60.0, 3 * self.settings.poll_every))
@@ -359,26 +337,32 @@ class Monitor:
         if others != self._other_anchors:
             self._other_anchors = others
             self._print_join_line()
+        return len(anchors) + (self.anchor is not None and not any(set(a) & set(own) for a in anchors))
 
     def _print_join_line(self) -> None:
         print(join_instructions(self.dht, self.config, data=self.membership.run_card.data,
                                 other_anchors=self._other_anchors), flush=True)
         own = join_addresses(self.dht)
         addresses = own + [address for address in self._other_anchors if address not in own]
+        self._page_run = run_facts(self.config, self.membership.run_card.data, addresses, self.settings.poll_every)
         if self.settings.address_file:
             write_address_file(self.settings.address_file, addresses)
         self._emit("join_line", addresses=addresses)
 
     def poll(self) -> SwarmSnapshot:
         """Read the swarm once, store the point and the contributors' growth, and wake the checkpointer."""
+        anchors = None
         try:
-            self._update_anchors()
+            anchors = self._update_anchors()
         except Exception as e:  # the DHT busy: the next poll tries again
             logger.debug(f"could not read or publish the run's anchors: {e!r}")
         records = read_metrics(self.dht, self.run_id)
-        progress = read_swarm_progress(self.dht, self.run_id)
+        presence_checked_at = time.time()  # a peer that died before this moment is in `gone`
+        gone = self.presence.gone([record for _, record in records]) if self.presence is not None else set()
+        progress = read_swarm_progress(self.dht, self.run_id, gone=gone)
         names = self._credited_names(records)
-        snapshot = summarize([record for _, record in records])
+        snapshot = summarize([record for key, record in records if record.peer_id not in gone])
+        snapshot.anchors = anchors
         snapshot.epoch = self._last_epoch = max(snapshot.epoch, progress.epoch, self._last_epoch)
         if progress.num_peers:  # hivemind's records expire sooner after a peer leaves: the better "alive" count
             snapshot.alive_peers, snapshot.samples_per_second = progress.num_peers, progress.samples_per_second
@@ -388,6 +372,13 @@ class Monitor:
             contributors = len(self.history.leaderboard())
         if self.wandb is not None:
             self.wandb.log(snapshot, contributors)
+        self._polls += 1
+        if self.live_page is not None:
+            if self._page_run is None:  # polled before run() printed the join line
+                self._page_run = run_facts(self.config, self.membership.run_card.data, join_addresses(self.dht),
+                                           self.settings.poll_every)
+            write_document(page_document_path(self.settings.db_path),
+                           page_document(self.history, self._page_run, gone, poll=self._polls))
         if self.checkpointer is not None:
             self.checkpointer.notify(snapshot.epoch)
         loss = "-" if snapshot.loss is None else f"{snapshot.loss:.4f}"
@@ -395,7 +386,8 @@ class Monitor:
                     f"{snapshot.samples_per_second:.1f} samples/s, {progress.samples_accumulated} samples toward "
                     f"the next step")
         self._emit("poll", epoch=snapshot.epoch, alive_peers=snapshot.alive_peers, loss=snapshot.loss,
-                   samples_per_second=snapshot.samples_per_second, records=len(records), contributors=contributors)
+                   samples_per_second=snapshot.samples_per_second, records=len(records), contributors=contributors,
+                   gone=sorted(gone), presence_checked_at=presence_checked_at)
         self.last_snapshot = snapshot
         return snapshot
 
@@ -411,6 +403,9 @@ class Monitor:
         stop = stop or threading.Event()
         try:
             self._print_join_line()
+            if self.live_page is not None:
+                print(f"The run's live page: {self.live_page.url}", flush=True)
+                self._emit("live_page", url=self.live_page.url)
             self._emit("ready", peer_id=str(self.dht.peer_id), addresses=join_addresses(self.dht))
             if on_ready is not None:
                 on_ready(self.dht)
@@ -430,6 +425,9 @@ class Monitor:
     def close(self) -> None:
         """Stop the checkpointer, leave the swarm, close the database (safe to call twice)."""
         try:
+            if getattr(self, "live_page", None) is not None:
+                self.live_page.stop()
+                self.live_page = None
             if self.checkpointer is not None:
                 self.checkpointer.stop()
                 self.checkpointer = None

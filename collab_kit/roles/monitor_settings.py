@@ -36,6 +36,9 @@ class MonitorSettings:
     :param backoff_max: ...up to this many seconds
     :param download_timeout: seconds one state download may take before it counts as failed
     :param address_file: also write the join addresses to this file (for scripts that start volunteers)
+    :param dashboard_port: serve the run's live page and its JSON API on this port (collab_kit.roles.live_page; 0:
+      any free one); None: no page
+    :param dashboard_host: the address the page listens on: 127.0.0.1 (this machine only) unless told otherwise
     :param anchor: run the swarm's anchor (collab_kit.swarm.anchor) in this process: None (default) when this peer
       accepts
       connections, True always (an error in client mode), False never
@@ -53,6 +56,8 @@ class MonitorSettings:
     download_timeout: float = 300.0
     address_file: Optional[str] = None
     anchor: Optional[bool] = None
+    dashboard_port: Optional[int] = None
+    dashboard_host: str = "127.0.0.1"
 
     @property
     def identity_file(self) -> Optional[str]:
@@ -82,6 +87,11 @@ class MonitorSettings:
                     f"{name}={value!r}: expected a positive number of seconds")
         require(self.backoff_max >= self.backoff_initial,
                 f"backoff_max={self.backoff_max} is below backoff_initial={self.backoff_initial}")
+        port = self.dashboard_port
+        require(port is None or (isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536),
+                f"dashboard_port={self.dashboard_port!r}: expected a port number (0: any free one)")
+        require(self.dashboard_port is None or bool(self.db_path),
+                "the live page (dashboard_port) draws the monitor's database: give it one (db_path, --db)")
         require(self.anchor in (None, True, False), f"anchor={self.anchor!r}: expected None, True or False")
         require(self.push_to is None or (self.push_to.count("/") == 1 and all(self.push_to.split("/"))),
                 f"push_to={self.push_to!r}: expected a Hub model repository id such as 'user/model'")

@@ -193,6 +193,14 @@ class Service:
 class MonitorService(Service):
     """The monitor (the run's first peer), with a way to wait until it has recorded what volunteers did."""
 
+    @property
+    def page_url(self) -> Optional[str]:
+        """The link of the run's live page as opened on this machine (None: started without ``dashboard_port``)."""
+        for event in self.events:
+            if event["type"] == "live_page":
+                return event["url"].replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
+        return None
+
     def wait_for_poll(self, epoch: int = 0, contributors: int = 0, timeout: float = 60.0) -> dict:
         """Wait for a poll that saw global ``epoch`` (or later) and at least ``contributors`` in the leaderboard.
 
@@ -292,6 +300,8 @@ def monitor_arguments(settings) -> List[str]:
                           ("--address-file", settings.address_file)):
         if value:
             arguments += [option, value]
+    if settings.dashboard_port is not None:
+        arguments += ["--dashboard-port", str(settings.dashboard_port), "--dashboard-host", settings.dashboard_host]
     return arguments
 
 

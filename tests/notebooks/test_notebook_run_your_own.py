@@ -88,6 +88,7 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
     # processes of its own (hivemind's DHT, libp2p daemons)
     assert {service["name"] for service in summary["services"]} == {"auth-server", "monitor", "volunteer-1"}, summary
     assert summary["services_stopped"], summary
+    assert summary["live_page"].startswith("http://127.0.0.1:"), summary  # the link it printed for the live page
     left = [service for service in summary["services"] if not group_is_empty(service["pgid"])]
     assert not left, f"processes of these services outlived the notebook: {left}"
 
