@@ -10,16 +10,16 @@ import sys
 import time
 
 from benchmarks import (axial_attention, code_storage, four_bit, fragments, generation_cache, gpu_check,
-                        gradient_compression, hostile_data, internet_links, local_updates, memory_estimates,
-                        optimizer_state, optimizer_throughput, overlap, reversible_memory, robust_aggregation,
-                        swarm_scaling, toy_models, two_anchors, utilization)
+                        gradient_compression, hostile_data, internet_links, live_page_load, local_updates,
+                        memory_estimates, optimizer_state, optimizer_throughput, overlap, reversible_memory,
+                        robust_aggregation, swarm_scaling, toy_models, two_anchors, utilization)
 
 # one module per figure, in the order of RESULTS.md; a new benchmark is a module with TITLE, HOW
 # and run(quick) -> rows (see benchmarks/__init__.py), added here
 BENCHMARKS = [optimizer_throughput, gradient_compression, optimizer_state, reversible_memory, memory_estimates,
               generation_cache, axial_attention, code_storage, hostile_data, toy_models, robust_aggregation,
               swarm_scaling, internet_links, two_anchors, local_updates, four_bit, overlap, fragments,
-              utilization, gpu_check]  # gpu_check: rows on a GPU only
+              utilization, live_page_load, gpu_check]  # gpu_check: rows on a GPU only
 
 
 def main(argv=None) -> int:
