@@ -4,7 +4,8 @@ The names most people need are here; each lives in the subpackage of its concept
 together"):
 
 - ``config``, ``errors``, ``units``, ``addresses``: the run's settings and presets, the base error, sizes, peer
-  addresses (no torch, no hivemind).
+  addresses (no torch, no hivemind); ``hivemind_seam``: the hivemind version the kit needs (checked first, at
+  import) and the private hivemind names it touches.
 - ``model/``: the transformer, its attention and sampling, checkpoints, the VQGAN and CLIP.
 - ``data/``: codes, caption tokenizers, shards and the stream of batches, preprocessing, synthetic data.
 - ``memory/``: how much memory training takes, and the settings that fit a GPU.
@@ -17,11 +18,15 @@ together"):
 - ``notebook/``: pre-flight checks, the live view, the dashboard.
 - ``demo``, ``netlab``, ``cli/``: the local demo, the network lab the tests build, the command line.
 """
-from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingFileMissing, SettingProblem,
-                               SwarmConfig, get_preset)
-from collab_kit.errors import CollabKitError
-from collab_kit.lazy import lazy_exports
-from collab_kit.units import format_bytes
+from collab_kit.hivemind_seam import require_tested_hivemind
+
+require_tested_hivemind()  # before anything of the kit's loads hivemind: another version gets one sentence
+
+from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig,  # noqa: E402
+                               SettingFileMissing, SettingProblem, SwarmConfig, get_preset)
+from collab_kit.errors import CollabKitError  # noqa: E402
+from collab_kit.lazy import lazy_exports  # noqa: E402
+from collab_kit.units import format_bytes  # noqa: E402
 
 __version__ = "0.1.0"
 

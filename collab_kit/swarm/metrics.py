@@ -160,7 +160,7 @@ class MetricsPublisher:
         self._last_report = dict(epoch=epoch, loss=loss, mini_steps=mini_steps, samples_per_second=samples_per_second,
                                  averaged_with=averaged_with, lone_epochs=lone_epochs, lone_reason=lone_reason,
                                  device=device, precision=precision)
-        return self._store(activity=None, wait=wait, **self._last_report)
+        return self._store_record(activity=None, wait=wait, **self._last_report)
 
     def publish_activity(self, activity: str, epoch: int, device: Optional[str] = None,
                          precision: Optional[str] = None) -> bool:
@@ -169,9 +169,9 @@ class MetricsPublisher:
         report = dict(self._last_report or dict(loss=0.0, mini_steps=0, samples_per_second=0.0, averaged_with=None,
                                                 lone_epochs=None, lone_reason=None, device=device,
                                                 precision=precision), epoch=epoch)
-        return self._store(activity=activity, wait=False, **report)
+        return self._store_record(activity=activity, wait=False, **report)
 
-    def _store(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float, wait: bool,
+    def _store_record(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float, wait: bool,
                averaged_with: Optional[int], lone_epochs: Optional[int], lone_reason: Optional[str],
                device: Optional[str], precision: Optional[str], activity: Optional[str]) -> bool:
         record = PeerMetrics(
