@@ -1,27 +1,12 @@
-"""Two fixes for hivemind's processes, installed before the kit starts any daemon or DHT.
+"""Two fixes for hivemind 1.1.12's processes, installed before the kit starts any daemon or DHT.
 
-**Answers to calls already given up on.** hivemind (1.1.12) sends every unary call of a process (each DHT request, each ping) over one connection to its p2p
-daemon, and one task reads all the answers, handing each to the future its call waits on. When a call is cancelled
-(its deadline passed, or a sibling request already found what was asked) in the same turn of the event loop in which
-its answer was read off the socket, the future is already cancelled while the call is still listed, and the reading
-task's ``set_result`` raises ``InvalidStateError``. That ends the reading task, silently: from then on no call of that
-process is ever answered. A volunteer's DHT then drops its neighbours one by one, the watchdog finds the initial peers'
-TCP ports open but every ping unanswered, and the peer trains alone for the rest of the run.
+- **An answer to a call already given up on** goes to a throwaway future. As shipped, setting the cancelled call's
+  future raises in the task that reads every answer of the process, and no later call is answered.
+- **A DHT request whose sender is gone** is one dropped request. As shipped, the ``EOFError`` of reading it ends the
+  DHT's process, and every later request of the peer waits for ever.
 
-``install_p2p_fixes`` makes an answer to a call that was already given up on go to a throwaway future instead: the
-answer is dropped (nobody waits for it) and the reading task goes on.
-
-**A request whose sender is gone.** Every process of a peer (the trainer, each averager) sends its DHT requests
-through one pipe to the DHT's process, each with a future that carries a pipe end of the sender's: the DHT's process
-fetches that end from the sender while it reads the request. When the sender ends first (an averager shut down right
-after a request), the fetch fails. hivemind's DHT process survives the usual failures of that fetch (logged, the
-request dropped), but not an ``EOFError`` from a sender that died during the fetch's handshake: the DHT's process ended,
-and the peer's next use of its DHT waited for ever. Seen once in about 800 averager shutdowns beside running DHTs (a
-test averages twice on the same four DHTs, shutting the first averagers down in between).
-
-``install_p2p_fixes`` makes the DHT's process read each request in two steps: the bytes (the end of the pipe itself,
-when the peer's own process is gone, still ends the DHT's process as before), then the request, where that failure is
-one more dropped request.
+docs/hivemind.md has both as reports for hivemind's tracker (what happens, a reproduction with hivemind alone, the
+fix); tests/swarm/test_p2p_fixes.py runs the reproductions and shows the fixes hold.
 """
 from __future__ import annotations
 
