@@ -110,10 +110,10 @@ def peer_rows(history: RunHistory, gone: Set[str], now: float) -> List[dict]:
     for peer in history.peer_averaging(since=now - DEFAULT_EXPIRATION):
         if peer.peer_id in gone:
             state, detail = "gone", "gone: no longer answers the monitor (it left, died, or its link is down)"
+        elif peer.alone:  # a lone peer that downloads the state is still alone: its detail says both
+            state, detail = "alone", peer.describe()
         elif peer.activity == "downloading_state":
             state, detail = "downloading", peer.describe()
-        elif peer.alone:
-            state, detail = "alone", peer.describe()
         elif peer.averaged_with:
             state, detail = "averaging", peer.describe()
         else:

@@ -96,11 +96,14 @@ class PeerAveraging:
         return bool(self.lone_epochs)
 
     def describe(self) -> str:
-        """"downloading the swarm's state", "averaging with 2 peers", "alone for 4 epochs: why", or "not reported"."""
-        if self.activity == "downloading_state":
-            return "downloading the swarm's state"
+        """"alone for 4 epochs: why" (the fact that matters most, with "; now downloading the swarm's state" when it
+        does), "downloading the swarm's state", "averaging with 2 peers", or "not reported"."""
+        downloading = self.activity == "downloading_state"
         if self.alone:
-            return f"alone for {self.lone_epochs} epoch(s): {self.lone_reason or 'no reason given'}"
+            now = "; now downloading the swarm's state" if downloading else ""
+            return f"alone for {self.lone_epochs} epoch(s): {self.lone_reason or 'no reason given'}{now}"
+        if downloading:
+            return "downloading the swarm's state"
         if self.averaged_with is None:
             return "not reported"
         return f"averaging with {self.averaged_with} peer(s)" if self.averaged_with else "alone in the swarm"
