@@ -108,7 +108,7 @@ def monitor_validators(run_id: str) -> list:
 def read_swarm_progress(dht: hivemind.DHT, run_id: str, gone: Collection[str] = ()) -> SwarmProgress:
     """Read the progress records that hivemind.Optimizer peers publish under ``<run_id>_progress``.
 
-    Anchors' records (no throughput: collab_kit.swarm.optimizer.is_anchor_record) set the epoch but are no training
+    Anchors' records (no throughput: collab_kit.swarm.progress.is_anchor_record) set the epoch but are no training
     peers.
 
     :param dht: a DHT started with ``record_validators=progress_validators(run_id)``

@@ -19,7 +19,7 @@ listening for connections, that
 - applies the averaged gradients like any volunteer, so it holds the swarm's parameters and optimizer
   state: late joiners download them from it, and the monitor saves its checkpoints from it without a
   download. Beside another anchor it only reduces, and serves the volunteers' state (reduces_only);
-- publishes a progress record with a throughput of exactly 0 (collab_kit.swarm.optimizer.is_anchor_record): its
+- publishes a progress record with a throughput of exactly 0 (collab_kit.swarm.progress.is_anchor_record): its
   epoch is the swarm's global epoch for peers in client mode (hivemind counts only the epochs of peers
   that accept connections), and volunteers know not to count it as a training peer;
 - tells each group it is an anchor (the round's all-gather), so that a volunteer whose group held no other
