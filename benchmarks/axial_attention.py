@@ -4,11 +4,11 @@ Both compute the same attention (tests/model/test_attention.py checks they agree
 scores for all 1280 x 1280 pairs and masks most of them; the axial side groups the image by rows,
 columns or bands of rows and scores each group against the caption and itself.
 """
+
 from __future__ import annotations
 
 import sys
 import time
-from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +43,16 @@ def measure(kinds=("row", "column", "conv"), repeats: int = 5, batch: int = 1) -
             torch.autograd.grad(out, (q, k, v), upstream)
             if device == "cuda":
                 torch.cuda.synchronize()
+
         return run_once
 
     results = {}
     for kind in kinds:
         mask = layout.dense_mask(kind, device)
-        sides = dict(axial=step(lambda: layout.attend(q, k, v, kind)),
-                     dense=step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
+        sides = dict(
+            axial=step(lambda: layout.attend(q, k, v, kind)),
+            dense=step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+        )
         times = {name: [] for name in sides}
         for name, fn in sides.items():
             fn()  # warm-up: masks, allocator
@@ -60,22 +63,36 @@ def measure(kinds=("row", "column", "conv"), repeats: int = 5, batch: int = 1) -
                 times[name].append(time.perf_counter() - start)
         T, S = layout.text_length, layout.image_side
         band = S if kind in ("row", "column") else (layout.conv_kernel_size // 2 + 1) * S
-        results[kind] = dict(axial=min(times["axial"]), dense=min(times["dense"]),
-                             axial_scores=T * T + S * S * (T + band), dense_scores=layout.length ** 2)
+        results[kind] = dict(
+            axial=min(times["axial"]),
+            dense=min(times["dense"]),
+            axial_scores=T * T + S * S * (T + band),
+            dense_scores=layout.length**2,
+        )
     return dict(results=results, device=device)
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     measured = measure(repeats=2 if quick else 5)
     rows = []
     for kind, r in measured["results"].items():
         ratio = r["dense"] / r["axial"]  # throughput ratio = inverse time ratio
         print(f"  {kind}: axial {r['axial'] * 1e3:.1f} ms, dense {r['dense'] * 1e3:.1f} ms", flush=True)
-        details = (f"{kind}: forward + backward {r['axial'] * 1e3:.1f} ms axial vs {r['dense'] * 1e3:.1f} ms dense "
-                   f"masked ({measured['device']}); scores per head: {r['axial_scores'] / 1e6:.2f} M axial vs "
-                   f"{r['dense_scores'] / 1e6:.2f} M dense.")
-        rows.append(common.make_row(__spec__.name, f"attention throughput, axial / dense masked ({kind}, seq 1280, "
-                                    "16 x 64 heads)", ratio, ">= 1", f"{ratio:.2f}x", details))
+        details = (
+            f"{kind}: forward + backward {r['axial'] * 1e3:.1f} ms axial vs {r['dense'] * 1e3:.1f} ms dense "
+            f"masked ({measured['device']}); scores per head: {r['axial_scores'] / 1e6:.2f} M axial vs "
+            f"{r['dense_scores'] / 1e6:.2f} M dense."
+        )
+        rows.append(
+            common.make_row(
+                __spec__.name,
+                f"attention throughput, axial / dense masked ({kind}, seq 1280, 16 x 64 heads)",
+                ratio,
+                ">= 1",
+                f"{ratio:.2f}x",
+                details,
+            )
+        )
     return rows
 
 

@@ -5,6 +5,7 @@ conservative case, 1024 codes drawn uniformly from the 8192-entry codebook (no t
 available offline), and the images are real photographs shipped inside installed packages. A second
 row times decoding those shards through the training stream against decoding the JPEGs they replace.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +14,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -57,10 +58,12 @@ BATCH_SIZE = 16
 # color photographs only: scikit-image's data folder also ships logos, textures, grayscale and medical images
 SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png")
 
-_WORDS = ("a photo of the old red house near river under a cloudy sky with two dogs playing in green "
-          "field at sunset woman holding blue umbrella on busy street man riding bicycle along beach "
-          "close up small white flower and yellow leaves wooden table kitchen cup coffee mountain lake "
-          "snow city night lights car parked beside stone bridge vintage poster painting of cat").split()
+_WORDS = (
+    "a photo of the old red house near river under a cloudy sky with two dogs playing in green "
+    "field at sunset woman holding blue umbrella on busy street man riding bicycle along beach "
+    "close up small white flower and yellow leaves wooden table kitchen cup coffee mountain lake "
+    "snow city night lights car parked beside stone bridge vintage poster painting of cat"
+).split()
 
 
 def _package_dir(name: str) -> str:
@@ -69,7 +72,7 @@ def _package_dir(name: str) -> str:
     return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else ""
 
 
-def find_photos() -> List[str]:
+def find_photos() -> list[str]:
     """Paths of the real color photographs that installed packages ship."""
     candidates = []
     matplotlib_dir = _package_dir("matplotlib")
@@ -80,9 +83,11 @@ def find_photos() -> List[str]:
         candidates += [os.path.join(skimage_dir, "data", name) for name in SKIMAGE_PHOTOS]
     photos = [path for path in candidates if os.path.isfile(path)]
     if not photos:
-        raise FileNotFoundError("no photograph found on disk: expected matplotlib's mpl-data/sample_data/"
-                                "grace_hopper.jpg or scikit-image's skimage/data/ (astronaut.png, ...); install "
-                                "matplotlib or scikit-image in .venv")
+        raise FileNotFoundError(
+            "no photograph found on disk: expected matplotlib's mpl-data/sample_data/"
+            "grace_hopper.jpg or scikit-image's skimage/data/ (astronaut.png, ...); install "
+            "matplotlib or scikit-image in .venv"
+        )
     return photos
 
 
@@ -90,7 +95,7 @@ def photo_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-def prepare_photos(paths: Sequence[str]) -> List[dict]:
+def prepare_photos(paths: Sequence[str]) -> list[dict]:
     """Each photo cropped to 256x256 as the kit prepares images, and its JPEG (quality 95) at 4:2:0 and 4:4:4."""
     from PIL import Image
 
@@ -110,12 +115,12 @@ def prepare_photos(paths: Sequence[str]) -> List[dict]:
     return photos
 
 
-def make_captions(count: int, rng: np.random.Generator, mean_length: int = 60) -> List[str]:
+def make_captions(count: int, rng: np.random.Generator, mean_length: int = 60) -> list[str]:
     """Seeded word sequences of about ``mean_length`` characters (40 to 80)."""
     captions = []
     for _ in range(count):
         target = int(rng.integers(mean_length - 20, mean_length + 21))
-        words: List[str] = []
+        words: list[str] = []
         while len(" ".join(words)) < target:
             words.append(str(rng.choice(_WORDS)))
         captions.append(" ".join(words)[:target].rstrip())
@@ -134,9 +139,16 @@ def write_codes_shard(folder: str, photos: Sequence[dict], num_samples: int, see
     sizes = [photos[i % len(photos)]["size"] for i in range(num_samples)]
     source_ids = [f"part-{i // 10000:05d}/{i:09d}" for i in range(num_samples)]  # 20 characters
     path = os.path.join(folder, "shard-00000.parquet")
-    write_shard(path, captions, list(codes), codebook_size=CODEBOOK_SIZE, image_side=IMAGE_SIDE, sizes=sizes,
-                source_ids=source_ids)
-    columns: Dict[str, int] = {}  # bytes each column takes in the file, over all row groups
+    write_shard(
+        path,
+        captions,
+        list(codes),
+        codebook_size=CODEBOOK_SIZE,
+        image_side=IMAGE_SIDE,
+        sizes=sizes,
+        source_ids=source_ids,
+    )
+    columns: dict[str, int] = {}  # bytes each column takes in the file, over all row groups
     metadata = pq.ParquetFile(path).metadata
     for group in range(metadata.num_row_groups):
         for index in range(metadata.num_columns):
@@ -145,7 +157,7 @@ def write_codes_shard(folder: str, photos: Sequence[dict], num_samples: int, see
     return dict(path=path, codes=codes, captions=captions, file_bytes=os.path.getsize(path), columns=columns)
 
 
-def codec_sizes(codes: np.ndarray, count: int) -> Dict[str, float]:
+def codec_sizes(codes: np.ndarray, count: int) -> dict[str, float]:
     """Median bytes of the kit's codec and of int16 + Brotli (quality 11) over the first ``count`` samples."""
     import brotli
 
@@ -165,12 +177,13 @@ def make_stream(folder: str):
     """The training stream over ``folder``'s shards, batched as in training: the one place to switch it."""
     from collab_kit.data.stream import ShardStream, batches
 
-    stream = ShardStream(folder, text_length=TEXT_LENGTH, image_length=IMAGE_SIDE * IMAGE_SIDE,
-                         shuffle_buffer=256, seed=0)
+    stream = ShardStream(
+        folder, text_length=TEXT_LENGTH, image_length=IMAGE_SIDE * IMAGE_SIDE, shuffle_buffer=256, seed=0
+    )
     return batches(stream, BATCH_SIZE)
 
 
-def time_stream(folder: str, num_samples: int, warmup_batches: int = 20) -> Dict[str, float]:
+def time_stream(folder: str, num_samples: int, warmup_batches: int = 20) -> dict[str, float]:
     """Samples per second read through ``make_stream`` (after a warm-up that fills the shuffle buffer)."""
     iterator = iter(make_stream(folder))
     for _ in range(warmup_batches):
@@ -234,17 +247,27 @@ def measure(num_samples: int = 1000, stream_samples: int = 2000) -> dict:
         sizes = codec_sizes(shard["codes"], min(num_samples, 200))
 
         def speeds():
-            return dict(stream=time_stream(folder, stream_samples),
-                        jpeg=time_jpeg_decode([photo["jpeg"] for photo in photos], max(200, stream_samples // 4)),
-                        raw=time_raw_int16(shard["codes"], stream_samples))
+            return dict(
+                stream=time_stream(folder, stream_samples),
+                jpeg=time_jpeg_decode([photo["jpeg"] for photo in photos], max(200, stream_samples // 4)),
+                raw=time_raw_int16(shard["codes"], stream_samples),
+            )
 
         speed = on_one_core(speeds)
     stored = shard["file_bytes"] / num_samples
     caption_chars = float(np.mean([len(caption) for caption in shard["captions"]]))
     per_sample = {name: size / num_samples for name, size in shard["columns"].items()}
-    return dict(photos=photos, stored=stored, caption_chars=caption_chars, num_samples=num_samples, **sizes,
-                codes_column=per_sample["codes"], caption_column=per_sample["caption"],
-                floor=IMAGE_SIDE * IMAGE_SIDE * bits_per_code() / 8, **speed)
+    return dict(
+        photos=photos,
+        stored=stored,
+        caption_chars=caption_chars,
+        num_samples=num_samples,
+        **sizes,
+        codes_column=per_sample["codes"],
+        caption_column=per_sample["caption"],
+        floor=IMAGE_SIDE * IMAGE_SIDE * bits_per_code() / 8,
+        **speed,
+    )
 
 
 def bits_per_code() -> int:
@@ -253,7 +276,7 @@ def bits_per_code() -> int:
     return bits(CODEBOOK_SIZE)
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     result = measure(num_samples=200 if quick else 1000, stream_samples=400 if quick else 2000)
     photos, stored = result["photos"], result["stored"]
     # the image against the image: a JPEG dataset stores the same caption beside each image, so the figure
@@ -264,10 +287,16 @@ def run(quick: bool = False) -> List[dict]:
     ratio444 = common.pick([len(photo["jpeg444"]) / image_bytes for photo in photos], "median")
     whole_row = common.pick([len(photo["jpeg"]) / stored for photo in photos], "median")
     for photo, photo_ratio in zip(photos, ratios):
-        print(f"  {photo['name']} {photo['size'][0]}x{photo['size'][1]}: JPEG q95 {len(photo['jpeg'])} B (4:2:0), "
-              f"{len(photo['jpeg444'])} B (4:4:4); {photo_ratio:.1f}x", flush=True)
-    print(f"  codes column {image_bytes:.0f} B/sample, whole row {stored:.0f} B/sample (codec {result['kit']:.0f} B, int16+Brotli {result['int16_brotli']:.0f} B, "
-          f"floor {result['floor']:.0f} B)", flush=True)
+        print(
+            f"  {photo['name']} {photo['size'][0]}x{photo['size'][1]}: JPEG q95 {len(photo['jpeg'])} B (4:2:0), "
+            f"{len(photo['jpeg444'])} B (4:4:4); {photo_ratio:.1f}x",
+            flush=True,
+        )
+    print(
+        f"  codes column {image_bytes:.0f} B/sample, whole row {stored:.0f} B/sample (codec {result['kit']:.0f} B, int16+Brotli {result['int16_brotli']:.0f} B, "
+        f"floor {result['floor']:.0f} B)",
+        flush=True,
+    )
     jpeg_list = ", ".join(f"{photo['name']} {len(photo['jpeg'])}" for photo in photos)
     storage_details = (
         f"{len(photos)} photo(s), JPEG q95 4:2:0 bytes of the 256x256 crop: {jpeg_list} (median ratio at 4:4:4: "
@@ -276,22 +305,40 @@ def run(quick: bool = False) -> List[dict]:
         f"{result['num_samples']} samples: {result['caption_column']:.0f} B the zstd captions, the rest other columns "
         f"and the footer; JPEG / whole row: {whole_row:.2f}x), "
         f"{result['kit']:.0f} B the codes alone (`encode_codes`), {result['int16_brotli']:.0f} B as int16 + "
-        f"Brotli 11; the floor for 1024 uniform 13-bit codes is {result['floor']:.0f} B.")
+        f"Brotli 11; the floor for 1024 uniform 13-bit codes is {result['floor']:.0f} B."
+    )
     stream = result["stream"]
     speed_ratio = stream["rate"] / result["jpeg"]
-    print(f"  stream {stream['rate']:.0f} samples/s ({stream['cpu_rate']:.0f} per CPU second), JPEG decode "
-          f"{result['jpeg']:.0f} images/s, raw int16 {result['raw']:.0f} samples/s", flush=True)
+    print(
+        f"  stream {stream['rate']:.0f} samples/s ({stream['cpu_rate']:.0f} per CPU second), JPEG decode "
+        f"{result['jpeg']:.0f} images/s, raw int16 {result['raw']:.0f} samples/s",
+        flush=True,
+    )
     speed_details = (
         f"One core: {stream['rate']:.0f} samples/s through `ShardStream` + `batches(16)` ({stream['samples']} samples "
         f"after a warm-up; {stream['cpu_rate']:.0f} per CPU second), against {result['jpeg']:.0f} images/s for PIL "
         f"decoding the 256x256 q95 JPEGs; reading raw int16 arrays with `np.frombuffer` gives {result['raw']:.0f} "
-        f"samples/s.")
+        f"samples/s."
+    )
     return [
-        common.make_row(__spec__.name, f"stored image bytes/sample, JPEG q95 256x256 / 1024 uniform codes in a shard "
-                        f"(median of {len(photos)} photo(s))", ratio, ">= 18", f"{ratio:.2f}x", storage_details,
-                        note="uniform codes: worst case" if ratio < 18 else ""),
-        common.make_row(__spec__.name, "decode speed on one core, shard stream samples/s / PIL JPEG images/s",
-                        speed_ratio, ">= 1", f"{speed_ratio:.1f}x", speed_details),
+        common.make_row(
+            __spec__.name,
+            f"stored image bytes/sample, JPEG q95 256x256 / 1024 uniform codes in a shard "
+            f"(median of {len(photos)} photo(s))",
+            ratio,
+            ">= 18",
+            f"{ratio:.2f}x",
+            storage_details,
+            note="uniform codes: worst case" if ratio < 18 else "",
+        ),
+        common.make_row(
+            __spec__.name,
+            "decode speed on one core, shard stream samples/s / PIL JPEG images/s",
+            speed_ratio,
+            ">= 1",
+            f"{speed_ratio:.1f}x",
+            speed_details,
+        ),
     ]
 
 

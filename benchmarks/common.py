@@ -4,6 +4,7 @@ Rows are kept in ``benchmarks/results.json`` (the record) and rendered to ``benc
 (what people read). A run replaces the rows of the benchmarks it ran on this machine and keeps the
 rest, so a figure measured on another machine (a GPU, say) stays until it is measured there again.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import platform
 import sys
 import traceback
 from types import ModuleType
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Sequence
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -49,8 +50,9 @@ def command_for(module) -> str:
     return f".venv/bin/python -m benchmarks.{short_name(module)}"
 
 
-def make_row(module, name: str, value: Optional[float], target: str, display: str,
-             details: str = "", note: str = "") -> dict:
+def make_row(
+    module, name: str, value: float | None, target: str, display: str, details: str = "", note: str = ""
+) -> dict:
     """One line of the results table.
 
     :param module: the benchmark module that measured it, or its name (``__spec__.name``)
@@ -63,9 +65,19 @@ def make_row(module, name: str, value: Optional[float], target: str, display: st
     """
     comparison, threshold = target.split()
     passed = value is not None and _COMPARISONS[comparison](value, float(threshold))
-    return dict(benchmark=short_name(module), name=name, value=value, display=display, target=target, passed=passed,
-                machine=machine_description(), command=command_for(module),
-                date=datetime.date.today().isoformat(), details=details, note=note)
+    return dict(
+        benchmark=short_name(module),
+        name=name,
+        value=value,
+        display=display,
+        target=target,
+        passed=passed,
+        machine=machine_description(),
+        command=command_for(module),
+        date=datetime.date.today().isoformat(),
+        details=details,
+        note=note,
+    )
 
 
 def error_row(module, error: BaseException) -> dict:
@@ -78,15 +90,16 @@ def error_row(module, error: BaseException) -> dict:
 # the record and its rendering
 
 
-def load_rows() -> List[dict]:
+def load_rows() -> list[dict]:
     if not os.path.exists(RESULTS_JSON):
         return []
     with open(RESULTS_JSON) as f:
         return json.load(f)
 
 
-def merge_rows(old_rows: Sequence[dict], new_rows: Sequence[dict], ran: Sequence[str],
-               known: Sequence[str], partial: bool = False) -> List[dict]:
+def merge_rows(
+    old_rows: Sequence[dict], new_rows: Sequence[dict], ran: Sequence[str], known: Sequence[str], partial: bool = False
+) -> list[dict]:
     """Replace the rows of the benchmarks in ``ran`` measured on this machine (or on the machine that measured the new
     rows, when a GPU run's rows are recorded here); drop unknown benchmarks. ``partial``: replace only the rows of
     the same names as new ones (part of a benchmark ran)."""
@@ -117,8 +130,10 @@ def render_markdown(rows: Sequence[dict], modules: Sequence[ModuleType]) -> str:
     ]
     for row in rows:
         result = result_text(row)
-        lines.append(f"| {row['name']} | {row['display']} | {row['target']} | {result} | {row['machine']} "
-                     f"| `{row['command']}` | {row['date']} |")
+        lines.append(
+            f"| {row['name']} | {row['display']} | {row['target']} | {result} | {row['machine']} "
+            f"| `{row['command']}` | {row['date']} |"
+        )
     lines.append("")
     for module in modules:
         lines += [f"## {module.TITLE}", "", module.HOW.strip(), ""]
@@ -126,8 +141,9 @@ def render_markdown(rows: Sequence[dict], modules: Sequence[ModuleType]) -> str:
         if module_rows:
             lines += ["Last measurements:", ""]
             for row in module_rows:
-                lines.append(f"- {row['name']} ({row['machine']}, {row['date']}): {row['display']}. "
-                             f"{row['details']}".rstrip())
+                lines.append(
+                    f"- {row['name']} ({row['machine']}, {row['date']}): {row['display']}. {row['details']}".rstrip()
+                )
             lines.append("")
         lines += [f"Reproduce: `{command_for(module)}` (or `make bench` for every figure).", ""]
     return "\n".join(lines)
@@ -160,14 +176,15 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)) for line in (header, *body))
 
 
-def run_modules(modules: Sequence[ModuleType], quick: bool = False, write: bool = True,
-                parts: Optional[Sequence[str]] = None) -> int:
+def run_modules(
+    modules: Sequence[ModuleType], quick: bool = False, write: bool = True, parts: Sequence[str] | None = None
+) -> int:
     """Run benchmarks, print the table, record the rows; returns the exit code (1 if any benchmark failed).
 
     :param quick: a smoke test with fewer steps and repeats; its figures are never recorded
     :param parts: of a module with ``PARTS``, only these (its other figures in RESULTS.md are kept)
     """
-    rows: List[dict] = []
+    rows: list[dict] = []
     failed = False
     for index, module in enumerate(modules):
         print(f"[{index + 1}/{len(modules)}] {module.TITLE}", flush=True)
@@ -187,23 +204,35 @@ def run_modules(modules: Sequence[ModuleType], quick: bool = False, write: bool 
     return 1 if failed else 0
 
 
-def main(module: ModuleType, argv: Optional[Sequence[str]] = None) -> None:
+def main(module: ModuleType, argv: Sequence[str] | None = None) -> None:
     """Command line of a single benchmark module: measure, print, update RESULTS.md."""
     parser = argparse.ArgumentParser(description=(module.__doc__ or "").strip().splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer repeats and steps: a smoke test, not a figure (RESULTS.md is not touched)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repeats and steps: a smoke test, not a figure (RESULTS.md is not touched)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the figures without touching RESULTS.md")
     parts = getattr(module, "PARTS", None)
     if parts:
-        parser.add_argument("--only", action="append", choices=list(parts), metavar="PART",
-                            help=f"measure only this part ({', '.join(parts)}); the others' figures are kept")
+        parser.add_argument(
+            "--only",
+            action="append",
+            choices=list(parts),
+            metavar="PART",
+            help=f"measure only this part ({', '.join(parts)}); the others' figures are kept",
+        )
     args = parser.parse_args(argv)
     sys.exit(run_modules([module], quick=args.quick, write=not args.no_write, parts=getattr(args, "only", None)))
 
 
-def main_or_peer(module: ModuleType, argv: Optional[Sequence[str]], description: str,
-                 add_peer_arguments: Callable[[argparse.ArgumentParser], None],
-                 peer_main: Callable[[argparse.Namespace], int]) -> None:
+def main_or_peer(
+    module: ModuleType,
+    argv: Sequence[str] | None,
+    description: str,
+    add_peer_arguments: Callable[[argparse.ArgumentParser], None],
+    peer_main: Callable[[argparse.Namespace], int],
+) -> None:
     """Command line of a benchmark whose peers are processes of its own: with ``--peer``, one peer (``peer_main`` on
     the arguments ``add_peer_arguments`` declares); without, the benchmark itself (``main``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -234,8 +263,9 @@ def pick(values: Sequence[float], how: str = "best") -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def synthetic_batches(config, batch_size: int, count: int, folder: Optional[str] = None,
-                      seed: int = 0, num_samples: int = 2048) -> List[dict]:
+def synthetic_batches(
+    config, batch_size: int, count: int, folder: str | None = None, seed: int = 0, num_samples: int = 2048
+) -> list[dict]:
     """``count`` batches of the kit's synthetic samples for ``config`` (a RunConfig), read back through
     ``collab_kit.data.stream.ShardStream`` as in training. The same arguments give the same batches in any process.
 
@@ -248,10 +278,15 @@ def synthetic_batches(config, batch_size: int, count: int, folder: Optional[str]
     from collab_kit.data.stream import ShardStream, batches
     from collab_kit.data.synthetic import make_synthetic_shards
 
-    def read(path: str) -> List[dict]:
+    def read(path: str) -> list[dict]:
         if not os.path.exists(os.path.join(path, "shard-00000.parquet")):
-            make_synthetic_shards(path, num_samples=num_samples, seed=seed,
-                                  image_side=config.model.image_side, codebook_size=config.model.codebook_size)
+            make_synthetic_shards(
+                path,
+                num_samples=num_samples,
+                seed=seed,
+                image_side=config.model.image_side,
+                codebook_size=config.model.codebook_size,
+            )
         stream = ShardStream(path, config.model.text_length, config.model.image_length, shuffle_buffer=256, seed=seed)
         return list(itertools.islice(batches(stream, batch_size), count))
 
@@ -267,4 +302,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
-

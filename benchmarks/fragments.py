@@ -3,6 +3,7 @@
 Figure: the highest 1 s mean of the interface counters of two volunteers' links (behind NAT, the monitor's anchor on a
 public host reducing every round), with ``optimizer.fragments=4`` over the same run without fragments.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Sequence
 
 from benchmarks import common, local_updates, swarm_scaling
 
@@ -28,7 +29,7 @@ HOW = f"""
 `collab_kit.netlab`: `collab-kit monitor --preset toy` on a public host (its anchor reduces every round) and 2
 volunteers (`collab-kit join --preset toy`, 1 torch thread each, the toy world's dataset), each behind its own NAT
 router with its link capped at {LINK_MBIT:g} Mbit/s each way, in the local-update mode with H = {LOCAL_STEPS}
-(`optimizer.local_steps={LOCAL_STEPS}`, 8-bit pseudo-gradients, {', '.join(f'`{s}`' for s in SETTINGS)}): once with
+(`optimizer.local_steps={LOCAL_STEPS}`, 8-bit pseudo-gradients, {", ".join(f"`{s}`" for s in SETTINGS)}): once with
 F = 1 ({ROUNDS} rounds) and once with `optimizer.fragments={FRAGMENTS}` ({FRAGMENTS * ROUNDS} epochs of
 {LOCAL_STEPS // FRAGMENTS} global batches, the same {ROUNDS * LOCAL_STEPS} global batches and the same bytes in all).
 Each volunteer's link counters (bytes sent and received, `Host.link_bytes`) are read every {SAMPLE_PERIOD:g} s from its
@@ -58,7 +59,7 @@ class LinkSampler(threading.Thread):
                     samples.append((time.monotonic(), link.sent, link.received))
 
 
-def peak_rate(samples: Sequence[Tuple[float, int, int]], window: float = WINDOW) -> float:
+def peak_rate(samples: Sequence[tuple[float, int, int]], window: float = WINDOW) -> float:
     """The highest mean rate (bytes/s) over ``window`` seconds of either direction: for each sample, the rate to the
     first sample at least ``window`` later."""
     best, later = 0.0, 0
@@ -74,23 +75,30 @@ def peak_rate(samples: Sequence[Tuple[float, int, int]], window: float = WINDOW)
     return best
 
 
-def _lab_run(fragments: int, local_steps: int, rounds: int, shards: str, log_dir: str) -> Dict[str, object]:
+def _lab_run(fragments: int, local_steps: int, rounds: int, shards: str, log_dir: str) -> dict[str, object]:
     from collab_kit.netlab import NetworkLab
 
     run_id = f"bench_fragments_{fragments}_{os.getpid()}"
     epochs = rounds * fragments
     settings = [f"optimizer.local_steps={local_steps}", f"optimizer.fragments={fragments}", *SETTINGS]
     with NetworkLab() as lab:
-        monitor, homes, volunteers = local_updates.start_toy_swarm(lab, run_id, settings, 2, LINK_MBIT, epochs,
-                                                                   shards, log_dir)
+        monitor, homes, volunteers = local_updates.start_toy_swarm(
+            lab, run_id, settings, 2, LINK_MBIT, epochs, shards, log_dir
+        )
         sampler = LinkSampler(homes)
         sampler.start()
         try:
             for volunteer in volunteers:
                 volunteer.wait_for(lambda e: e["type"] == "epoch", timeout=300, what="its first epoch")
             sampler.recording.set()
-            last = [volunteer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= epochs - 1,
-                                       timeout=120 + 60 * epochs, what="its last epoch") for volunteer in volunteers]
+            last = [
+                volunteer.wait_for(
+                    lambda e: e["type"] == "epoch" and e["epoch"] >= epochs - 1,
+                    timeout=120 + 60 * epochs,
+                    what="its last epoch",
+                )
+                for volunteer in volunteers
+            ]
             sampler.recording.clear()
             for volunteer in volunteers:
                 volunteer.wait_for(lambda e: e["type"] == "done", timeout=120, what="the end")
@@ -99,17 +107,23 @@ def _lab_run(fragments: int, local_steps: int, rounds: int, shards: str, log_dir
             swarm_scaling.stop_peers(volunteers + [monitor])
     epoch_events = [[e for e in volunteer.events if e["type"] == "epoch"] for volunteer in volunteers]
     peaks = [peak_rate(samples) for samples in sampler.samples]
-    moved = [(samples[-1][1] - samples[0][1] + samples[-1][2] - samples[0][2]) if samples else 0
-             for samples in sampler.samples]
+    moved = [
+        (samples[-1][1] - samples[0][1] + samples[-1][2] - samples[0][2]) if samples else 0
+        for samples in sampler.samples
+    ]
     seconds = [samples[-1][0] - samples[0][0] if samples else 0.0 for samples in sampler.samples]
     averaged = [sum(e["averaged"] for e in events) for events in epoch_events]
-    print(f"  F = {fragments}: peaks {[f'{p / 2 ** 20:.2f}' for p in peaks]} MiB/s, averaged epochs {averaged} of "
-          f"{[len(events) for events in epoch_events]}, last epochs {[e['epoch'] for e in last]}", flush=True)
-    return dict(peaks=peaks, moved=moved, seconds=seconds, averaged=averaged,
-                epochs=[len(events) for events in epoch_events])
+    print(
+        f"  F = {fragments}: peaks {[f'{p / 2**20:.2f}' for p in peaks]} MiB/s, averaged epochs {averaged} of "
+        f"{[len(events) for events in epoch_events]}, last epochs {[e['epoch'] for e in last]}",
+        flush=True,
+    )
+    return dict(
+        peaks=peaks, moved=moved, seconds=seconds, averaged=averaged, epochs=[len(events) for events in epoch_events]
+    )
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     from collab_kit.toy.dataset import prepare_toy_dataset
 
     common.require_network_lab()
@@ -124,20 +138,31 @@ def run(quick: bool = False) -> List[dict]:
         raise
     shutil.rmtree(folder, ignore_errors=True)
     ratio = max(fragmented["peaks"]) / max(whole["peaks"])
-    mib = 2 ** 20
+    mib = 2**20
 
     def describe(result: dict) -> str:
-        return (f"peak {max(result['peaks']) / mib:.2f} MiB/s (volunteers: "
-                f"{', '.join(f'{p / mib:.2f}' for p in result['peaks'])}), "
-                f"{', '.join(f'{m / mib:.1f}' for m in result['moved'])} MiB over "
-                f"{', '.join(f'{s:.0f}' for s in result['seconds'])} s measured, averaged epochs "
-                f"{', '.join(f'{a} of {n}' for a, n in zip(result['averaged'], result['epochs']))}")
+        return (
+            f"peak {max(result['peaks']) / mib:.2f} MiB/s (volunteers: "
+            f"{', '.join(f'{p / mib:.2f}' for p in result['peaks'])}), "
+            f"{', '.join(f'{m / mib:.1f}' for m in result['moved'])} MiB over "
+            f"{', '.join(f'{s:.0f}' for s in result['seconds'])} s measured, averaged epochs "
+            f"{', '.join(f'{a} of {n}' for a, n in zip(result['averaged'], result['epochs']))}"
+        )
 
     details = f"F = 1 (H = {local_steps}): {describe(whole)}; F = {FRAGMENTS}: {describe(fragmented)}."
-    return [common.make_row(__spec__.name, f"network lab, 2 NAT volunteers on {LINK_MBIT:g} Mbit/s links, H = "
-                            f"{local_steps}: peak link rate (highest {WINDOW:g} s mean), F = {FRAGMENTS} fragments / "
-                            f"F = 1", ratio, "<= 0.4", f"{ratio:.2f}", details,
-                            note=f"{max(fragmented['peaks']) / mib:.2f} vs {max(whole['peaks']) / mib:.2f} MiB/s")]
+    return [
+        common.make_row(
+            __spec__.name,
+            f"network lab, 2 NAT volunteers on {LINK_MBIT:g} Mbit/s links, H = "
+            f"{local_steps}: peak link rate (highest {WINDOW:g} s mean), F = {FRAGMENTS} fragments / "
+            f"F = 1",
+            ratio,
+            "<= 0.4",
+            f"{ratio:.2f}",
+            details,
+            note=f"{max(fragmented['peaks']) / mib:.2f} vs {max(whole['peaks']) / mib:.2f} MiB/s",
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
 Without a cache every new code runs the whole sequence through the model again; with it, each step
 computes one position and reads the keys and values kept from the earlier ones.
 """
+
 from __future__ import annotations
 
 import sys
 import time
-from typing import List
 
 import torch
 
@@ -28,8 +28,8 @@ whole image (best of the repeats); both must draw the same codes.
 
 def measure(image_side: int = 32, batch: int = 4, repeats: int = 2) -> dict:
     from collab_kit.config import get_preset
-    from collab_kit.model.transformer import TextToImageTransformer
     from collab_kit.model.sampling import generate_image_codes
+    from collab_kit.model.transformer import TextToImageTransformer
 
     config = get_preset("tiny", model=dict(image_side=image_side)).model
     torch.manual_seed(0)
@@ -46,22 +46,38 @@ def measure(image_side: int = 32, batch: int = 4, repeats: int = 2) -> dict:
 
     cached_seconds, cached_codes = timed(True)
     uncached_seconds, uncached_codes = timed(False)
-    return dict(cached=cached_seconds, uncached=uncached_seconds, same=bool(torch.equal(cached_codes, uncached_codes)),
-                codes=config.image_length, batch=batch, threads=torch.get_num_threads())
+    return dict(
+        cached=cached_seconds,
+        uncached=uncached_seconds,
+        same=bool(torch.equal(cached_codes, uncached_codes)),
+        codes=config.image_length,
+        batch=batch,
+        threads=torch.get_num_threads(),
+    )
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     result = measure(image_side=16 if quick else 32, repeats=1 if quick else 2)
     if not result["same"]:
         raise RuntimeError("greedy generation drew different codes with and without the cache")
     ratio = result["uncached"] / result["cached"]
     print(f"  with cache {result['cached']:.2f} s, without {result['uncached']:.2f} s", flush=True)
-    details = (f"{result['codes']} codes x batch {result['batch']}: {result['cached']:.2f} s with the cache "
-               f"({result['cached'] / result['codes'] * 1e3:.2f} ms per code), {result['uncached']:.2f} s without "
-               f"({result['uncached'] / result['codes'] * 1e3:.2f} ms per code); both drew the same codes; "
-               f"torch threads {result['threads']}.")
-    return [common.make_row(__spec__.name, f"generation speed, KV cache / no cache ({result['codes']} image codes, "
-                            "tiny width)", ratio, ">= 10", f"{ratio:.1f}x", details)]
+    details = (
+        f"{result['codes']} codes x batch {result['batch']}: {result['cached']:.2f} s with the cache "
+        f"({result['cached'] / result['codes'] * 1e3:.2f} ms per code), {result['uncached']:.2f} s without "
+        f"({result['uncached'] / result['codes'] * 1e3:.2f} ms per code); both drew the same codes; "
+        f"torch threads {result['threads']}."
+    )
+    return [
+        common.make_row(
+            __spec__.name,
+            f"generation speed, KV cache / no cache ({result['codes']} image codes, tiny width)",
+            ratio,
+            ">= 10",
+            f"{ratio:.1f}x",
+            details,
+        )
+    ]
 
 
 if __name__ == "__main__":

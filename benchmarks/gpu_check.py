@@ -5,18 +5,18 @@
 
 On a machine without a GPU (and without --dry-run) it says so and records nothing; the rows a GPU wrote stay.
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
 import json
 import os
-import re
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 import torch
 
@@ -49,12 +49,23 @@ On the `device` tool's H200 the image lacks hivemind, bitsandbytes and their nee
 how to record the rows that come back (`--record`).
 """
 
-GiB = 2 ** 30
+GiB = 2**30
 T4_BUDGET = 15 * GiB
 # dense 16-bit tensor-core peaks (FLOP/s), by a part of the name torch reports
-PEAKS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-         ("L4", 121e12), ("A10", 125e12), ("V100", 125e12), ("T4", 65e12), ("P100", 18.7e12),
-         ("RTX 4090", 165e12), ("RTX 3090", 71e12))
+PEAKS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+    ("P100", 18.7e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
 HOPPER = ("H100", "H200")
 
 
@@ -64,12 +75,12 @@ class Shapes:
 
     preset: str
     device: str
-    micro_batches: Tuple[int, ...]  # tried for throughput and peak memory
+    micro_batches: tuple[int, ...]  # tried for throughput and peak memory
     steps: int
-    gpt2_sizes: Tuple[str, ...]
+    gpt2_sizes: tuple[str, ...]
     swarm_preset: str
     swarm_epochs: int
-    swarm_settings: Tuple[str, ...]  # --set values of the run (every peer's)
+    swarm_settings: tuple[str, ...]  # --set values of the run (every peer's)
     candidates: int
     budget_bytes: int
 
@@ -78,7 +89,7 @@ PAPER = Shapes("paper", "cuda", (8, 16, 32), 4, ("small", "medium", "large"), "s
 DRY = Shapes("tiny", "cpu", (2, 4), 2, (), "tiny", 1, ("optimizer.target_batch_size=64",), 4, T4_BUDGET)
 
 
-def peak_flops(name: str) -> Optional[float]:
+def peak_flops(name: str) -> float | None:
     for part, flops in PEAKS:
         if part in name:
             return flops
@@ -96,8 +107,7 @@ def attention_scores_per_sample(config) -> int:
         plan = TextToImageTransformer(config).plan
     total = 0
     for _, kind in plan:
-        group = {"row": S, "column": S, "conv": (config.conv_kernel_size // 2 + 1) * S,
-                 "full": T + S * S}[kind]
+        group = {"row": S, "column": S, "conv": (config.conv_kernel_size // 2 + 1) * S, "full": T + S * S}[kind]
         total += T * T + S * S * (T + group) if kind != "full" else (T + S * S) ** 2
     return total
 
@@ -111,12 +121,16 @@ def model_flops_per_sample(config) -> float:
     return 6 * compute * config.sequence_length + 12 * config.hidden_size * attention_scores_per_sample(config)
 
 
-def _batch(config, micro_batch: int, device) -> Dict[str, torch.Tensor]:
+def _batch(config, micro_batch: int, device) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(micro_batch)
-    return dict(text_tokens=torch.randint(1, config.text_vocab_size, (micro_batch, config.text_length),
-                                          generator=generator).to(device),
-                image_codes=torch.randint(0, config.codebook_size, (micro_batch, config.image_length),
-                                          generator=generator).to(device))
+    return dict(
+        text_tokens=torch.randint(1, config.text_vocab_size, (micro_batch, config.text_length), generator=generator).to(
+            device
+        ),
+        image_codes=torch.randint(0, config.codebook_size, (micro_batch, config.image_length), generator=generator).to(
+            device
+        ),
+    )
 
 
 def _synchronize(device) -> None:
@@ -124,7 +138,7 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def train_steps(config, plan, micro_batch: int, steps: int) -> Dict[str, float]:
+def train_steps(config, plan, micro_batch: int, steps: int) -> dict[str, float]:
     """Forward and backward through the kit's device path (autocast, loss scaling): seconds per step of the last
     ``steps - 1`` (the first warms up) and the peak memory of one step."""
     from collab_kit.model.device import LossScaler
@@ -150,8 +164,12 @@ def train_steps(config, plan, micro_batch: int, steps: int) -> Dict[str, float]:
                 seconds.append(time.perf_counter() - start)
             if plan.device.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated())
-        return dict(seconds=sum(seconds) / len(seconds), peak=peak, samples_per_second=micro_batch / (
-            sum(seconds) / len(seconds)), loss=float(loss.detach()))
+        return dict(
+            seconds=sum(seconds) / len(seconds),
+            peak=peak,
+            samples_per_second=micro_batch / (sum(seconds) / len(seconds)),
+            loss=float(loss.detach()),
+        )
     finally:
         del model, scaler
         _free(plan.device)
@@ -186,7 +204,7 @@ def top_kernels(config, plan, micro_batch: int, count: int = 5) -> str:
     return "; ".join(event.key[:60] for event in events)
 
 
-def throughput_rows(shapes: Shapes, rows: List[dict]) -> None:
+def throughput_rows(shapes: Shapes, rows: list[dict]) -> None:
     """The paper preset in bf16 and fp16: samples/s and model FLOPs utilization at the largest micro-batch tried."""
     from collab_kit.config import get_preset
     from collab_kit.model.device import choose_device
@@ -203,35 +221,58 @@ def throughput_rows(shapes: Shapes, rows: List[dict]) -> None:
                 _free(plan.device)
                 break
             best = (micro_batch, measured)
-            print(f"  {precision} micro-batch {micro_batch}: {measured['samples_per_second']:.1f} samples/s, peak "
-                  f"{measured['peak'] / GiB:.2f} GiB", flush=True)
+            print(
+                f"  {precision} micro-batch {micro_batch}: {measured['samples_per_second']:.1f} samples/s, peak "
+                f"{measured['peak'] / GiB:.2f} GiB",
+                flush=True,
+            )
         if best is None:
-            rows.append(common.make_row(__spec__.name, f"{shapes.preset} preset {precision}: utilization", None,
-                                        ">= 0.40",
-                                        "no micro-batch fit", details="out of memory at the smallest micro-batch"))
+            rows.append(
+                common.make_row(
+                    __spec__.name,
+                    f"{shapes.preset} preset {precision}: utilization",
+                    None,
+                    ">= 0.40",
+                    "no micro-batch fit",
+                    details="out of memory at the smallest micro-batch",
+                )
+            )
             continue
         micro_batch, measured = best
         peak = peak_flops(plan.name)
         utilization = measured["samples_per_second"] * per_sample / peak if peak else None
         hopper = any(part in plan.name for part in HOPPER)
-        details = (f"{plan.describe()}; micro-batch {micro_batch}, reversible layers: "
-                   f"{measured['samples_per_second']:.1f} samples/s, {per_sample / 1e12:.2f} TFLOP per sample, "
-                   f"peak {measured['peak'] / GiB:.2f} GiB per step")
+        details = (
+            f"{plan.describe()}; micro-batch {micro_batch}, reversible layers: "
+            f"{measured['samples_per_second']:.1f} samples/s, {per_sample / 1e12:.2f} TFLOP per sample, "
+            f"peak {measured['peak'] / GiB:.2f} GiB per step"
+        )
         if utilization is not None and hopper and utilization < 0.40:
             details += f"; top kernels: {top_kernels(config, plan, micro_batch)}"
         display = f"{utilization:.1%}" if utilization is not None else f"{measured['samples_per_second']:.1f}/s"
-        rows.append(common.make_row(__spec__.name, f"{shapes.preset} preset {precision}: model FLOPs utilization",
-                                    utilization,
-                                    ">= 0.40" if hopper else ">= 0.0", display, details=details,
-                                    note="no known 16-bit peak for this device" if peak is None else
-                                    "" if hopper else "the 40% target is set for H100/H200"))
+        rows.append(
+            common.make_row(
+                __spec__.name,
+                f"{shapes.preset} preset {precision}: model FLOPs utilization",
+                utilization,
+                ">= 0.40" if hopper else ">= 0.0",
+                display,
+                details=details,
+                note="no known 16-bit peak for this device"
+                if peak is None
+                else ""
+                if hopper
+                else "the 40% target is set for H100/H200",
+            )
+        )
 
 
 def largest_within(config, plan, budget_bytes: int, limit: int = 128) -> int:
     """The largest micro-batch whose training step fits ``budget_bytes`` of the GPU (0: not one)."""
     if plan.device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / torch.cuda.get_device_properties(
-            plan.device).total_memory), plan.device)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, budget_bytes / torch.cuda.get_device_properties(plan.device).total_memory), plan.device
+        )
     low, high = 0, limit
     try:
         while low < high:
@@ -248,7 +289,7 @@ def largest_within(config, plan, budget_bytes: int, limit: int = 128) -> int:
             torch.cuda.set_per_process_memory_fraction(1.0, plan.device)
 
 
-def budget_rows(shapes: Shapes, rows: List[dict]) -> None:
+def budget_rows(shapes: Shapes, rows: list[dict]) -> None:
     """The largest micro-batch within 15 GiB, beside the preflight's choice for that budget."""
     import dataclasses
 
@@ -259,16 +300,23 @@ def budget_rows(shapes: Shapes, rows: List[dict]) -> None:
     run = get_preset(shapes.preset)
     plan = choose_device(shapes.device, "fp16")  # a T4 trains in fp16
     # what the preflight and `collab-kit join` choose for a card of that memory (collab_kit.memory.fit_to_device)
-    chosen = memory.recommend_for_plan(run, dataclasses.replace(plan, memory_bytes=shapes.budget_bytes),
-                                       shapes.budget_bytes)
+    chosen = memory.recommend_for_plan(
+        run, dataclasses.replace(plan, memory_bytes=shapes.budget_bytes), shapes.budget_bytes
+    )
     largest = largest_within(run.model, plan, shapes.budget_bytes, limit=8 if plan.device.type == "cpu" else 128)
-    rows.append(common.make_row(
-        __spec__.name, f"{shapes.preset} preset: largest micro-batch within 15 GiB (fp16, reversible)", largest, ">= 1",
-        str(largest), details=f"the preflight chooses micro-batch {chosen.micro_batch} for that budget "
-                              f"({chosen.reason})"))
+    rows.append(
+        common.make_row(
+            __spec__.name,
+            f"{shapes.preset} preset: largest micro-batch within 15 GiB (fp16, reversible)",
+            largest,
+            ">= 1",
+            str(largest),
+            details=f"the preflight chooses micro-batch {chosen.micro_batch} for that budget ({chosen.reason})",
+        )
+    )
 
 
-def paper_memory_rows(shapes: Shapes, rows: List[dict]) -> None:
+def paper_memory_rows(shapes: Shapes, rows: list[dict]) -> None:
     """Peak GPU memory of a training step of the paper preset / the estimate (weights, gradients and activations on
     the GPU; the offloaded optimizer's state on the CPU), reversible and not."""
     from collab_kit import memory
@@ -279,11 +327,15 @@ def paper_memory_rows(shapes: Shapes, rows: List[dict]) -> None:
     micro_batch = shapes.micro_batches[0]
     for reversible in (True, False):
         run = get_preset(shapes.preset, model=dict(reversible=reversible))
-        estimate = memory.estimate(run, optimizer="8bit", offload=True, checkpointing=reversible,
-                                   micro_batch=micro_batch, precision="mixed")
+        estimate = memory.estimate(
+            run, optimizer="8bit", offload=True, checkpointing=reversible, micro_batch=micro_batch, precision="mixed"
+        )
         if plan.device.type != "cuda":
-            print(f"  dry run: the paper memory estimate, reversible={reversible}: "
-                  f"{estimate.gpu_bytes / GiB:.3f} GiB (measured on a GPU only)", flush=True)
+            print(
+                f"  dry run: the paper memory estimate, reversible={reversible}: "
+                f"{estimate.gpu_bytes / GiB:.3f} GiB (measured on a GPU only)",
+                flush=True,
+            )
             continue
         try:
             measured = train_steps(run.model, plan, micro_batch, 2)["peak"]
@@ -292,15 +344,21 @@ def paper_memory_rows(shapes: Shapes, rows: List[dict]) -> None:
             measured = None
         ratio = measured / estimate.gpu_bytes if measured else None
         layers = "reversible" if reversible else "standard"
-        rows.append(common.make_row(
-            __spec__.name, f"{shapes.preset} preset memory measured / estimated ({layers} layers, micro-batch "
-                           f"{micro_batch})", None if ratio is None else abs(ratio - 1), "<= 0.10",
-            f"{ratio:.3f}x" if ratio else "out of memory", note="the distance from 1",
-            details=f"peak {measured / GiB if measured else float('nan'):.2f} GiB, estimated "
-                    f"{estimate.gpu_bytes / GiB:.2f} GiB"))
+        rows.append(
+            common.make_row(
+                __spec__.name,
+                f"{shapes.preset} preset memory measured / estimated ({layers} layers, micro-batch {micro_batch})",
+                None if ratio is None else abs(ratio - 1),
+                "<= 0.10",
+                f"{ratio:.3f}x" if ratio else "out of memory",
+                note="the distance from 1",
+                details=f"peak {measured / GiB if measured else float('nan'):.2f} GiB, estimated "
+                f"{estimate.gpu_bytes / GiB:.2f} GiB",
+            )
+        )
 
 
-def gpt2_memory_rows(shapes: Shapes, rows: List[dict]) -> None:
+def gpt2_memory_rows(shapes: Shapes, rows: list[dict]) -> None:
     """GPT-2's memory against the estimate, through benchmarks/memory_gpu.py."""
     if not shapes.gpt2_sizes:
         from collab_kit import memory
@@ -311,15 +369,25 @@ def gpt2_memory_rows(shapes: Shapes, rows: List[dict]) -> None:
     from benchmarks import memory_gpu
 
     for row in memory_gpu.measure(shapes.gpt2_sizes, micro_batch=4, seq_len=1024, steps=2):
-        name = (f"{row['model']} memory measured / estimated ({row['optimizer']} Adam"
-                f"{', checkpointing' if row['checkpointing'] else ''})")
+        name = (
+            f"{row['model']} memory measured / estimated ({row['optimizer']} Adam"
+            f"{', checkpointing' if row['checkpointing'] else ''})"
+        )
         ratio = row.get("ratio_peak")
-        rows.append(common.make_row(__spec__.name, name, None if ratio is None else abs(ratio - 1), "<= 0.10",
-                                    f"{ratio:.3f}x" if ratio else row.get("error", "-"), note="the distance from 1",
-                                    details=memory_gpu.format_row(row)))
+        rows.append(
+            common.make_row(
+                __spec__.name,
+                name,
+                None if ratio is None else abs(ratio - 1),
+                "<= 0.10",
+                f"{ratio:.3f}x" if ratio else row.get("error", "-"),
+                note="the distance from 1",
+                details=memory_gpu.format_row(row),
+            )
+        )
 
 
-def swarm_rows(shapes: Shapes, rows: List[dict], workdir: str) -> None:
+def swarm_rows(shapes: Shapes, rows: list[dict], workdir: str) -> None:
     """Two volunteers through ``collab-kit join --device`` with a monitor on 127.0.0.1: every epoch averaged."""
     from collab_kit.config import get_preset
     from collab_kit.data.synthetic import make_synthetic_shards
@@ -328,20 +396,57 @@ def swarm_rows(shapes: Shapes, rows: List[dict], workdir: str) -> None:
     config = get_preset(shapes.swarm_preset)
     shards = os.path.join(workdir, "shards")
     make_synthetic_shards(shards, 1024, config.model.image_side, config.model.codebook_size)
-    common_args = ["--preset", shapes.swarm_preset, "--run-id", "gpu_check", "--host", "127.0.0.1",
-                   *[arg for setting in shapes.swarm_settings for arg in ("--set", setting)]]
+    common_args = [
+        "--preset",
+        shapes.swarm_preset,
+        "--run-id",
+        "gpu_check",
+        "--host",
+        "127.0.0.1",
+        *[arg for setting in shapes.swarm_settings for arg in ("--set", setting)],
+    ]
     peers = []
     try:
-        monitor = PeerProcess("monitor", ["monitor", *common_args, "--data", shards, "--events", "--db", "",
-                                          "--checkpoint-every", "0", "--poll-every", "1"],
-                              os.path.join(workdir, "monitor.log"))
+        monitor = PeerProcess(
+            "monitor",
+            [
+                "monitor",
+                *common_args,
+                "--data",
+                shards,
+                "--events",
+                "--db",
+                "",
+                "--checkpoint-every",
+                "0",
+                "--poll-every",
+                "1",
+            ],
+            os.path.join(workdir, "monitor.log"),
+        )
         peers.append(monitor)
         addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its address")["addresses"]
         for index in range(2):
-            peers.append(PeerProcess(f"volunteer-{index}", [
-                "join", *common_args, "--initial-peers", *addresses, "--device", shapes.device, "--events",
-                "--no-progress", "--max-epochs", str(shapes.swarm_epochs), "--wait-for-peers", "2"],
-                os.path.join(workdir, f"volunteer-{index}.log")))
+            peers.append(
+                PeerProcess(
+                    f"volunteer-{index}",
+                    [
+                        "join",
+                        *common_args,
+                        "--initial-peers",
+                        *addresses,
+                        "--device",
+                        shapes.device,
+                        "--events",
+                        "--no-progress",
+                        "--max-epochs",
+                        str(shapes.swarm_epochs),
+                        "--wait-for-peers",
+                        "2",
+                    ],
+                    os.path.join(workdir, f"volunteer-{index}.log"),
+                )
+            )
         dones, averaged, devices, alone = [], [], [], []
         for peer in peers[1:]:
             ready = peer.wait_for(lambda e: e["type"] == "ready", timeout=120, what="its start")
@@ -354,15 +459,21 @@ def swarm_rows(shapes: Shapes, rows: List[dict], workdir: str) -> None:
             peer.kill()
     epochs = min(done["final_epoch"] for done in dones)
     share = min(averaged) / max(1, epochs)
-    rows.append(common.make_row(
-        __spec__.name, f"2 volunteers of the {shapes.swarm_preset} preset on {shapes.device}: epochs averaged",
-        share, ">= 1.0", f"{min(averaged)}/{epochs}",
-        details=f"devices {', '.join(devices)}; averaged rounds {averaged}; epochs not averaged {alone}; "
-                f"fp16 overflows skipped "
-                f"{[done.get('overflow_steps', 0) for done in dones]}"))
+    rows.append(
+        common.make_row(
+            __spec__.name,
+            f"2 volunteers of the {shapes.swarm_preset} preset on {shapes.device}: epochs averaged",
+            share,
+            ">= 1.0",
+            f"{min(averaged)}/{epochs}",
+            details=f"devices {', '.join(devices)}; averaged rounds {averaged}; epochs not averaged {alone}; "
+            f"fp16 overflows skipped "
+            f"{[done.get('overflow_steps', 0) for done in dones]}",
+        )
+    )
 
 
-def generation_rows(shapes: Shapes, rows: List[dict]) -> None:
+def generation_rows(shapes: Shapes, rows: list[dict]) -> None:
     """Candidates of the paper preset's 1024 codes, with the KV cache (random weights), in seconds."""
     from collab_kit.config import get_preset
     from collab_kit.model.device import choose_device
@@ -382,22 +493,33 @@ def generation_rows(shapes: Shapes, rows: List[dict]) -> None:
     seconds = time.perf_counter() - start
     del model
     _free(plan.device)
-    rows.append(common.make_row(
-        __spec__.name, f"{shapes.preset} preset: {shapes.candidates} candidates of {config.image_length} codes "
-                       f"with the KV cache", seconds, ">= 0", f"{seconds:.1f} s",
-        details=f"{plan.describe()}, top-k 256, codes {tuple(codes.shape)}"))
+    rows.append(
+        common.make_row(
+            __spec__.name,
+            f"{shapes.preset} preset: {shapes.candidates} candidates of {config.image_length} codes with the KV cache",
+            seconds,
+            ">= 0",
+            f"{seconds:.1f} s",
+            details=f"{plan.describe()}, top-k 256, codes {tuple(codes.shape)}",
+        )
+    )
 
 
 # the figures a session most needs first: a run cut short by the device's time limit keeps those
-PARTS: Tuple[Tuple[str, Callable], ...] = (("throughput", throughput_rows), ("two volunteers", None),
-                                           ("15 GiB", budget_rows), ("generation", generation_rows),
-                                           ("paper memory", paper_memory_rows), ("GPT-2 memory", gpt2_memory_rows))
+PARTS: tuple[tuple[str, Callable], ...] = (
+    ("throughput", throughput_rows),
+    ("two volunteers", None),
+    ("15 GiB", budget_rows),
+    ("generation", generation_rows),
+    ("paper memory", paper_memory_rows),
+    ("GPT-2 memory", gpt2_memory_rows),
+)
 
 
-def measure(shapes: Shapes, out: Optional[str] = None) -> List[dict]:
+def measure(shapes: Shapes, out: str | None = None) -> list[dict]:
     """Every part, in order; a part that fails is an error row, the others still run. With ``out``, the rows so far
     are written there as JSON after each part, so a run stopped midway keeps what it measured (``--record``)."""
-    rows: List[dict] = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="collab_kit_gpu_check_") as workdir:
         for name, part in PARTS:
             started = time.perf_counter()
@@ -417,7 +539,7 @@ def measure(shapes: Shapes, out: Optional[str] = None) -> List[dict]:
     return rows
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     """What ``make bench`` runs: the GPU figures where there is a GPU, nothing (and a word) where there is none."""
     if not torch.cuda.is_available():
         print("  no CUDA GPU here: skipped (python -m benchmarks.gpu_check on a machine with one; its rows stay)")
@@ -425,13 +547,15 @@ def run(quick: bool = False) -> List[dict]:
     return measure(PAPER)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="every part on the CPU with tiny shapes, in seconds; nothing is written")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="every part on the CPU with tiny shapes, in seconds; nothing is written"
+    )
     parser.add_argument("--out", help="also write the rows to this JSON file, after each part")
-    parser.add_argument("--record", metavar="JSON",
-                        help="record in RESULTS.md the rows a GPU run wrote with --out (measures nothing)")
+    parser.add_argument(
+        "--record", metavar="JSON", help="record in RESULTS.md the rows a GPU run wrote with --out (measures nothing)"
+    )
     args = parser.parse_args(argv)
     if args.record:
         with open(args.record) as f:
@@ -443,8 +567,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.dry_run:
         rows = measure(DRY, args.out)
     elif not torch.cuda.is_available():
-        print("benchmarks/gpu_check.py needs a CUDA GPU and none is available here: nothing measured (--dry-run "
-              "checks its plumbing on the CPU)")
+        print(
+            "benchmarks/gpu_check.py needs a CUDA GPU and none is available here: nothing measured (--dry-run "
+            "checks its plumbing on the CPU)"
+        )
         return 0
     else:
         rows = measure(PAPER, args.out)

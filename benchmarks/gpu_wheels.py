@@ -13,6 +13,7 @@ That machine's image has torch, transformers, scipy and pyarrow, but NumPy 2.5 (
 and none of hivemind's own needs. bitsandbytes' wheel (43 MiB, one library per CUDA version) is cut to the library
 of the machine's CUDA 13.0, to stay within the 64 MiB a call carries.
 """
+
 from __future__ import annotations
 
 import glob
@@ -24,13 +25,43 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(ROOT, ".whl")
-BINARY = ("hivemind==1.1.12", "bitsandbytes==0.50.2", "numpy==2.3.5", "base58", "configargparse", "cryptography",
-          "cffi", "pycparser", "netaddr", "py-cid", "py-multihash", "py-multibase", "py-multicodec", "blake3", "mmh3",
-          "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "protobuf", "brotli", "datasets", "dill",
-          "multiprocess")
+BINARY = (
+    "hivemind==1.1.12",
+    "bitsandbytes==0.50.2",
+    "numpy==2.3.5",
+    "base58",
+    "configargparse",
+    "cryptography",
+    "cffi",
+    "pycparser",
+    "netaddr",
+    "py-cid",
+    "py-multihash",
+    "py-multibase",
+    "py-multicodec",
+    "blake3",
+    "mmh3",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "protobuf",
+    "brotli",
+    "datasets",
+    "dill",
+    "multiprocess",
+)
 SOURCE_ONLY = ("prefetch_generator", "varint", "python-baseconv", "morphys")  # pure Python, built here
-PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64")
+PLATFORMS = (
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+)
 CUDA = "130"
 
 
@@ -54,13 +85,28 @@ def main() -> int:
     os.makedirs(WHEELS, exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    subprocess.run([*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                    "--implementation", "cp", *platforms, "-d", WHEELS, *BINARY], check=True)
+    subprocess.run(
+        [
+            *pip,
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            WHEELS,
+            *BINARY,
+        ],
+        check=True,
+    )
     subprocess.run([*pip, "wheel", "--no-deps", "-w", WHEELS, *SOURCE_ONLY], check=True)
     for wheel in glob.glob(os.path.join(WHEELS, "bitsandbytes-*.whl")):
         cut_bitsandbytes(wheel)
     total = sum(os.path.getsize(path) for path in glob.glob(os.path.join(WHEELS, "*.whl")))
-    print(f"{len(os.listdir(WHEELS))} wheels in {os.path.relpath(WHEELS)}: {total / 2 ** 20:.1f} MiB")
+    print(f"{len(os.listdir(WHEELS))} wheels in {os.path.relpath(WHEELS)}: {total / 2**20:.1f} MiB")
     return 0
 
 

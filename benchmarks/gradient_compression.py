@@ -6,12 +6,13 @@ all-reduce does (``hivemind.averaging.partition.TensorPartContainer``, which cal
 ``collab_kit.swarm.lamb.gradient_compression`` and once with ``hivemind.compression.NoCompression``; the
 figure is the ratio of the summed ``ByteSize()`` of the protobufs.
 """
+
 from __future__ import annotations
 
 import asyncio
 import sys
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
@@ -41,14 +42,18 @@ of elements, not on the values, so this row is exact for sizes but uses no real 
 """
 
 
-def serialize_parts(tensor: torch.Tensor, compression) -> List:
+def serialize_parts(tensor: torch.Tensor, compression) -> list:
     """``tensor`` serialized the way hivemind's all-reduce sends it: a list of runtime_pb2.Tensor parts."""
     from hivemind.averaging.partition import TensorPartContainer
     from hivemind.compression import CompressionInfo
 
-    async def serialize() -> List:
-        container = TensorPartContainer([tensor], peer_fractions=[1.0], compression=compression,
-                                        tensor_infos=[CompressionInfo.from_tensor(tensor, key=0)])
+    async def serialize() -> list:
+        container = TensorPartContainer(
+            [tensor],
+            peer_fractions=[1.0],
+            compression=compression,
+            tensor_infos=[CompressionInfo.from_tensor(tensor, key=0)],
+        )
         return [part async for part in container.iterate_input_parts_for(0)]
 
     with warnings.catch_warnings():  # torch deprecates quantize_per_tensor, which hivemind's 8-bit codec calls
@@ -64,8 +69,13 @@ def decoding_error(tensor: torch.Tensor, parts: Sequence) -> float:
     return float((decoded - tensor.flatten()).norm() / tensor.norm().clamp_min(1e-30))
 
 
-def round_bytes(tensors: Sequence[torch.Tensor], threshold: int, check_decoding: bool = True,
-                names: Optional[Sequence[str]] = None, bits: int = 8) -> Dict[str, object]:
+def round_bytes(
+    tensors: Sequence[torch.Tensor],
+    threshold: int,
+    check_decoding: bool = True,
+    names: Sequence[str] | None = None,
+    bits: int = 8,
+) -> dict[str, object]:
     """Serialized bytes of ``tensors`` with the kit's compression and with none, and how many went 8-bit.
 
     :param check_decoding: also decode the compressed parts, as a receiving peer does, and report the
@@ -93,12 +103,20 @@ def round_bytes(tensors: Sequence[torch.Tensor], threshold: int, check_decoding:
             except Exception as e:  # a codec that cannot decode what it sent is a finding, not a crash
                 decode_failure = f"{type(e).__name__}: {e}"
     elements = sum(t.numel() for t in tensors)
-    return dict(compressed=compressed, fp32=fp32, parts=parts, elements=elements,
-                eight_bit_share=eight_bit_elements / elements, ratio=compressed / fp32,
-                worst_error=worst_error, worst_name=worst_name, decode_failure=decode_failure)
+    return dict(
+        compressed=compressed,
+        fp32=fp32,
+        parts=parts,
+        elements=elements,
+        eight_bit_share=eight_bit_elements / elements,
+        ratio=compressed / fp32,
+        worst_error=worst_error,
+        worst_name=worst_name,
+        decode_failure=decode_failure,
+    )
 
 
-def real_gradients(preset: str = "small", batch_size: int = 16) -> Tuple[List[str], List[torch.Tensor]]:
+def real_gradients(preset: str = "small", batch_size: int = 16) -> tuple[list[str], list[torch.Tensor]]:
     """Names and gradients of the preset's model (seed 0) parameters on one batch of synthetic samples."""
     from collab_kit.config import get_preset
     from collab_kit.model.transformer import TextToImageTransformer
@@ -112,7 +130,7 @@ def real_gradients(preset: str = "small", batch_size: int = 16) -> Tuple[List[st
     return list(names), [param.grad for param in params]
 
 
-def parameter_shapes(preset: str = "paper") -> List[torch.Size]:
+def parameter_shapes(preset: str = "paper") -> list[torch.Size]:
     """The shape of every parameter of the preset's model, built on the meta device (no memory for it)."""
     from collab_kit.config import get_preset
     from collab_kit.model.transformer import TextToImageTransformer
@@ -122,35 +140,43 @@ def parameter_shapes(preset: str = "paper") -> List[torch.Size]:
     return [param.shape for param in model.parameters()]
 
 
-def paper_round_bytes(threshold: int) -> Dict[str, float]:
+def paper_round_bytes(threshold: int) -> dict[str, float]:
     """round_bytes for the paper preset's shapes, serializing one tensor per distinct shape."""
     shapes = parameter_shapes("paper")
-    per_shape: Dict[torch.Size, Dict[str, float]] = {}
+    per_shape: dict[torch.Size, dict[str, float]] = {}
     generator = torch.Generator().manual_seed(0)
     for shape in set(shapes):
-        per_shape[shape] = round_bytes([torch.randn(shape, generator=generator) * 1e-3], threshold,
-                                       check_decoding=False)
+        per_shape[shape] = round_bytes(
+            [torch.randn(shape, generator=generator) * 1e-3], threshold, check_decoding=False
+        )
     total = {key: sum(per_shape[shape][key] for shape in shapes) for key in ("compressed", "fp32", "parts", "elements")}
-    total["eight_bit_share"] = sum(per_shape[s]["eight_bit_share"] * per_shape[s]["elements"] for s in shapes) \
-        / total["elements"]
+    total["eight_bit_share"] = (
+        sum(per_shape[s]["eight_bit_share"] * per_shape[s]["elements"] for s in shapes) / total["elements"]
+    )
     total["ratio"] = total["compressed"] / total["fp32"]
     return total
 
 
-def _details(result: Dict[str, object], what: str) -> str:
-    text = (f"{what}: {common.fmt_bytes(result['compressed'])} compressed vs {common.fmt_bytes(result['fp32'])} fp32 "
-            f"for {result['elements'] / 1e6:.2f} M gradient values in {int(result['parts'])} parts; "
-            f"{result['eight_bit_share']:.1%} of the values are in tensors sent as 8 bits.")
+def _details(result: dict[str, object], what: str) -> str:
+    text = (
+        f"{what}: {common.fmt_bytes(result['compressed'])} compressed vs {common.fmt_bytes(result['fp32'])} fp32 "
+        f"for {result['elements'] / 1e6:.2f} M gradient values in {int(result['parts'])} parts; "
+        f"{result['eight_bit_share']:.1%} of the values are in tensors sent as 8 bits."
+    )
     if result.get("decode_failure"):
-        text += (f" WARNING: hivemind could not decode the compressed parts ({result['decode_failure']}), "
-                 f"so peers would fail to average these gradients.")
+        text += (
+            f" WARNING: hivemind could not decode the compressed parts ({result['decode_failure']}), "
+            f"so peers would fail to average these gradients."
+        )
     elif "decode_failure" in result and result.get("worst_error") is not None:
-        text += (f" Decoded by hivemind as a receiving peer does: relative L2 error up to {result['worst_error']:.3f} "
-                 f"per tensor (worst: {result['worst_name']}).")
+        text += (
+            f" Decoded by hivemind as a receiving peer does: relative L2 error up to {result['worst_error']:.3f} "
+            f"per tensor (worst: {result['worst_name']})."
+        )
     return text
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     from collab_kit.config import get_preset
 
     module = __spec__.name
@@ -158,18 +184,33 @@ def run(quick: bool = False) -> List[dict]:
     names, gradients = real_gradients("small")
     small = round_bytes(gradients, threshold, names=names)
     note = "but hivemind cannot decode these parts, see below" if small["decode_failure"] else ""
-    rows = [common.make_row(module, "gradient round bytes, adaptive / fp32 (small preset, real gradients)",
-                            small["ratio"], "<= 0.26", f"{small['ratio']:.3f}",
-                            _details(small, "small preset"), note=note)]
+    rows = [
+        common.make_row(
+            module,
+            "gradient round bytes, adaptive / fp32 (small preset, real gradients)",
+            small["ratio"],
+            "<= 0.26",
+            f"{small['ratio']:.3f}",
+            _details(small, "small preset"),
+            note=note,
+        )
+    ]
     if small["decode_failure"]:
         print(f"  WARNING: hivemind cannot decode the compressed gradients: {small['decode_failure']}", flush=True)
     print(f"  small preset: {small['ratio']:.4f}", flush=True)
     if not quick:
         paper_threshold = get_preset("paper").optimizer.compression_threshold
         paper = paper_round_bytes(paper_threshold)
-        rows.append(common.make_row(module, "gradient round bytes, adaptive / fp32 (paper preset, shapes only)",
-                                    paper["ratio"], "<= 0.26", f"{paper['ratio']:.3f}",
-                                    _details(paper, "paper preset, noise tensors of the model's shapes")))
+        rows.append(
+            common.make_row(
+                module,
+                "gradient round bytes, adaptive / fp32 (paper preset, shapes only)",
+                paper["ratio"],
+                "<= 0.26",
+                f"{paper['ratio']:.3f}",
+                _details(paper, "paper preset, noise tensors of the model's shapes"),
+            )
+        )
         print(f"  paper preset (shapes): {paper['ratio']:.4f}", flush=True)
     return rows
 

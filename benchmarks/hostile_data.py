@@ -4,6 +4,7 @@ A shard row of a few hundred bytes can hold a Brotli payload that expands to gig
 lets the decompressor past the size the record's header announces (at most 131,070 bytes), so refusing a bomb
 costs a small, fixed amount where plain Brotli spends what the bomb expands to.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import List
 
 import brotli
 import numpy as np
@@ -78,11 +78,15 @@ def _bomb(expanded_bytes: int, window_bits: int) -> bytes:
     return bytes([5 | 0x80]) + (16).to_bytes(2, "little") + payload
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     # the largest legal record that goes through Brotli: 65,535 codes of 16 bits, of low entropy (0..15)
-    legal = encode_codes(np.random.default_rng(0).integers(0, 16, size=2 ** 16 - 1), 2 ** 16)
-    records = {"legal": legal, "bomb 256 MiB, window 4 MiB": _bomb(256 << 20, 22),
-               "bomb 1 GiB, window 4 MiB": _bomb(1 << 30, 22), "bomb 1 GiB, window 16 MiB": _bomb(1 << 30, 24)}
+    legal = encode_codes(np.random.default_rng(0).integers(0, 16, size=2**16 - 1), 2**16)
+    records = {
+        "legal": legal,
+        "bomb 256 MiB, window 4 MiB": _bomb(256 << 20, 22),
+        "bomb 1 GiB, window 4 MiB": _bomb(1 << 30, 22),
+        "bomb 1 GiB, window 16 MiB": _bomb(1 << 30, 24),
+    }
     records["plain"] = records["bomb 256 MiB, window 4 MiB"]
     with tempfile.TemporaryDirectory() as folder:
         arguments = []
@@ -93,8 +97,12 @@ def run(quick: bool = False) -> List[dict]:
             arguments += [name, path]
         measured = {}
         for name, path in zip(arguments[::2], arguments[1::2]):  # a fresh process each: nothing reused
-            result = subprocess.run([sys.executable, "-c", MEASURE, str(3 if quick else 5), name, path],
-                                    capture_output=True, text=True, timeout=600)
+            result = subprocess.run(
+                [sys.executable, "-c", MEASURE, str(3 if quick else 5), name, path],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             if result.returncode != 0:
                 raise RuntimeError(f"the measuring process failed: {result.stderr[-1000:]}")
             measured[name] = json.loads(result.stdout.splitlines()[-1])
@@ -103,18 +111,33 @@ def run(quick: bool = False) -> List[dict]:
     slowest = max(row["seconds"] for row in bombs.values())
     largest = max(row["growth"] for row in bombs.values())
     held = slowest < 0.1 and largest < 10e6
-    details = ("; ".join(f"{name} ({row['size']} bytes): refused in {row['seconds'] * 1e3:.2f} ms, "
-                         f"+{row['growth'] / 2 ** 20:.2f} MiB" for name, row in bombs.items()) +
-               f"; bound 100 ms and 10 MB: {'held' if held else 'NOT held'}. Plain brotli.decompress of the 256 MiB "
-               f"bomb: {plain['seconds']:.2f} s, +{plain['growth'] / 2 ** 20:.0f} MiB. The largest legal Brotli "
-               f"record ({legal_row['size']} bytes) decodes in {legal_row['seconds'] * 1e3:.2f} ms, "
-               f"+{legal_row['growth'] / 2 ** 20:.2f} MiB")
+    details = (
+        "; ".join(
+            f"{name} ({row['size']} bytes): refused in {row['seconds'] * 1e3:.2f} ms, +{row['growth'] / 2**20:.2f} MiB"
+            for name, row in bombs.items()
+        )
+        + f"; bound 100 ms and 10 MB: {'held' if held else 'NOT held'}. Plain brotli.decompress of the 256 MiB "
+        f"bomb: {plain['seconds']:.2f} s, +{plain['growth'] / 2**20:.0f} MiB. The largest legal Brotli "
+        f"record ({legal_row['size']} bytes) decodes in {legal_row['seconds'] * 1e3:.2f} ms, "
+        f"+{legal_row['growth'] / 2**20:.2f} MiB"
+    )
     return [
-        common.make_row(__spec__.name, "time: slowest bomb refused / plain Brotli expanding a 256 MiB bomb",
-                        slowest / plain["seconds"], "<= 0.1", f"{slowest / plain['seconds']:.4f}x", details),
-        common.make_row(__spec__.name, "resident memory: largest growth refusing a bomb / plain Brotli's",
-                        largest / max(1, plain["growth"]), "<= 0.05", f"{largest / max(1, plain['growth']):.4f}x",
-                        "growth of the resident memory's peak during one call; absolute figures in the row above"),
+        common.make_row(
+            __spec__.name,
+            "time: slowest bomb refused / plain Brotli expanding a 256 MiB bomb",
+            slowest / plain["seconds"],
+            "<= 0.1",
+            f"{slowest / plain['seconds']:.4f}x",
+            details,
+        ),
+        common.make_row(
+            __spec__.name,
+            "resident memory: largest growth refusing a bomb / plain Brotli's",
+            largest / max(1, plain["growth"]),
+            "<= 0.05",
+            f"{largest / max(1, plain['growth']):.4f}x",
+            "growth of the resident memory's peak during one call; absolute figures in the row above",
+        ),
     ]
 
 

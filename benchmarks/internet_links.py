@@ -11,6 +11,7 @@ the compute is simulated (a real forward / backward of one sample of the micro-b
 ``python -m benchmarks.internet_links`` measures and updates RESULTS.md; ``--peer ...`` is one simulated
 volunteer (what the benchmark starts inside a home of the lab).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 from benchmarks import common
 from benchmarks.swarm_scaling import epoch_end_times, step_on_simulated_accelerator, stop_peers
@@ -87,8 +88,11 @@ def small_preset_peer(args: argparse.Namespace):
     after."""
     from collab_kit.config import get_preset
 
-    config = get_preset("small", swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
-                        optimizer=dict(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch))
+    config = get_preset(
+        "small",
+        swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
+        optimizer=dict(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch),
+    )
     with volunteer_peer(config) as (model, optimizer):
         yield config, model, optimizer
 
@@ -130,10 +134,12 @@ def peer_main(args: argparse.Namespace) -> int:
         overlapped = 0.0
         while optimizer.local_epoch < args.epochs:
             started = time.perf_counter()
-            text = torch.randint(1, config.model.text_vocab_size, (args.micro_batch, config.model.text_length),
-                                 generator=generator)
-            codes = torch.randint(0, config.model.codebook_size, (args.micro_batch, config.model.image_length),
-                                  generator=generator)
+            text = torch.randint(
+                1, config.model.text_vocab_size, (args.micro_batch, config.model.text_length), generator=generator
+            )
+            codes = torch.randint(
+                0, config.model.codebook_size, (args.micro_batch, config.model.image_length), generator=generator
+            )
             # the gradients are the model's real ones, of one sample of the micro-batch: 2 cores shared by the whole lab
             # cannot run every volunteer's full micro-batch in compute_seconds, and the bytes depend on shapes only
             model(text[:1], codes[:1]).loss.backward()
@@ -183,24 +189,60 @@ def measure(rate: float, setting: Setting, log_dir: str) -> dict:
     pythonpath = os.pathsep.join(filter(None, [common.REPO_ROOT, os.environ.get("PYTHONPATH")]))
     with NetworkLab() as lab:
         server = lab.public_host("server")
-        monitor = server.start("monitor", ["monitor", "--preset", "small", "--run-id", run_id, "--host", "0.0.0.0",
-                                           "--events", "--db", "", "--checkpoint-every", "0", "--set",
-                                           f"optimizer.target_batch_size={setting.target_batch_size}", "--set",
-                                           f"optimizer.batch_size_per_step={setting.micro_batch}"],
-                               os.path.join(log_dir, f"{run_id}-monitor.log"))
+        monitor = server.start(
+            "monitor",
+            [
+                "monitor",
+                "--preset",
+                "small",
+                "--run-id",
+                run_id,
+                "--host",
+                "0.0.0.0",
+                "--events",
+                "--db",
+                "",
+                "--checkpoint-every",
+                "0",
+                "--set",
+                f"optimizer.target_batch_size={setting.target_batch_size}",
+                "--set",
+                f"optimizer.batch_size_per_step={setting.micro_batch}",
+            ],
+            os.path.join(log_dir, f"{run_id}-monitor.log"),
+        )
         addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT, what="its address")[
-            "addresses"]
+            "addresses"
+        ]
         homes = [lab.home(f"home{i}") for i in range(setting.volunteers)]
         for home in homes:
             home.limit(rate)
-        peers = [home.start(home.name, ["--peer", "--run-id", run_id, "--initial-peers", *addresses, "--epochs",
-                                        str(epochs), "--target-batch-size", str(setting.target_batch_size),
-                                        "--micro-batch", str(setting.micro_batch), "--compute-seconds",
-                                        repr(setting.compute_seconds), "--seed", str(index)],
-                            os.path.join(log_dir, f"{run_id}-{home.name}.log"),
-                            env=dict(PYTHONPATH=pythonpath),
-                            command=(sys.executable, "-m", "benchmarks.internet_links"))
-                 for index, home in enumerate(homes)]
+        peers = [
+            home.start(
+                home.name,
+                [
+                    "--peer",
+                    "--run-id",
+                    run_id,
+                    "--initial-peers",
+                    *addresses,
+                    "--epochs",
+                    str(epochs),
+                    "--target-batch-size",
+                    str(setting.target_batch_size),
+                    "--micro-batch",
+                    str(setting.micro_batch),
+                    "--compute-seconds",
+                    repr(setting.compute_seconds),
+                    "--seed",
+                    str(index),
+                ],
+                os.path.join(log_dir, f"{run_id}-{home.name}.log"),
+                env=dict(PYTHONPATH=pythonpath),
+                command=(sys.executable, "-m", "benchmarks.internet_links"),
+            )
+            for index, home in enumerate(homes)
+        ]
         try:
             for peer in peers:
                 started = peer.wait_for(lambda e: e["type"] == "training", timeout=START_TIMEOUT, what="training")
@@ -210,8 +252,11 @@ def measure(rate: float, setting: Setting, log_dir: str) -> dict:
             counted = {}
             for mark in (setting.warmup_epochs, epochs):
                 for peer in peers:
-                    peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= mark,
-                                  timeout=60 + 20 * epochs * (setting.compute_time + 30), what=f"epoch {mark}")
+                    peer.wait_for(
+                        lambda e: e["type"] == "epoch" and e["epoch"] >= mark,
+                        timeout=60 + 20 * epochs * (setting.compute_time + 30),
+                        what=f"epoch {mark}",
+                    )
                 counted[mark] = [home.link_bytes() for home in homes]
             for peer in peers:
                 peer.wait_for(lambda e: e["type"] == "done", timeout=120, what="the end")
@@ -219,18 +264,32 @@ def measure(rate: float, setting: Setting, log_dir: str) -> dict:
             stop_peers(peers)
     ends = epoch_end_times([[e for e in peer.events if e["type"] == "epoch"] for peer in peers])
     seconds = (ends[epochs] - ends[setting.warmup_epochs]) / setting.measured_epochs
-    moved = [(after.sent - before.sent + after.received - before.received) / setting.measured_epochs
-             for before, after in zip(counted[setting.warmup_epochs], counted[epochs])]
-    groups = [e["group_size"] for peer in peers for e in peer.events if e["type"] == "epoch"
-              and e["epoch"] > setting.warmup_epochs]
-    result = dict(rate=rate, seconds=seconds, bytes_per_epoch=statistics.median(moved), moved=moved,
-                  mean_group=sum(groups) / max(1, len(groups)))
-    print(f"  {rate:g} Mbit/s: {seconds:.2f} s per epoch, {result['bytes_per_epoch'] / 2**20:.2f} MiB per volunteer "
-          f"per epoch, mean group {result['mean_group']:.2f}", flush=True)
+    moved = [
+        (after.sent - before.sent + after.received - before.received) / setting.measured_epochs
+        for before, after in zip(counted[setting.warmup_epochs], counted[epochs])
+    ]
+    groups = [
+        e["group_size"]
+        for peer in peers
+        for e in peer.events
+        if e["type"] == "epoch" and e["epoch"] > setting.warmup_epochs
+    ]
+    result = dict(
+        rate=rate,
+        seconds=seconds,
+        bytes_per_epoch=statistics.median(moved),
+        moved=moved,
+        mean_group=sum(groups) / max(1, len(groups)),
+    )
+    print(
+        f"  {rate:g} Mbit/s: {seconds:.2f} s per epoch, {result['bytes_per_epoch'] / 2**20:.2f} MiB per volunteer "
+        f"per epoch, mean group {result['mean_group']:.2f}",
+        flush=True,
+    )
     return result
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     common.require_network_lab()
     setting = QUICK if quick else FULL
     predicted_bytes = gradient_bytes()
@@ -242,25 +301,36 @@ def run(quick: bool = False) -> List[dict]:
         moved_ideal = 2 * predicted_bytes * 8 / (rate * 1e6)
         ideal = setting.compute_time + moved_ideal
         ratio = result["seconds"] / ideal
-        rows.append(common.make_row(
-            __spec__.name, f"NAT volunteers on {rate:g} Mbit/s links: time per epoch / ideal", ratio,
-            f"<= {TARGET_RATIO}", f"{ratio:.2f}x",
-            f"{result['seconds']:.2f} s per epoch; ideal {ideal:.2f} s = compute {setting.compute_time:.2f} s + "
-            f"2 x {predicted_bytes / 2**20:.2f} MiB ({parameter_count():,} parameters) at {rate:g} Mbit/s "
-            f"({moved_ideal:.2f} s); mean group "
-            f"{result['mean_group']:.2f} training peers; logs in {log_dir}.",
-            note="" if rate == TARGET_RATE else f"the issue's target is at {TARGET_RATE:g} Mbit/s"))
+        rows.append(
+            common.make_row(
+                __spec__.name,
+                f"NAT volunteers on {rate:g} Mbit/s links: time per epoch / ideal",
+                ratio,
+                f"<= {TARGET_RATIO}",
+                f"{ratio:.2f}x",
+                f"{result['seconds']:.2f} s per epoch; ideal {ideal:.2f} s = compute {setting.compute_time:.2f} s + "
+                f"2 x {predicted_bytes / 2**20:.2f} MiB ({parameter_count():,} parameters) at {rate:g} Mbit/s "
+                f"({moved_ideal:.2f} s); mean group "
+                f"{result['mean_group']:.2f} training peers; logs in {log_dir}.",
+                note="" if rate == TARGET_RATE else f"the issue's target is at {TARGET_RATE:g} Mbit/s",
+            )
+        )
     for rate, result in results.items():
         relative = result["bytes_per_epoch"] / (2 * predicted_bytes)
-        rows.append(common.make_row(
-            __spec__.name,
-            f"bytes per epoch on a {rate:g} Mbit/s volunteer's link: "
-            "distance of counted / compression's prediction from 1",
-            abs(relative - 1), f"<= {BYTES_TOLERANCE}", f"{abs(relative - 1):.3f}",
-            f"{result['bytes_per_epoch'] / 2**20:.2f} MiB counted per volunteer per epoch (each: "
-            f"{', '.join(f'{m / 2**20:.2f}' for m in result['moved'])} MiB), predicted 2 x "
-            f"{predicted_bytes / 2**20:.2f} MiB (gradients up, their average down).",
-            note=f"counted / predicted: {relative:.3f}"))
+        rows.append(
+            common.make_row(
+                __spec__.name,
+                f"bytes per epoch on a {rate:g} Mbit/s volunteer's link: "
+                "distance of counted / compression's prediction from 1",
+                abs(relative - 1),
+                f"<= {BYTES_TOLERANCE}",
+                f"{abs(relative - 1):.3f}",
+                f"{result['bytes_per_epoch'] / 2**20:.2f} MiB counted per volunteer per epoch (each: "
+                f"{', '.join(f'{m / 2**20:.2f}' for m in result['moved'])} MiB), predicted 2 x "
+                f"{predicted_bytes / 2**20:.2f} MiB (gradients up, their average down).",
+                note=f"counted / predicted: {relative:.3f}",
+            )
+        )
     return rows
 
 
@@ -275,9 +345,14 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    common.main_or_peer(sys.modules[__name__], argv, "one simulated volunteer of the Internet links benchmark",
-                        add_peer_arguments, peer_main)
+def main(argv: Sequence[str] | None = None) -> None:
+    common.main_or_peer(
+        sys.modules[__name__],
+        argv,
+        "one simulated volunteer of the Internet links benchmark",
+        add_peer_arguments,
+        peer_main,
+    )
 
 
 if __name__ == "__main__":

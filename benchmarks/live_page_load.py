@@ -6,6 +6,7 @@ status once a second with its ETag, the new points of the series) and now and th
 Measured from the monitor's own events: its poll period with and without the watchers (against its setting), the
 checkpoints it saved against those that fell due; and from the watchers: every answer's status.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from typing import List, Tuple
 
 from benchmarks import common
 
@@ -37,7 +37,7 @@ Poll period: the mean time between the monitor's `poll` events in each minute, o
 """
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> Tuple[int, dict, bytes]:
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     headers = {}
@@ -87,49 +87,72 @@ async def _watch(url: str, seconds: float, statuses: Counter) -> None:
     await asyncio.gather(*(_watcher(host, int(port), until, statuses, i) for i in range(WATCHERS)))
 
 
-def _poll_period(events: List[dict], start: float, end: float) -> float:
+def _poll_period(events: list[dict], start: float, end: float) -> float:
     times = [event["at"] for event in events if event["type"] == "poll" and start <= event["at"] <= end]
     return statistics.mean(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else float("nan")
 
 
-def _checkpoints(events: List[dict], start: float, end: float) -> Tuple[int, int]:
+def _checkpoints(events: list[dict], start: float, end: float) -> tuple[int, int]:
     """(checkpoints that fell due in the window: a multiple of CHECKPOINT_EVERY first polled there, those saved)."""
     first_poll = {}
     for event in events:
         if event["type"] == "poll":
             first_poll.setdefault(event["epoch"], event["at"])
-    due = {epoch for epoch, at in first_poll.items() if start <= at <= end - 5 * POLL_EVERY
-           and epoch % CHECKPOINT_EVERY == 0 and epoch > 0}
+    due = {
+        epoch
+        for epoch, at in first_poll.items()
+        if start <= at <= end - 5 * POLL_EVERY and epoch % CHECKPOINT_EVERY == 0 and epoch > 0
+    }
     saved = {event["epoch"] for event in events if event["type"] == "checkpoint"}
     return len(due), len(due & saved)
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     from collab_kit.config import get_preset
     from collab_kit.roles import services
     from collab_kit.roles.monitor_settings import MonitorSettings
 
     seconds = 20.0 if quick else 60.0
     folder = tempfile.mkdtemp(prefix="collab_kit_bench_live_page_")
-    config = get_preset("tiny", swarm=dict(run_id="live_page_load", host="127.0.0.1"),
-                        optimizer=dict(target_batch_size=512, total_steps=100_000), data=dict(shards="synthetic"))
-    settings = MonitorSettings(db_path=os.path.join(folder, "run.sqlite"), checkpoint_dir=os.path.join(folder, "ck"),
-                               checkpoint_every=CHECKPOINT_EVERY, poll_every=POLL_EVERY, dashboard_port=0)
+    config = get_preset(
+        "tiny",
+        swarm=dict(run_id="live_page_load", host="127.0.0.1"),
+        optimizer=dict(target_batch_size=512, total_steps=100_000),
+        data=dict(shards="synthetic"),
+    )
+    settings = MonitorSettings(
+        db_path=os.path.join(folder, "run.sqlite"),
+        checkpoint_dir=os.path.join(folder, "ck"),
+        checkpoint_every=CHECKPOINT_EVERY,
+        poll_every=POLL_EVERY,
+        dashboard_port=0,
+    )
     statuses: Counter = Counter()
     try:
         monitor = services.start_monitor(config, settings, log_path=os.path.join(folder, "monitor.log"))
-        joining = get_preset("tiny", swarm=dict(run_id="live_page_load", host="127.0.0.1",
-                                                initial_peers=monitor.addresses),
-                             optimizer=dict(target_batch_size=512, total_steps=100_000))
-        volunteers = [services.start_volunteer_process(joining, threads=1, wait_for_peers=2, name=f"volunteer-{i}",
-                                                       log_path=os.path.join(folder, f"volunteer-{i}.log"), wait=False)
-                      for i in range(2)]
+        joining = get_preset(
+            "tiny",
+            swarm=dict(run_id="live_page_load", host="127.0.0.1", initial_peers=monitor.addresses),
+            optimizer=dict(target_batch_size=512, total_steps=100_000),
+        )
+        volunteers = [
+            services.start_volunteer_process(
+                joining,
+                threads=1,
+                wait_for_peers=2,
+                name=f"volunteer-{i}",
+                log_path=os.path.join(folder, f"volunteer-{i}.log"),
+                wait=False,
+            )
+            for i in range(2)
+        ]
         for volunteer in volunteers:
             volunteer.wait_until_ready(180)
         monitor.wait_for_poll(epoch=CHECKPOINT_EVERY, contributors=2, timeout=180)
         quiet_start = time.time()
-        monitor.wait_for(lambda e: e["type"] == "poll" and e["at"] >= quiet_start + seconds, seconds + 60,
-                         "a minute of polls")
+        monitor.wait_for(
+            lambda e: e["type"] == "poll" and e["at"] >= quiet_start + seconds, seconds + 60, "a minute of polls"
+        )
         loaded_start = time.time()
         asyncio.run(_watch(monitor.page_url, seconds, statuses))
         loaded_end = time.time()
@@ -145,17 +168,37 @@ def run(quick: bool = False) -> List[dict]:
     due, saved = _checkpoints(events, loaded_start, loaded_end)
     errors = sum(count for status, count in statuses.items() if not isinstance(status, int) or status >= 500)
     answered = sum(count for status, count in statuses.items() if isinstance(status, int))
-    details = (f"poll period over its {POLL_EVERY:g} s setting: {quiet:.2f}x unwatched, {loaded:.2f}x with {WATCHERS} "
-               f"watchers; {answered} answers in {seconds:.0f} s ({dict(sorted(statuses.items(), key=str))}); "
-               f"checkpoints due in the loaded minute {due}, saved {saved}.")
+    details = (
+        f"poll period over its {POLL_EVERY:g} s setting: {quiet:.2f}x unwatched, {loaded:.2f}x with {WATCHERS} "
+        f"watchers; {answered} answers in {seconds:.0f} s ({dict(sorted(statuses.items(), key=str))}); "
+        f"checkpoints due in the loaded minute {due}, saved {saved}."
+    )
     print(f"  {details}", flush=True)
     return [
-        common.make_row(__spec__.name, f"monitor's poll period with {WATCHERS} page watchers / its setting", loaded,
-                        f"<= {TARGET_POLL_RATIO}", f"{loaded:.2f}x", details),
-        common.make_row(__spec__.name, f"5xx answers and failed requests among {WATCHERS} watchers' {answered}",
-                        float(errors), "<= 0", str(errors), details),
-        common.make_row(__spec__.name, "checkpoints saved / due while watched", saved / due if due else None,
-                        ">= 1.0", f"{saved}/{due}", details),
+        common.make_row(
+            __spec__.name,
+            f"monitor's poll period with {WATCHERS} page watchers / its setting",
+            loaded,
+            f"<= {TARGET_POLL_RATIO}",
+            f"{loaded:.2f}x",
+            details,
+        ),
+        common.make_row(
+            __spec__.name,
+            f"5xx answers and failed requests among {WATCHERS} watchers' {answered}",
+            float(errors),
+            "<= 0",
+            str(errors),
+            details,
+        ),
+        common.make_row(
+            __spec__.name,
+            "checkpoints saved / due while watched",
+            saved / due if due else None,
+            ">= 1.0",
+            f"{saved}/{due}",
+            details,
+        ),
     ]
 
 

@@ -6,6 +6,7 @@ GPT-2 small, medium and large (random weights, nothing downloaded) at 1024 token
 (32-bit Adam, bitsandbytes' 8-bit Adam), and the activations of a forward pass with and without gradient
 checkpointing, as autograd keeps them.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +14,7 @@ import gc
 import sys
 import time
 import weakref
-from typing import Dict, List, Sequence, Tuple
+from typing import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,23 +74,26 @@ class _CreatedTensors(TorchDispatchMode):
     def __init__(self, parameters: set):
         super().__init__()
         self.parameters = parameters  # data pointers of the parameters' storages
-        self.created: List[Tuple[weakref.ref, bool]] = []
+        self.created: list[tuple[weakref.ref, bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        is_copy = (func is torch.ops.aten._to_copy.default and torch.is_tensor(args[0])
-                   and args[0].untyped_storage().data_ptr() in self.parameters)
-        for value in (out if isinstance(out, (tuple, list)) else (out,)):
+        is_copy = (
+            func is torch.ops.aten._to_copy.default
+            and torch.is_tensor(args[0])
+            and args[0].untyped_storage().data_ptr() in self.parameters
+        )
+        for value in out if isinstance(out, (tuple, list)) else (out,):
             if torch.is_tensor(value):
                 self.created.append((weakref.ref(value), is_copy))
         return out
 
-    def alive(self, copies_only: bool = False) -> List[torch.Tensor]:
+    def alive(self, copies_only: bool = False) -> list[torch.Tensor]:
         found = ((ref(), is_copy) for ref, is_copy in self.created if is_copy or not copies_only)
         return [tensor for tensor, _ in found if tensor is not None]
 
 
-def _storages(tensors, excluded: set) -> Dict[int, int]:
+def _storages(tensors, excluded: set) -> dict[int, int]:
     """data pointer -> bytes of each distinct storage of ``tensors`` not in ``excluded`` (empty ones left out)."""
     found = {}
     for tensor in tensors:
@@ -99,13 +103,15 @@ def _storages(tensors, excluded: set) -> Dict[int, int]:
     return found
 
 
-def _saving_hook(into: List[torch.Tensor]):
+def _saving_hook(into: list[torch.Tensor]):
     """Saved-tensor hooks that list every tensor autograd saves (the list must be cleared after use)."""
+
     def pack(tensor):
         into.append(tensor)
         # the same storage without the autograd history: a saved output returned as is would keep its own
         # graph node alive from that node's saved variables, a reference cycle that keeps the whole graph
         return tensor.detach()
+
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
 
@@ -127,7 +133,7 @@ def _autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def measure_activations(model, tokens: torch.Tensor) -> Dict[str, int]:
+def measure_activations(model, tokens: torch.Tensor) -> dict[str, int]:
     """Bytes of the activations of a forward pass of ``model`` (a GPT2LMHeadModel) on ``tokens`` under bf16
     autocast, part by part (see HOW): saved, live, copies, logits_gradient, recompute (and its weight copies
     recompute_copies, not in the total), total."""
@@ -136,8 +142,9 @@ def measure_activations(model, tokens: torch.Tensor) -> Dict[str, int]:
     last_block = model.transformer.h[-1]
     block_call = {}
     handle = last_block.register_forward_pre_hook(
-        lambda module, args, kwargs: block_call.update(args=args, kwargs=kwargs), with_kwargs=True)
-    saved: List[torch.Tensor] = []
+        lambda module, args, kwargs: block_call.update(args=args, kwargs=kwargs), with_kwargs=True
+    )
+    saved: list[torch.Tensor] = []
     created = _CreatedTensors(parameters)
     try:
         with _saving_hook(saved), _autocast():
@@ -153,7 +160,7 @@ def measure_activations(model, tokens: torch.Tensor) -> Dict[str, int]:
     recompute = recompute_copies = {}
     if checkpointing:  # one block's forward again, with what its checkpoint kept, as backward recomputes it;
         # autocast's cache is gone by then (its storages may be reused): only what the forward saved is shared
-        replayed: List[torch.Tensor] = []
+        replayed: list[torch.Tensor] = []
         replay = _CreatedTensors(parameters)
         last_block.gradient_checkpointing = False
         try:
@@ -164,21 +171,30 @@ def measure_activations(model, tokens: torch.Tensor) -> Dict[str, int]:
         finally:
             last_block.gradient_checkpointing = True
         # the block's weight copies are counted once, in autocast's cache at the end of the forward pass
-        recompute = {ptr: n for ptr, n in _storages(replayed, parameters).items()
-                     if ptr not in saved_bytes and ptr not in recompute_copies}
+        recompute = {
+            ptr: n
+            for ptr, n in _storages(replayed, parameters).items()
+            if ptr not in saved_bytes and ptr not in recompute_copies
+        }
         replayed.clear()  # the graph keeps the hook, and the hook this list
         del replay
     saved.clear()  # the graph keeps the hook, and the hook this list
     # the gradient backward starts from: what reaches the log-softmax of the loss (fp32, one value per logit)
     logits_gradient = []
     node = _find_node(output.loss.grad_fn, "LogSoftmaxBackward0")
-    hook = node.register_prehook(lambda grads: logits_gradient.append(
-        sum(g.untyped_storage().nbytes() for g in grads if g is not None)))
+    hook = node.register_prehook(
+        lambda grads: logits_gradient.append(sum(g.untyped_storage().nbytes() for g in grads if g is not None))
+    )
     torch.autograd.grad(output.loss, output.logits)
     hook.remove()
-    result = dict(saved=sum(saved_bytes.values()), live=sum(live.values()), copies=sum(copies.values()),
-                  logits_gradient=logits_gradient[0], recompute=sum(recompute.values()),
-                  recompute_copies=sum(recompute_copies.values()))
+    result = dict(
+        saved=sum(saved_bytes.values()),
+        live=sum(live.values()),
+        copies=sum(copies.values()),
+        logits_gradient=logits_gradient[0],
+        recompute=sum(recompute.values()),
+        recompute_copies=sum(recompute_copies.values()),
+    )
     result["total"] = result["live"] + result["logits_gradient"] + result["recompute"]
     del output, block_call
     return result
@@ -194,7 +210,7 @@ def _release_memory() -> None:
         pass
 
 
-def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[dict]:
+def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> list[dict]:
     """One GPT-2 size: the activations at each micro-batch without and with checkpointing, then the states
     after one real step."""
     from collab_kit import memory
@@ -211,12 +227,25 @@ def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[
         for micro_batch in micro_batches:
             tokens = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), generator=generator)
             activations = measure_activations(model, tokens)
-            estimate = memory.estimate(model, micro_batch=micro_batch, seq_len=seq_len, precision="mixed",
-                                       checkpointing=checkpointing, attention="sdpa")
-            rows.append(dict(model=SIZES[size], micro_batch=micro_batch, seq_len=seq_len, checkpointing=checkpointing,
-                             measured=activations, ratio=activations["total"] / estimate.activations_bytes,
-                             estimated=dict(activations=estimate.activations_bytes,
-                                            copies=estimate.weight_copies_bytes)))
+            estimate = memory.estimate(
+                model,
+                micro_batch=micro_batch,
+                seq_len=seq_len,
+                precision="mixed",
+                checkpointing=checkpointing,
+                attention="sdpa",
+            )
+            rows.append(
+                dict(
+                    model=SIZES[size],
+                    micro_batch=micro_batch,
+                    seq_len=seq_len,
+                    checkpointing=checkpointing,
+                    measured=activations,
+                    ratio=activations["total"] / estimate.activations_bytes,
+                    estimated=dict(activations=estimate.activations_bytes, copies=estimate.weight_copies_bytes),
+                )
+            )
             print(f"  {format_row(rows[-1])} ({time.perf_counter() - start:.0f} s)", flush=True)
             _release_memory()
     # one real step, with checkpointing and in fp32 (autocast's parameters and gradients are fp32 too, so their
@@ -225,14 +254,16 @@ def measure_size(size: str, micro_batches: Sequence[int], seq_len: int) -> List[
     model(input_ids=tokens, labels=tokens).loss.backward()
     _release_memory()
     rows[0]["states"] = measure_states(model, SIZES[size], seq_len)
-    print(f"  {SIZES[size]} after a step: {format_states(rows[0]['states'])} "
-          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    print(
+        f"  {SIZES[size]} after a step: {format_states(rows[0]['states'])} ({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     del model
     _release_memory()
     return rows
 
 
-def measure_states(model, shape_name: str, seq_len: int) -> Dict[str, dict]:
+def measure_states(model, shape_name: str, seq_len: int) -> dict[str, dict]:
     """Weights, gradients and optimizer state after a step of each optimizer on the gradients ``model`` holds,
     against the estimate of the catalogue shape ``shape_name`` (from its dimensions, not from ``model``'s
     tensors: an estimate counted from the same tensors would equal the measurement by construction)."""
@@ -244,64 +275,91 @@ def measure_states(model, shape_name: str, seq_len: int) -> Dict[str, dict]:
         optimizer.step()
         estimate = memory.estimate(shape_name, optimizer=name, seq_len=seq_len)
         states[name] = dict(
-            measured=dict(weights=memory.parameter_bytes(model), gradients=memory.gradient_bytes(model),
-                          optimizer=memory.optimizer_state_bytes(optimizer)),
-            estimated=dict(weights=estimate.weights_bytes, gradients=estimate.gradients_bytes,
-                           optimizer=estimate.optimizer_bytes))
+            measured=dict(
+                weights=memory.parameter_bytes(model),
+                gradients=memory.gradient_bytes(model),
+                optimizer=memory.optimizer_state_bytes(optimizer),
+            ),
+            estimated=dict(
+                weights=estimate.weights_bytes, gradients=estimate.gradients_bytes, optimizer=estimate.optimizer_bytes
+            ),
+        )
         del optimizer  # its state goes before the next one is built
         _release_memory()
     model.zero_grad(set_to_none=True)
     return states
 
 
-def format_states(states: Dict[str, dict]) -> str:
-    return "; ".join(f"{name} Adam measured/estimated " + ", ".join(
-        f"{part} {state['measured'][part] / state['estimated'][part]:.3f}" for part in state["measured"])
-        for name, state in states.items())
+def format_states(states: dict[str, dict]) -> str:
+    return "; ".join(
+        f"{name} Adam measured/estimated "
+        + ", ".join(f"{part} {state['measured'][part] / state['estimated'][part]:.3f}" for part in state["measured"])
+        for name, state in states.items()
+    )
 
 
 def format_row(row: dict) -> str:
     m = row["measured"]
     how = "checkpointing" if row["checkpointing"] else "no checkpointing"
-    text = (f"{row['model']} b={row['micro_batch']} {how}: activations {common.fmt_bytes(m['total'])} measured "
-            f"(saved {common.fmt_bytes(m['saved'])}, alive at the end of forward {common.fmt_bytes(m['live'])}, "
-            f"log-prob gradient {common.fmt_bytes(m['logits_gradient'])}"
-            + (f", one block's recompute {common.fmt_bytes(m['recompute'])} + its weight copies "
-               f"{common.fmt_bytes(m['recompute_copies'])}" if row["checkpointing"] else "")
-            + f") / {common.fmt_bytes(row['estimated']['activations'])} estimated = {row['ratio']:.3f}; weight copies "
-            f"{common.fmt_bytes(m['copies'])} / {common.fmt_bytes(row['estimated']['copies'])}")
+    text = (
+        f"{row['model']} b={row['micro_batch']} {how}: activations {common.fmt_bytes(m['total'])} measured "
+        f"(saved {common.fmt_bytes(m['saved'])}, alive at the end of forward {common.fmt_bytes(m['live'])}, "
+        f"log-prob gradient {common.fmt_bytes(m['logits_gradient'])}"
+        + (
+            f", one block's recompute {common.fmt_bytes(m['recompute'])} + its weight copies "
+            f"{common.fmt_bytes(m['recompute_copies'])}"
+            if row["checkpointing"]
+            else ""
+        )
+        + f") / {common.fmt_bytes(row['estimated']['activations'])} estimated = {row['ratio']:.3f}; weight copies "
+        f"{common.fmt_bytes(m['copies'])} / {common.fmt_bytes(row['estimated']['copies'])}"
+    )
     return text
 
 
-def measure(settings=SETTINGS, seq_len: int = SEQ_LEN) -> List[dict]:
-    sizes: Dict[str, List[int]] = {}
+def measure(settings=SETTINGS, seq_len: int = SEQ_LEN) -> list[dict]:
+    sizes: dict[str, list[int]] = {}
     for size, micro_batch in settings:
         sizes.setdefault(size, []).append(micro_batch)
     return [row for size, batches in sizes.items() for row in measure_size(size, batches, seq_len)]
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     rows = measure(QUICK_SETTINGS, QUICK_SEQ_LEN) if quick else measure()
     results = []
     # weights, gradients, optimizer state: one figure, every part of every size and optimizer must be exact
-    parts = [(row["model"], name, part, state["measured"][part], state["estimated"][part])
-             for row in rows for name, state in row.get("states", {}).items() for part in state["measured"]]
+    parts = [
+        (row["model"], name, part, state["measured"][part], state["estimated"][part])
+        for row in rows
+        for name, state in row.get("states", {}).items()
+        for part in state["measured"]
+    ]
     worst = max(abs(measured / estimated - 1) for *_, measured, estimated in parts)
     exact = sum(measured == estimated for *_, measured, estimated in parts)
     per_model = "; ".join(
         f"{row['model']}: weights {common.fmt_bytes(row['states']['32bit']['measured']['weights'])}, 32-bit Adam "
         f"state {common.fmt_bytes(row['states']['32bit']['measured']['optimizer'])}, 8-bit Adam state "
-        f"{common.fmt_bytes(row['states']['8bit']['measured']['optimizer'])}" for row in rows if "states" in row)
-    results.append(common.make_row(
-        __spec__.name, "memory estimate: weights, gradients, optimizer state after a step, measured / estimated, "
-                       "deviation from 1 (GPT-2 S/M/L, 32-bit and 8-bit Adam)",
-        worst, "<= 0", "exact" if exact == len(parts) else f"off by {worst:.2%}",
-        f"{exact} of {len(parts)} byte counts equal the estimate's ({per_model}).",
-        note=f"{exact}/{len(parts)} exact"))
+        f"{common.fmt_bytes(row['states']['8bit']['measured']['optimizer'])}"
+        for row in rows
+        if "states" in row
+    )
+    results.append(
+        common.make_row(
+            __spec__.name,
+            "memory estimate: weights, gradients, optimizer state after a step, measured / estimated, "
+            "deviation from 1 (GPT-2 S/M/L, 32-bit and 8-bit Adam)",
+            worst,
+            "<= 0",
+            "exact" if exact == len(parts) else f"off by {worst:.2%}",
+            f"{exact} of {len(parts)} byte counts equal the estimate's ({per_model}).",
+            note=f"{exact}/{len(parts)} exact",
+        )
+    )
     # activations: one figure per size and micro-batch, the worse of without and with checkpointing
     for model, micro_batch in dict.fromkeys((row["model"], row["micro_batch"]) for row in rows):
-        pair = {row["checkpointing"]: row for row in rows
-                if row["model"] == model and row["micro_batch"] == micro_batch}
+        pair = {
+            row["checkpointing"]: row for row in rows if row["model"] == model and row["micro_batch"] == micro_batch
+        }
         deviation = max(abs(row["ratio"] - 1) for row in pair.values())
         details = " ".join(
             f"{'With' if checkpointing else 'Without'} checkpointing: {common.fmt_bytes(row['measured']['total'])} "
@@ -312,15 +370,27 @@ def run(quick: bool = False) -> List[dict]:
             f"{common.fmt_bytes(row['estimated']['copies'])}) and the logits, "
             f"{common.fmt_bytes(row['measured']['logits_gradient'])} "
             f"log-probabilities' gradient"
-            + (f", {common.fmt_bytes(row['measured']['recompute'])} more while one block is recomputed"
-               if checkpointing else "") + ")."
-            for checkpointing, row in sorted(pair.items()))
+            + (
+                f", {common.fmt_bytes(row['measured']['recompute'])} more while one block is recomputed"
+                if checkpointing
+                else ""
+            )
+            + ")."
+            for checkpointing, row in sorted(pair.items())
+        )
         seq = pair[False]["seq_len"]
-        results.append(common.make_row(
-            __spec__.name, f"memory estimate: activations, measured / estimated without / with checkpointing, "
-                           f"deviation from 1 ({model}, {seq} tokens, micro-batch {micro_batch}, bf16 autocast)",
-            deviation, f"<= {TARGET}", f"{pair[False]['ratio']:.3f} / {pair[True]['ratio']:.3f}",
-            details, note="ratios without / with checkpointing"))
+        results.append(
+            common.make_row(
+                __spec__.name,
+                f"memory estimate: activations, measured / estimated without / with checkpointing, "
+                f"deviation from 1 ({model}, {seq} tokens, micro-batch {micro_batch}, bf16 autocast)",
+                deviation,
+                f"<= {TARGET}",
+                f"{pair[False]['ratio']:.3f} / {pair[True]['ratio']:.3f}",
+                details,
+                note="ratios without / with checkpointing",
+            )
+        )
     return results
 
 

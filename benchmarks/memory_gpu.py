@@ -18,6 +18,7 @@ the estimate's "mixed" precision). Of the last step, measured with torch.cuda's 
 Ratios are measured / estimated. Not part of ``make bench`` (benchmarks/run_all.py): it needs a GPU.
 On a machine without one it says so and exits with status 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,6 @@ import os
 import platform
 import sys
 import time
-from typing import List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the kit from it
@@ -46,9 +46,17 @@ def gpt2_config(size: str, attention: str = "sdpa", **fields) -> dict:
     from collab_kit.memory.catalogue import CATALOGUE
 
     shape = CATALOGUE[SIZES[size]]
-    return dict(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_inner=shape.ffn,
-                vocab_size=shape.vocab, n_positions=shape.seq_len, use_cache=False, attn_implementation=attention,
-                **fields)
+    return dict(
+        n_layer=shape.layers,
+        n_embd=shape.hidden,
+        n_head=shape.heads,
+        n_inner=shape.ffn,
+        vocab_size=shape.vocab,
+        n_positions=shape.seq_len,
+        use_cache=False,
+        attn_implementation=attention,
+        **fields,
+    )
 
 
 def build_model(size: str, checkpointing: bool, attention: str):
@@ -72,17 +80,37 @@ def make_optimizer(name: str, model):
     return torch.optim.Adam(model.parameters(), lr=1e-5)
 
 
-def measure_one(size: str, optimizer_name: str, checkpointing: bool, micro_batch: int, seq_len: int, steps: int,
-                attention: str = "sdpa") -> dict:
+def measure_one(
+    size: str,
+    optimizer_name: str,
+    checkpointing: bool,
+    micro_batch: int,
+    seq_len: int,
+    steps: int,
+    attention: str = "sdpa",
+) -> dict:
     """Train ``steps`` steps; the figures of the last one, the estimate and their ratios."""
     from collab_kit import memory
 
-    row = dict(model=SIZES[size], optimizer=optimizer_name, checkpointing=checkpointing, micro_batch=micro_batch,
-               seq_len=seq_len, attention=attention)
+    row = dict(
+        model=SIZES[size],
+        optimizer=optimizer_name,
+        checkpointing=checkpointing,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        attention=attention,
+    )
     # from the shape's dimensions, before anything is built: an estimate counted from the built model's own
     # tensors would equal the measured weights and gradients by construction
-    estimate = memory.estimate(SIZES[size], optimizer=optimizer_name, checkpointing=checkpointing,
-                               micro_batch=micro_batch, seq_len=seq_len, precision="mixed", attention=attention)
+    estimate = memory.estimate(
+        SIZES[size],
+        optimizer=optimizer_name,
+        checkpointing=checkpointing,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        precision="mixed",
+        attention=attention,
+    )
     model = optimizer = None
     try:
         model = build_model(size, checkpointing, attention)
@@ -104,10 +132,14 @@ def measure_one(size: str, optimizer_name: str, checkpointing: bool, micro_batch
             torch.cuda.synchronize()
             step_peak = torch.cuda.max_memory_allocated()
         row["seconds_per_step"] = (time.perf_counter() - start) / steps
-        measured = dict(weights=memory.parameter_bytes(model), gradients=memory.gradient_bytes(model),
-                        optimizer=memory.optimizer_state_bytes(optimizer),
-                        activations=forward_backward_peak - before,
-                        forward_backward_peak=forward_backward_peak, step_peak=step_peak)
+        measured = dict(
+            weights=memory.parameter_bytes(model),
+            gradients=memory.gradient_bytes(model),
+            optimizer=memory.optimizer_state_bytes(optimizer),
+            activations=forward_backward_peak - before,
+            forward_backward_peak=forward_backward_peak,
+            step_peak=step_peak,
+        )
     except torch.cuda.OutOfMemoryError as e:
         row["error"] = f"out of memory: {str(e).splitlines()[0]}"
         measured = None
@@ -115,20 +147,32 @@ def measure_one(size: str, optimizer_name: str, checkpointing: bool, micro_batch
         del model, optimizer
         gc.collect()
         torch.cuda.empty_cache()
-    row["estimated"] = dict(weights=estimate.weights_bytes, gradients=estimate.gradients_bytes,
-                            optimizer=estimate.optimizer_bytes, activations=estimate.activations_bytes,
-                            weight_copies=estimate.weight_copies_bytes, gpu=estimate.gpu_bytes)
+    row["estimated"] = dict(
+        weights=estimate.weights_bytes,
+        gradients=estimate.gradients_bytes,
+        optimizer=estimate.optimizer_bytes,
+        activations=estimate.activations_bytes,
+        weight_copies=estimate.weight_copies_bytes,
+        gpu=estimate.gpu_bytes,
+    )
     if measured is not None:
         row["measured"] = measured
-        row["exact"] = {part: measured[part] == row["estimated"][part]
-                        for part in ("weights", "gradients", "optimizer")}
+        row["exact"] = {
+            part: measured[part] == row["estimated"][part] for part in ("weights", "gradients", "optimizer")
+        }
         row["ratio_activations"] = measured["activations"] / estimate.activations_bytes
         row["ratio_peak"] = measured["forward_backward_peak"] / estimate.gpu_bytes
     return row
 
 
-def measure(sizes=("small", "medium", "large"), micro_batch: int = 4, seq_len: int = 1024, steps: int = 3,
-            optimizers=("32bit", "8bit"), attention: str = "sdpa") -> List[dict]:
+def measure(
+    sizes=("small", "medium", "large"),
+    micro_batch: int = 4,
+    seq_len: int = 1024,
+    steps: int = 3,
+    optimizers=("32bit", "8bit"),
+    attention: str = "sdpa",
+) -> list[dict]:
     """Every size x optimizer x checkpointing; a JSON-able list of rows."""
     rows = []
     for size in sizes:
@@ -141,19 +185,23 @@ def measure(sizes=("small", "medium", "large"), micro_batch: int = 4, seq_len: i
 
 
 def format_row(row: dict) -> str:
-    gib = 2 ** 30
-    setting = (f"{row['model']:<12} {row['optimizer']:>5} {'ckpt' if row['checkpointing'] else '    '} "
-               f"b={row['micro_batch']} s={row['seq_len']}")
+    gib = 2**30
+    setting = (
+        f"{row['model']:<12} {row['optimizer']:>5} {'ckpt' if row['checkpointing'] else '    '} "
+        f"b={row['micro_batch']} s={row['seq_len']}"
+    )
     if "measured" not in row:
         return f"{setting}  {row.get('error')} (estimated {row['estimated']['gpu'] / gib:.2f} GiB)"
     m, e = row["measured"], row["estimated"]
     exact = "exact" if all(row["exact"].values()) else f"NOT exact {row['exact']}"
-    return (f"{setting}  activations {m['activations'] / gib:6.2f} / {e['activations'] / gib:6.2f} GiB "
-            f"(x{row['ratio_activations']:.2f})  peak {m['forward_backward_peak'] / gib:6.2f} / {e['gpu'] / gib:6.2f} "
-            f"GiB (x{row['ratio_peak']:.2f})  step peak {m['step_peak'] / gib:6.2f} GiB  states {exact}")
+    return (
+        f"{setting}  activations {m['activations'] / gib:6.2f} / {e['activations'] / gib:6.2f} GiB "
+        f"(x{row['ratio_activations']:.2f})  peak {m['forward_backward_peak'] / gib:6.2f} / {e['gpu'] / gib:6.2f} "
+        f"GiB (x{row['ratio_peak']:.2f})  step peak {m['step_peak'] / gib:6.2f} GiB  states {exact}"
+    )
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["small", "medium", "large"], choices=list(SIZES))
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -164,8 +212,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/memory_gpu.py measures GPU memory and needs a CUDA GPU; none is available here "
-              f"(torch {torch.__version__}): skipped.")
+        print(
+            "benchmarks/memory_gpu.py measures GPU memory and needs a CUDA GPU; none is available here "
+            f"(torch {torch.__version__}): skipped."
+        )
         return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step allocates the optimizer state and gradients")
@@ -173,10 +223,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     import transformers
 
     rows = measure(args.models, args.micro_batch, args.seq_len, args.steps, args.optimizers, args.attention)
-    result = dict(machine=f"{torch.cuda.get_device_name(0)}, {platform.machine()}",
-                  versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                                bitsandbytes=bitsandbytes.__version__),
-                  rows=rows)
+    result = dict(
+        machine=f"{torch.cuda.get_device_name(0)}, {platform.machine()}",
+        versions=dict(
+            torch=torch.__version__, transformers=transformers.__version__, bitsandbytes=bitsandbytes.__version__
+        ),
+        rows=rows,
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,11 +3,11 @@
 Both optimizers take one step on the same real gradients of the ``small`` preset; the figure is the
 ratio of the bytes of every tensor they keep in ``optimizer.state``.
 """
+
 from __future__ import annotations
 
 import copy
 import sys
-from typing import Dict, List
 
 import torch
 
@@ -30,7 +30,7 @@ trust ratio needs no stored state, so this figure is the statistics' memory.
 """
 
 
-def measure(preset: str = "small", batch_size: int = 16) -> Dict[str, float]:
+def measure(preset: str = "small", batch_size: int = 16) -> dict[str, float]:
     import bitsandbytes as bnb
 
     from collab_kit.config import get_preset
@@ -53,24 +53,41 @@ def measure(preset: str = "small", batch_size: int = 16) -> Dict[str, float]:
         return optimizer_state_bytes(optimizer)
 
     eight_bit = one_step(lambda groups: make_lamb8bit(groups, opt_config))
-    fp32 = one_step(lambda groups: bnb.optim.LAMB(groups, lr=opt_config.learning_rate, betas=opt_config.betas,
-                                                  eps=opt_config.eps, weight_decay=opt_config.weight_decay,
-                                                  optim_bits=32))
+    fp32 = one_step(
+        lambda groups: bnb.optim.LAMB(
+            groups,
+            lr=opt_config.learning_rate,
+            betas=opt_config.betas,
+            eps=opt_config.eps,
+            weight_decay=opt_config.weight_decay,
+            optim_bits=32,
+        )
+    )
     params = count_parameters(model)
     if not eight_bit or not fp32:
         raise RuntimeError(f"an optimizer kept no state after its step (8-bit: {eight_bit} B, 32-bit: {fp32} B)")
     return dict(eight_bit=eight_bit, fp32=fp32, params=params, ratio=eight_bit / fp32)
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     result = measure("small")
     per_param = {key: result[key] / result["params"] for key in ("eight_bit", "fp32")}
     print(f"  8-bit {per_param['eight_bit']:.3f} B/param, 32-bit {per_param['fp32']:.3f} B/param", flush=True)
-    details = (f"{per_param['eight_bit']:.3f} bytes per parameter ({common.fmt_bytes(result['eight_bit'])}) vs "
-               f"{per_param['fp32']:.3f} ({common.fmt_bytes(result['fp32'])}) for {result['params'] / 1e6:.2f} M "
-               f"parameters of the small preset.")
-    return [common.make_row(__spec__.name, "optimizer state bytes/param, 8-bit LAMB / 32-bit LAMB (small preset)",
-                            result["ratio"], "<= 0.27", f"{result['ratio']:.3f}", details)]
+    details = (
+        f"{per_param['eight_bit']:.3f} bytes per parameter ({common.fmt_bytes(result['eight_bit'])}) vs "
+        f"{per_param['fp32']:.3f} ({common.fmt_bytes(result['fp32'])}) for {result['params'] / 1e6:.2f} M "
+        f"parameters of the small preset."
+    )
+    return [
+        common.make_row(
+            __spec__.name,
+            "optimizer state bytes/param, 8-bit LAMB / 32-bit LAMB (small preset)",
+            result["ratio"],
+            "<= 0.27",
+            f"{result['ratio']:.3f}",
+            details,
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Optimizer per process); runs alternate and repeat, and the figure compares the b
 ``python -m benchmarks.optimizer_throughput --side kit|baseline --shards DIR`` is one run of one side
 (what the former starts), printing a ``RESULT {json}`` line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
 
 from benchmarks import common
 
@@ -55,7 +55,7 @@ than wall time), with the part used by hivemind's helper processes (DHT, p2p dae
 # one side, in its own process
 
 
-def cpu_seconds() -> Tuple[float, float]:
+def cpu_seconds() -> tuple[float, float]:
     """CPU seconds used so far by this process, and by its children (hivemind's DHT, p2pd, averagers)."""
     import psutil  # a dependency of hivemind
 
@@ -70,12 +70,12 @@ def cpu_seconds() -> Tuple[float, float]:
     return used(me), sum(used(child) for child in me.children(recursive=True))
 
 
-def _cpu_since(start: Tuple[float, float]) -> Dict[str, float]:
+def _cpu_since(start: tuple[float, float]) -> dict[str, float]:
     main, helpers = cpu_seconds()
     return dict(cpu_seconds=main - start[0] + helpers - start[1], helper_cpu_seconds=helpers - start[1])
 
 
-def run_side(side: str, shards: str, epochs: int, warmup_epochs: int, threads: int) -> Dict[str, float]:
+def run_side(side: str, shards: str, epochs: int, warmup_epochs: int, threads: int) -> dict[str, float]:
     """Train ``warmup_epochs + epochs`` optimizer steps on one side and time the last ``epochs``."""
     import torch
 
@@ -97,14 +97,15 @@ def run_side(side: str, shards: str, epochs: int, warmup_epochs: int, threads: i
     return _run_baseline(model, config, batches, accumulation, epochs, warmup_epochs)
 
 
-def _run_kit(model, config, batches, epochs: int, warmup_epochs: int) -> Dict[str, float]:
-    from collab_kit.swarm.optimizer import make_optimizer
+def _run_kit(model, config, batches, epochs: int, warmup_epochs: int) -> dict[str, float]:
     from collab_kit.swarm.dht import start_dht
+    from collab_kit.swarm.optimizer import make_optimizer
 
     dht = start_dht(config.swarm)
     try:
         opt = make_optimizer(model, dht, config.swarm.run_id, config.optimizer)
         try:
+
             def micro_step():
                 loss = model(**next(batches)).loss
                 loss.backward()
@@ -130,7 +131,7 @@ def _run_kit(model, config, batches, epochs: int, warmup_epochs: int) -> Dict[st
     return dict(samples=samples, seconds=seconds, optimizer_steps=optimizer_steps, micro_steps=micro_steps, **cpu)
 
 
-def _run_baseline(model, config, batches, accumulation: int, epochs: int, warmup_epochs: int) -> Dict[str, float]:
+def _run_baseline(model, config, batches, accumulation: int, epochs: int, warmup_epochs: int) -> dict[str, float]:
     from collab_kit.swarm.lamb import make_lamb8bit, make_scheduler_factory, parameter_groups
 
     opt = make_lamb8bit(parameter_groups(model, config.optimizer.weight_decay), config.optimizer)
@@ -171,20 +172,41 @@ def side_main(argv=None) -> None:
 # the benchmark: alternate the two sides in subprocesses
 
 
-def _spawn(side: str, shards: str, epochs: int, warmup_epochs: int, threads: int) -> Dict[str, float]:
+def _spawn(side: str, shards: str, epochs: int, warmup_epochs: int, threads: int) -> dict[str, float]:
     """One run of one side in a new process (and process group, so that hivemind's helpers die with it)."""
-    command = [sys.executable, "-m", "benchmarks.optimizer_throughput", "--side", side, "--shards", shards,
-               "--epochs", str(epochs), "--warmup-epochs", str(warmup_epochs), "--threads", str(threads)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.optimizer_throughput",
+        "--side",
+        side,
+        "--shards",
+        shards,
+        "--epochs",
+        str(epochs),
+        "--warmup-epochs",
+        str(warmup_epochs),
+        "--threads",
+        str(threads),
+    ]
     env = dict(os.environ, HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))
-    process = subprocess.Popen(command, cwd=common.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=common.REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise RuntimeError(f"the {side} run took more than {RUN_TIMEOUT} s; its output ended with:\n"
-                           f"{stdout[-2000:]}\n{stderr[-3000:]}") from None
+        raise RuntimeError(
+            f"the {side} run took more than {RUN_TIMEOUT} s; its output ended with:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        ) from None
     finally:
         try:  # whatever the run left behind in its process group (a p2p daemon, an averager)
             os.killpg(process.pid, signal.SIGKILL)
@@ -192,12 +214,14 @@ def _spawn(side: str, shards: str, epochs: int, warmup_epochs: int, threads: int
             pass
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if process.returncode != 0 or not lines:
-        raise RuntimeError(f"the {side} run failed (exit code {process.returncode}); its output ended with:\n"
-                           f"{stdout[-2000:]}\n{stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise RuntimeError(
+            f"the {side} run failed (exit code {process.returncode}); its output ended with:\n"
+            f"{stdout[-2000:]}\n{stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     """Two rows: one torch thread per side (a core left for hivemind's helpers), then all cores."""
     import torch
 
@@ -215,7 +239,7 @@ def run(quick: bool = False) -> List[dict]:
 
 
 def _measure(shards: str, threads: int, epochs: int, repeats: int) -> dict:
-    results: Dict[str, List[Dict[str, float]]] = dict(baseline=[], kit=[])
+    results: dict[str, list[dict[str, float]]] = dict(baseline=[], kit=[])
     print(f"  torch threads per side: {threads}", flush=True)
     for repeat in range(repeats):
         # ABBA order: neither side always runs first (after the other's cleanup) or last
@@ -223,28 +247,36 @@ def _measure(shards: str, threads: int, epochs: int, repeats: int) -> dict:
         for side in order:
             result = _spawn(side, shards, epochs, WARMUP_EPOCHS, threads)
             results[side].append(result)
-            print(f"  run {repeat + 1}/{repeats} {side:8s}: {result['samples_per_second']:6.1f} samples/s "
-                  f"({result['samples']} samples, {result['optimizer_steps']} optimizer steps, "
-                  f"{result['seconds']:.1f} s; CPU {result['cpu_seconds']:.1f} s, of which helper processes "
-                  f"{result['helper_cpu_seconds']:.1f} s)", flush=True)
+            print(
+                f"  run {repeat + 1}/{repeats} {side:8s}: {result['samples_per_second']:6.1f} samples/s "
+                f"({result['samples']} samples, {result['optimizer_steps']} optimizer steps, "
+                f"{result['seconds']:.1f} s; CPU {result['cpu_seconds']:.1f} s, of which helper processes "
+                f"{result['helper_cpu_seconds']:.1f} s)",
+                flush=True,
+            )
 
     best = {side: common.pick([r["samples_per_second"] for r in runs], "best") for side, runs in results.items()}
     ratio = best["kit"] / best["baseline"]
-    median_ratio = common.pick([k["samples_per_second"] / b["samples_per_second"]
-                                for k, b in zip(results["kit"], results["baseline"])], "median")
+    median_ratio = common.pick(
+        [k["samples_per_second"] / b["samples_per_second"] for k, b in zip(results["kit"], results["baseline"])],
+        "median",
+    )
     # CPU seconds per sample (the kit's helper processes included): a cross-check that other
     # processes on the machine cannot inflate, since it counts only what each side itself used
-    cpu = {side: common.pick([r["cpu_seconds"] / r["samples"] for r in runs], "median")
-           for side, runs in results.items()}
+    cpu = {
+        side: common.pick([r["cpu_seconds"] / r["samples"] for r in runs], "median") for side, runs in results.items()
+    }
     helpers = common.pick([r["helper_cpu_seconds"] / r["samples"] for r in results["kit"]], "median")
     kit_steps = sum(r["optimizer_steps"] for r in results["kit"])
     kit_samples_per_step = sum(r["samples"] for r in results["kit"]) / max(1, kit_steps)
-    details = (f"best of {repeats}: kit {best['kit']:.1f} samples/s, baseline {best['baseline']:.1f} samples/s; "
-               f"median of the {repeats} paired ratios {median_ratio:.3f}. CPU time per sample (medians, the kit's "
-               f"helper processes included): kit {1e3 * cpu['kit']:.1f} ms, baseline {1e3 * cpu['baseline']:.1f} ms, "
-               f"ratio {cpu['kit'] / cpu['baseline']:.3f}; hivemind's helper processes (DHT, p2pd, averagers) used "
-               f"{1e3 * helpers:.1f} ms of the kit's. The kit took one optimizer step per "
-               f"{kit_samples_per_step:.0f} samples (baseline: 256); torch threads {threads}.")
+    details = (
+        f"best of {repeats}: kit {best['kit']:.1f} samples/s, baseline {best['baseline']:.1f} samples/s; "
+        f"median of the {repeats} paired ratios {median_ratio:.3f}. CPU time per sample (medians, the kit's "
+        f"helper processes included): kit {1e3 * cpu['kit']:.1f} ms, baseline {1e3 * cpu['baseline']:.1f} ms, "
+        f"ratio {cpu['kit'] / cpu['baseline']:.3f}; hivemind's helper processes (DHT, p2pd, averagers) used "
+        f"{1e3 * helpers:.1f} ms of the kit's. The kit took one optimizer step per "
+        f"{kit_samples_per_step:.0f} samples (baseline: 256); torch threads {threads}."
+    )
     print(f"  ratio {ratio:.3f} (median paired ratio {median_ratio:.3f})", flush=True)
     name = f"optimizer throughput, 1 peer / plain loop ({PRESET} preset, {threads} torch thread{'s' * (threads > 1)})"
     return common.make_row(__spec__.name, name, ratio, ">= 0.95", f"{ratio:.3f}", details)

@@ -5,6 +5,7 @@ Figure: the toy demo's colour match in the local-update mode (H = 10) with ``opt
 ``optimizer.pseudo_gradient_bits=4`` and ``optimizer.fragments=2`` (benchmarks.local_updates measures it without
 them).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import List
 
 from benchmarks import common, local_updates
 
@@ -23,7 +23,7 @@ TITLE = "The toy demo in the local-update mode with overlapped rounds, 4-bit pse
 HOW = f"""
 `collab_kit.demo.run_demo` as `make demo` runs it (the first peer and 2 volunteers on 127.0.0.1, the `toy` preset,
 4096 pictures) in the local-update mode, `optimizer.local_steps={local_updates.TOY_LOCAL_STEPS}` (the demo's 60 global
-batches), with {', '.join(f'`{s}`' for s in NEW_SETTINGS)}: each volunteer's inner steps go on while its round
+batches), with {", ".join(f"`{s}`" for s in NEW_SETTINGS)}: each volunteer's inner steps go on while its round
 averages, pseudo-gradients travel in 4 bits with error feedback, and each round averages one of {FRAGMENTS} fragments
 ({FRAGMENTS} x 6 epochs of {local_updates.TOY_LOCAL_STEPS // FRAGMENTS} global batches). The figure: `color_match` of
 CLIP's best 4 of 32 pictures for each of the 8 prompts (chance 0.125), target >= 0.6 (`benchmarks.local_updates` gives
@@ -31,7 +31,7 @@ the same run without these settings). `--quick`: 12 global batches, H = 4.
 """
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     from collab_kit.demo import run_demo
 
     local_steps = 4 if quick else local_updates.TOY_LOCAL_STEPS
@@ -39,19 +39,32 @@ def run(quick: bool = False) -> List[dict]:
     folder = tempfile.mkdtemp(prefix="collab_kit_bench_overlap_")
     try:
         started = time.perf_counter()
-        result = run_demo(num_volunteers=2, epochs=epochs, preset="toy", workdir=os.path.join(folder, "demo"),
-                          output_dir=None, overrides=[f"optimizer.local_steps={local_steps}", *NEW_SETTINGS],
-                          draws_per_prompt=8 if quick else 32)
-        print(f"  toy, local updates, overlapped, 4-bit, {FRAGMENTS} fragments: {result.summary_line()} "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        result = run_demo(
+            num_volunteers=2,
+            epochs=epochs,
+            preset="toy",
+            workdir=os.path.join(folder, "demo"),
+            output_dir=None,
+            overrides=[f"optimizer.local_steps={local_steps}", *NEW_SETTINGS],
+            draws_per_prompt=8 if quick else 32,
+        )
+        print(
+            f"  toy, local updates, overlapped, 4-bit, {FRAGMENTS} fragments: {result.summary_line()} "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
     except BaseException:
         print(f"  the logs are kept in {folder}", flush=True)
         raise
     shutil.rmtree(folder, ignore_errors=True)
-    details = (f"colour match {result.color_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
-               f"{result.averaged_rounds} rounds averaged, {result.seconds:.0f} s.")
-    name = (f"toy demo, local updates (H = {local_steps}) with overlapped rounds and 4-bit pseudo-gradients in "
-            f"{FRAGMENTS} fragments: colour match of CLIP's best 4")
+    details = (
+        f"colour match {result.color_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
+        f"{result.averaged_rounds} rounds averaged, {result.seconds:.0f} s."
+    )
+    name = (
+        f"toy demo, local updates (H = {local_steps}) with overlapped rounds and 4-bit pseudo-gradients in "
+        f"{FRAGMENTS} fragments: colour match of CLIP's best 4"
+    )
     return [common.make_row(__spec__.name, name, result.color_match, ">= 0.6", f"{result.color_match:.3f}", details)]
 
 

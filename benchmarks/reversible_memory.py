@@ -4,11 +4,11 @@ The activations are what the forward pass leaves for backward: every tensor auto
 once per storage, parameters excluded. Reversible layers save only the last layer's two streams and
 rebuild the rest during backward; standard layers save every layer's intermediate results.
 """
+
 from __future__ import annotations
 
 import sys
 import time
-from typing import Dict, List
 
 import torch
 
@@ -32,13 +32,14 @@ gradients.
 def activation_bytes(model, batch) -> int:
     """Bytes of the distinct non-parameter storages autograd saves during the forward pass and the loss."""
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: Dict[int, int] = {}
+    seen: dict[int, int] = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameter_storages:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(**batch).loss
     loss.backward()
@@ -68,32 +69,51 @@ def build(depth: int, reversible: bool):
 def measure(depths=(4, 8, 16, 32), repeats: int = 3) -> dict:
     _, config = build(16, True)
     batch = common.synthetic_batches(config, 16, count=1)[0]
-    memory = {(depth, reversible): activation_bytes(build(depth, reversible)[0], batch)
-              for depth in depths for reversible in (True, False)}
+    memory = {
+        (depth, reversible): activation_bytes(build(depth, reversible)[0], batch)
+        for depth in depths
+        for reversible in (True, False)
+    }
     reversible, standard = build(16, True)[0], build(16, False)[0]
-    seconds = {name: step_seconds(model, batch, repeats) for name, model in
-               (("reversible", reversible), ("standard", standard))}
+    seconds = {
+        name: step_seconds(model, batch, repeats)
+        for name, model in (("reversible", reversible), ("standard", standard))
+    }
     for model in (reversible, standard):
         model(**batch).loss.backward()
-    worst = max((a.grad - b.grad).abs().max().item() / max(b.grad.abs().max().item(), 1e-30)
-                for a, b in zip(reversible.parameters(), standard.parameters()))
+    worst = max(
+        (a.grad - b.grad).abs().max().item() / max(b.grad.abs().max().item(), 1e-30)
+        for a, b in zip(reversible.parameters(), standard.parameters())
+    )
     return dict(memory=memory, seconds=seconds, worst_gradient_difference=worst)
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     result = measure(depths=(4, 16) if quick else (4, 8, 16, 32), repeats=1 if quick else 3)
     memory = result["memory"]
     ratio = memory[16, True] / memory[16, False]
-    per_depth = "; ".join(f"depth {d}: {common.fmt_bytes(memory[d, True])} vs {common.fmt_bytes(memory[d, False])}"
-                          for d in sorted({d for d, _ in memory}))
+    per_depth = "; ".join(
+        f"depth {d}: {common.fmt_bytes(memory[d, True])} vs {common.fmt_bytes(memory[d, False])}"
+        for d in sorted({d for d, _ in memory})
+    )
     seconds = result["seconds"]
     print(f"  {per_depth}", flush=True)
-    details = (f"Saved for backward (reversible vs standard), batch 16: {per_depth}. A forward + backward step at "
-               f"depth 16 takes {seconds['reversible'] * 1e3:.0f} ms reversible vs {seconds['standard'] * 1e3:.0f} ms "
-               f"standard ({seconds['reversible'] / seconds['standard']:.2f}x, the price of recomputing); the "
-               f"gradients differ by at most {result['worst_gradient_difference']:.1e} of the largest entry.")
-    return [common.make_row(__spec__.name, "activation memory, reversible / standard (depth 16, small width)",
-                            ratio, "<= 0.25", f"{ratio:.3f}", details)]
+    details = (
+        f"Saved for backward (reversible vs standard), batch 16: {per_depth}. A forward + backward step at "
+        f"depth 16 takes {seconds['reversible'] * 1e3:.0f} ms reversible vs {seconds['standard'] * 1e3:.0f} ms "
+        f"standard ({seconds['reversible'] / seconds['standard']:.2f}x, the price of recomputing); the "
+        f"gradients differ by at most {result['worst_gradient_difference']:.1e} of the largest entry."
+    )
+    return [
+        common.make_row(
+            __spec__.name,
+            "activation memory, reversible / standard (depth 16, small width)",
+            ratio,
+            "<= 0.25",
+            f"{ratio:.3f}",
+            details,
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 The figure is the honest peers' loss at the end over their loss at the start with
 ``optimizer.aggregation="centered_clip"``; the plain mean's and a swarm without an attacker are in the details.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
 import time
-from typing import List
 
 from benchmarks import common
 
@@ -36,7 +36,7 @@ def _byzantine_module():
     return byzantine_peer
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     from collab_kit.config import get_preset
     from collab_kit.data.synthetic import make_synthetic_shards
 
@@ -47,8 +47,13 @@ def run(quick: bool = False) -> List[dict]:
     ratios, finals, seconds = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="collab_kit_bench_robust_") as folder:
         shards = os.path.join(folder, "shards")
-        make_synthetic_shards(shards, num_samples=512, image_side=config.model.image_side,
-                              codebook_size=config.model.codebook_size, num_shards=2)
+        make_synthetic_shards(
+            shards,
+            num_samples=512,
+            image_side=config.model.image_side,
+            codebook_size=config.model.codebook_size,
+            num_shards=2,
+        )
         for aggregation, scale in runs:
             started = time.perf_counter()
             run_id = f"bench_robust_{aggregation}_{'attack' if scale != 1 else 'honest'}"
@@ -57,20 +62,33 @@ def run(quick: bool = False) -> List[dict]:
             seconds[key] = time.perf_counter() - started
             ratios[key] = byzantine.loss_ratio(epochs_by_peer, window=1 if quick else 3)
             finals[key] = (epochs_by_peer[0][0][1], sum(e[-1][1] for e in epochs_by_peer) / len(epochs_by_peer))
-            print(f"  {aggregation} x {scale:g}: honest loss last/first {ratios[key]:.4f} "
-                  f"({finals[key][0]:.3f} -> {finals[key][1]:.3f}, {seconds[key]:.0f} s)", flush=True)
+            print(
+                f"  {aggregation} x {scale:g}: honest loss last/first {ratios[key]:.4f} "
+                f"({finals[key][0]:.3f} -> {finals[key][1]:.3f}, {seconds[key]:.0f} s)",
+                flush=True,
+            )
 
     def describe(key):
-        return (f"{ratios[key]:.4f} ({finals[key][0]:.3f} -> {finals[key][1]:.3f}, {seconds[key]:.0f} s)")
+        return f"{ratios[key]:.4f} ({finals[key][0]:.3f} -> {finals[key][1]:.3f}, {seconds[key]:.0f} s)"
 
     robust = ratios[("centered_clip", -1000.0)]
-    details = (f"{epochs} epochs, honest peers' loss last / first: CenteredClip {describe(('centered_clip', -1000.0))}; "
-               f"plain mean {describe(('mean', -1000.0))}")
+    details = (
+        f"{epochs} epochs, honest peers' loss last / first: CenteredClip {describe(('centered_clip', -1000.0))}; "
+        f"plain mean {describe(('mean', -1000.0))}"
+    )
     if ("centered_clip", 1.0) in ratios:
         details += f"; CenteredClip, no attacker {describe(('centered_clip', 1.0))}"
-    return [common.make_row(__spec__.name, "honest loss last / first, 1 of 4 peers sending gradients x -1000, "
-                            "CenteredClip", robust, "< 0.995", f"{robust:.4f}", details + ".",
-                            note=f"plain mean: {ratios[('mean', -1000.0)]:.4f}")]
+    return [
+        common.make_row(
+            __spec__.name,
+            "honest loss last / first, 1 of 4 peers sending gradients x -1000, CenteredClip",
+            robust,
+            "< 0.995",
+            f"{robust:.4f}",
+            details + ".",
+            note=f"plain mean: {ratios[('mean', -1000.0)]:.4f}",
+        )
+    ]
 
 
 if __name__ == "__main__":

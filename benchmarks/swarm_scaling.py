@@ -11,6 +11,7 @@ accelerator so that this machine's 2 cores are not what limits the swarm.
 ``@event {json}`` lines (collab_kit.roles.processes.emit_event): ``ready`` with its addresses, ``training``,
 one ``epoch`` per global epoch with the wall time at which it ended there, and ``done``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 from benchmarks import common
 from collab_kit.roles.processes import PeerFailed, PeerProcess
@@ -70,8 +71,9 @@ class Simulation:
 
 
 FULL = Simulation()
-QUICK = Simulation(target_batch_size=2048, matchmaking_time=2.0, progress_refresh_period=0.6, warmup_epochs=1,
-                   measured_epochs=2)
+QUICK = Simulation(
+    target_batch_size=2048, matchmaking_time=2.0, progress_refresh_period=0.6, warmup_epochs=1, measured_epochs=2
+)
 PEER_COUNTS = (2, 4, 6)
 QUICK_PEER_COUNTS = (2, 4)  # --quick leaves out the 6 peers (the longest start on 2 cores): it is a smoke test
 SCALING_SLACK = 1.2  # target: time(most peers) / time(fewest) within 20% of the ideal fewest / most (0.40 for 6 / 2)
@@ -122,16 +124,30 @@ epoch would take if the swarm waited for the slow peer to process an equal share
 training does), and the slow peer's share of the samples. A full run takes 4 to 6 minutes, much of it starting
 peers (importing torch on 2 cores); `--quick` ({quick_counts} peers, target batch {quick_target}, {quick_warmup} +
 {quick_measured} epochs) is a smoke test. On a shared machine, expect a few percent of noise.
-""".format(target=FULL.target_batch_size, micro=FULL.micro_batch, matchmaking=FULL.matchmaking_time,
-           refresh=FULL.progress_refresh_period, params=parameter_count(FULL.width), compute=FULL.compute_seconds,
-           rate=FULL.peer_rate,
-           low=min(PEER_COUNTS), high=max(PEER_COUNTS), t_low=FULL.compute_time([1] * min(PEER_COUNTS)),
-           t_high=FULL.compute_time([1] * max(PEER_COUNTS)), warmup=FULL.warmup_epochs, measured=FULL.measured_epochs,
-           scaling_target=SCALING_SLACK * min(PEER_COUNTS) / max(PEER_COUNTS),
-           ideal=min(PEER_COUNTS) / max(PEER_COUNTS), uneven=UNEVEN_PEERS, slow=SLOW_FACTOR,
-           fast_peers=UNEVEN_PEERS - 1, quick_counts=" and ".join(map(str, QUICK_PEER_COUNTS)),
-           quick_target=QUICK.target_batch_size, quick_warmup=QUICK.warmup_epochs,
-           quick_measured=QUICK.measured_epochs)
+""".format(
+    target=FULL.target_batch_size,
+    micro=FULL.micro_batch,
+    matchmaking=FULL.matchmaking_time,
+    refresh=FULL.progress_refresh_period,
+    params=parameter_count(FULL.width),
+    compute=FULL.compute_seconds,
+    rate=FULL.peer_rate,
+    low=min(PEER_COUNTS),
+    high=max(PEER_COUNTS),
+    t_low=FULL.compute_time([1] * min(PEER_COUNTS)),
+    t_high=FULL.compute_time([1] * max(PEER_COUNTS)),
+    warmup=FULL.warmup_epochs,
+    measured=FULL.measured_epochs,
+    scaling_target=SCALING_SLACK * min(PEER_COUNTS) / max(PEER_COUNTS),
+    ideal=min(PEER_COUNTS) / max(PEER_COUNTS),
+    uneven=UNEVEN_PEERS,
+    slow=SLOW_FACTOR,
+    fast_peers=UNEVEN_PEERS - 1,
+    quick_counts=" and ".join(map(str, QUICK_PEER_COUNTS)),
+    quick_target=QUICK.target_batch_size,
+    quick_warmup=QUICK.warmup_epochs,
+    quick_measured=QUICK.measured_epochs,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,13 +159,20 @@ def make_model(width: int):
     import torch
 
     narrow = width // 4
-    return torch.nn.Sequential(torch.nn.Linear(narrow, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-                               torch.nn.GELU(), torch.nn.Linear(width, width), torch.nn.GELU(),
-                               torch.nn.Linear(width, narrow))
+    return torch.nn.Sequential(
+        torch.nn.Linear(narrow, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, narrow),
+    )
 
 
-def step_on_simulated_accelerator(optimizer, compute_started: float, compute_seconds: float,
-                                  overlapped: float) -> Tuple[float, bool]:
+def step_on_simulated_accelerator(
+    optimizer, compute_started: float, compute_seconds: float, overlapped: float
+) -> tuple[float, bool]:
     """End a micro-batch begun at ``compute_started`` as if an accelerator took ``compute_seconds`` for it, then step.
 
     The sleep IS the compute being simulated (however little this CPU needed), not a wait for an event. An ordinary
@@ -175,8 +198,8 @@ def peer_main(args: argparse.Namespace) -> int:
 
     from collab_kit.config import OptimizerConfig, SwarmConfig
     from collab_kit.roles.processes import emit_event
-    from collab_kit.swarm.optimizer import make_optimizer
     from collab_kit.swarm.dht import join_addresses, start_dht, wait_for_peers
+    from collab_kit.swarm.optimizer import make_optimizer
 
     torch.set_num_threads(1)  # the model is tiny; the cores are for the other peers' DHTs and averagers
     initial_peers = args.initial_peers
@@ -192,9 +215,14 @@ def peer_main(args: argparse.Namespace) -> int:
         torch.manual_seed(0)  # every peer starts from the same parameters, as after loading the swarm's state
         model = make_model(args.width)
         teacher = torch.nn.Linear(args.width // 4, args.width // 4)  # a fixed function to learn (seed 0 too)
-        config = OptimizerConfig(target_batch_size=args.target_batch_size, batch_size_per_step=args.micro_batch,
-                                 matchmaking_time=args.matchmaking_time, averaging_timeout=60.0,
-                                 progress_refresh_period=args.progress_refresh_period, local_steps=args.local_steps)
+        config = OptimizerConfig(
+            target_batch_size=args.target_batch_size,
+            batch_size_per_step=args.micro_batch,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=60.0,
+            progress_refresh_period=args.progress_refresh_period,
+            local_steps=args.local_steps,
+        )
         optimizer = make_optimizer(model, dht, args.run_id, config, verbose=args.verbose)
         generator = torch.Generator().manual_seed(args.seed)
         wait_for_peers(dht, args.run_id, args.peers, timeout=START_TIMEOUT)
@@ -211,8 +239,14 @@ def peer_main(args: argparse.Namespace) -> int:
             overlapped, new_epoch = step_on_simulated_accelerator(optimizer, started, args.compute_seconds, overlapped)
             steps += 1
             if new_epoch:
-                emit_event("epoch", epoch=optimizer.local_epoch, time=time.time(), samples=steps * args.micro_batch,
-                           group_size=optimizer.last_group_size, loss=loss.item())
+                emit_event(
+                    "epoch",
+                    epoch=optimizer.local_epoch,
+                    time=time.time(),
+                    samples=steps * args.micro_batch,
+                    group_size=optimizer.last_group_size,
+                    loss=loss.item(),
+                )
                 steps = 0
         emit_event("done")
     finally:
@@ -235,9 +269,15 @@ class SimulatedPeer(PeerProcess):
 
     def __init__(self, name: str, args: Sequence[str], log_path: str, read_addresses: bool = False):
         pythonpath = os.pathsep.join(filter(None, [common.REPO_ROOT, os.environ.get("PYTHONPATH")]))
-        super().__init__(name, ["--peer", *args], log_path, env=dict(PYTHONPATH=pythonpath),
-                         command=(sys.executable, "-m", "benchmarks.swarm_scaling"),
-                         stdin=subprocess.PIPE if read_addresses else subprocess.DEVNULL, cwd=common.REPO_ROOT)
+        super().__init__(
+            name,
+            ["--peer", *args],
+            log_path,
+            env=dict(PYTHONPATH=pythonpath),
+            command=(sys.executable, "-m", "benchmarks.swarm_scaling"),
+            stdin=subprocess.PIPE if read_addresses else subprocess.DEVNULL,
+            cwd=common.REPO_ROOT,
+        )
 
     def send_addresses(self, addresses: Sequence[str]) -> None:
         """Give the peer the addresses of the first peer (one line on its stdin)."""
@@ -248,8 +288,9 @@ class SimulatedPeer(PeerProcess):
             pass  # the peer is gone: waiting for its next event says so, with its log
 
 
-def run_swarm(speeds: Sequence[float], sim: Simulation, run_id: str,
-              log_dir: str) -> Tuple[List[List[dict]], List[str]]:
+def run_swarm(
+    speeds: Sequence[float], sim: Simulation, run_id: str, log_dir: str
+) -> tuple[list[list[dict]], list[str]]:
     """Start one simulated peer per entry of ``speeds`` (1 = normal, 0.25 = 4x slower), train
     ``sim.warmup_epochs + sim.measured_epochs`` global epochs; returns each peer's ``epoch`` events and the
     names of the peers that had not finished when the others had (see ``wait_until_done``).
@@ -257,21 +298,46 @@ def run_swarm(speeds: Sequence[float], sim: Simulation, run_id: str,
     :raises PeerFailed: if a peer exits early or most of the swarm is not done within a generous deadline
     """
     epochs = sim.warmup_epochs + sim.measured_epochs
-    common_args = ["--run-id", run_id, "--peers", str(len(speeds)), "--epochs", str(epochs),
-                   "--target-batch-size", str(sim.target_batch_size), "--micro-batch", str(sim.micro_batch),
-                   "--matchmaking-time", str(sim.matchmaking_time), "--width", str(sim.width),
-                   "--progress-refresh-period", str(sim.progress_refresh_period), "--local-steps", str(sim.local_steps),
-                   *(["--verbose"] if sim.verbose else [])]
-    peers: List[SimulatedPeer] = []
+    common_args = [
+        "--run-id",
+        run_id,
+        "--peers",
+        str(len(speeds)),
+        "--epochs",
+        str(epochs),
+        "--target-batch-size",
+        str(sim.target_batch_size),
+        "--micro-batch",
+        str(sim.micro_batch),
+        "--matchmaking-time",
+        str(sim.matchmaking_time),
+        "--width",
+        str(sim.width),
+        "--progress-refresh-period",
+        str(sim.progress_refresh_period),
+        "--local-steps",
+        str(sim.local_steps),
+        *(["--verbose"] if sim.verbose else []),
+    ]
+    peers: list[SimulatedPeer] = []
     started = time.perf_counter()
     try:
         # all peers start at once: the others import torch and hivemind while the first starts the swarm,
         # then read its addresses on their stdin
         for index, speed in enumerate(speeds):
-            args = [*common_args, "--compute-seconds", repr(sim.compute_seconds / speed), "--seed", str(index),
-                    *(["--initial-peers", "-"] if index > 0 else [])]
-            peers.append(SimulatedPeer(f"peer-{index}", args, os.path.join(log_dir, f"{run_id}-peer-{index}.log"),
-                                       read_addresses=index > 0))
+            args = [
+                *common_args,
+                "--compute-seconds",
+                repr(sim.compute_seconds / speed),
+                "--seed",
+                str(index),
+                *(["--initial-peers", "-"] if index > 0 else []),
+            ]
+            peers.append(
+                SimulatedPeer(
+                    f"peer-{index}", args, os.path.join(log_dir, f"{run_id}-peer-{index}.log"), read_addresses=index > 0
+                )
+            )
         ready = peers[0].wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT, what="its address")
         for peer in peers[1:]:
             peer.send_addresses(ready["addresses"])
@@ -286,7 +352,7 @@ def run_swarm(speeds: Sequence[float], sim: Simulation, run_id: str,
         stop_peers(peers)
 
 
-def wait_until_done(peers: Sequence[PeerProcess], deadline: float, grace: float) -> List[str]:
+def wait_until_done(peers: Sequence[PeerProcess], deadline: float, grace: float) -> list[str]:
     """Wait until every peer has reported ``done``, or until ``grace`` seconds after more than half have:
     a peer that fell out of sync (it then loads the swarm's state and may lag behind by epochs) must not hold
     up the measurement, which takes the median over peers. Returns the names of the peers left behind.
@@ -301,14 +367,18 @@ def wait_until_done(peers: Sequence[PeerProcess], deadline: float, grace: float)
             if any(event["type"] == "done" for event in peer.events):
                 pending.remove(peer)
             elif peer.process.poll() is not None:
-                raise PeerFailed(f"{peer.name} exited with code {peer.process.returncode} before the end; "
-                                 f"last lines of {peer.log_path}:\n{peer.log_tail()}")
+                raise PeerFailed(
+                    f"{peer.name} exited with code {peer.process.returncode} before the end; "
+                    f"last lines of {peer.log_path}:\n{peer.log_tail()}"
+                )
         if 2 * (len(peers) - len(pending)) > len(peers):
             finish_by = min(finish_by, time.monotonic() + grace)
         if pending and time.monotonic() > finish_by:
             if 2 * len(pending) >= len(peers):
-                raise PeerFailed(f"{len(pending)} of {len(peers)} peers were not done in time; last lines of "
-                                 f"{pending[0].log_path}:\n{pending[0].log_tail()}")
+                raise PeerFailed(
+                    f"{len(pending)} of {len(peers)} peers were not done in time; last lines of "
+                    f"{pending[0].log_path}:\n{pending[0].log_tail()}"
+                )
             break
     return [peer.name for peer in pending]
 
@@ -326,15 +396,16 @@ def stop_peers(peers: Sequence[PeerProcess]) -> None:
         peer.kill()
 
 
-def epoch_end_times(epochs_by_peer: Sequence[Sequence[dict]]) -> Dict[int, float]:
+def epoch_end_times(epochs_by_peer: Sequence[Sequence[dict]]) -> dict[int, float]:
     """Wall time at which the swarm reached each global epoch: the median over the peers that reported it."""
-    times: Dict[int, List[float]] = {}
+    times: dict[int, list[float]] = {}
     for events in epochs_by_peer:
         for event in events:
             times.setdefault(event["epoch"], []).append(event["time"])
     # an epoch that most peers skipped (loading the swarm's state instead) has no reliable end time
-    return {epoch: statistics.median(values) for epoch, values in times.items()
-            if 2 * len(values) > len(epochs_by_peer)}
+    return {
+        epoch: statistics.median(values) for epoch, values in times.items() if 2 * len(values) > len(epochs_by_peer)
+    }
 
 
 def seconds_per_epoch(epochs_by_peer: Sequence[Sequence[dict]], warmup_epochs: int, measured_epochs: int) -> float:
@@ -359,13 +430,22 @@ def measure(speeds: Sequence[float], sim: Simulation, run_id: str, log_dir: str)
     measured = [[e for e in events if e["epoch"] > sim.warmup_epochs] for events in epochs_by_peer]
     samples = [sum(e["samples"] for e in events) for events in measured]
     groups = [e["group_size"] for events in measured for e in events]
-    result = dict(speeds=list(speeds), seconds=seconds, compute=sim.compute_time(speeds),
-                  samples=samples, mean_group=sum(groups) / max(1, len(groups)), stragglers=stragglers,
-                  wall=time.perf_counter() - started)
-    print(f"  {len(speeds)} peers (speeds {', '.join(f'{s:g}' for s in speeds)}): {seconds:.2f} s per epoch "
-          f"(compute {result['compute']:.2f} s), mean group {result['mean_group']:.2f}, "
-          f"samples per peer {samples}, {result['wall']:.0f} s"
-          + (f"; left behind: {', '.join(stragglers)}" if stragglers else ""), flush=True)
+    result = dict(
+        speeds=list(speeds),
+        seconds=seconds,
+        compute=sim.compute_time(speeds),
+        samples=samples,
+        mean_group=sum(groups) / max(1, len(groups)),
+        stragglers=stragglers,
+        wall=time.perf_counter() - started,
+    )
+    print(
+        f"  {len(speeds)} peers (speeds {', '.join(f'{s:g}' for s in speeds)}): {seconds:.2f} s per epoch "
+        f"(compute {result['compute']:.2f} s), mean group {result['mean_group']:.2f}, "
+        f"samples per peer {samples}, {result['wall']:.0f} s"
+        + (f"; left behind: {', '.join(stragglers)}" if stragglers else ""),
+        flush=True,
+    )
     return result
 
 
@@ -375,7 +455,7 @@ def left_behind(result: dict) -> str:
     return f", {count} peer{'s' if count > 1 else ''} fell behind and did not finish with the others" if count else ""
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     sim, counts = (QUICK, QUICK_PEER_COUNTS) if quick else (FULL, PEER_COUNTS)
     slow = 1.0 / SLOW_FACTOR
     log_dir = tempfile.mkdtemp(prefix="collab_kit_bench_scaling_")
@@ -391,14 +471,24 @@ def run(quick: bool = False) -> List[dict]:
     low, high = min(counts), max(counts)
     ratio = even[high]["seconds"] / even[low]["seconds"]
     ideal = low / high
-    scaling_details = "; ".join(f"{n} peers {r['seconds']:.2f} s per epoch (compute {r['compute']:.2f} s, "
-                                f"overhead {r['seconds'] - r['compute']:+.2f} s, mean group {r['mean_group']:.1f}"
-                                f"{left_behind(r)})" for n, r in even.items())
-    rows = [common.make_row(__spec__.name, f"swarm scaling (simulated compute): time per epoch, {high} peers / "
-                            f"{low} peers", ratio, f"<= {SCALING_SLACK * ideal:.2f}", f"{ratio:.2f}x",
-                            f"target batch {sim.target_batch_size}, {sim.peer_rate:g} samples/s per peer, "
-                            f"{sim.measured_epochs} epochs after {sim.warmup_epochs}: {scaling_details}.",
-                            note=f"ideal {ideal:.2f}")]
+    scaling_details = "; ".join(
+        f"{n} peers {r['seconds']:.2f} s per epoch (compute {r['compute']:.2f} s, "
+        f"overhead {r['seconds'] - r['compute']:+.2f} s, mean group {r['mean_group']:.1f}"
+        f"{left_behind(r)})"
+        for n, r in even.items()
+    )
+    rows = [
+        common.make_row(
+            __spec__.name,
+            f"swarm scaling (simulated compute): time per epoch, {high} peers / {low} peers",
+            ratio,
+            f"<= {SCALING_SLACK * ideal:.2f}",
+            f"{ratio:.2f}x",
+            f"target batch {sim.target_batch_size}, {sim.peer_rate:g} samples/s per peer, "
+            f"{sim.measured_epochs} epochs after {sim.warmup_epochs}: {scaling_details}.",
+            note=f"ideal {ideal:.2f}",
+        )
+    ]
 
     # the per-epoch cost beyond compute, measured with as many equal peers (UNEVEN_PEERS is in both peer counts),
     # added to the compute time of the summed throughput
@@ -409,23 +499,34 @@ def run(quick: bool = False) -> List[dict]:
     # a swarm that waited for the slow peer to process an equal share of the target batch
     synchronous = sim.target_batch_size / UNEVEN_PEERS / (sim.peer_rate * slow) + overhead
     share = uneven["samples"][-1] / max(1, sum(uneven["samples"]))
-    rows.append(common.make_row(
-        __spec__.name, f"uneven speed (simulated compute): time per epoch with 1 of {UNEVEN_PEERS} peers "
-        f"{SLOW_FACTOR:g}x slower / predicted by summed throughput", uneven_ratio, "<= 1.15", f"{uneven_ratio:.2f}x",
-        f"{uneven['seconds']:.2f} s per epoch; predicted {predicted:.2f} s = compute {uneven['compute']:.2f} s "
-        f"({UNEVEN_PEERS - 1} + 1/{SLOW_FACTOR:g} peers) + overhead {overhead:.2f} s measured with {UNEVEN_PEERS} "
-        f"equal peers ({equal['seconds']:.2f} s per epoch); waiting for the slow peer's equal share would take "
-        f"{synchronous:.1f} s; the slow peer contributed {100 * share:.1f}% of the samples (its throughput share: "
-        f"{100 * slow / (UNEVEN_PEERS - 1 + slow):.1f}%), mean group {uneven['mean_group']:.1f}{left_behind(uneven)}.",
-        note=f"waiting for it: {synchronous / predicted:.1f}x"))
+    rows.append(
+        common.make_row(
+            __spec__.name,
+            f"uneven speed (simulated compute): time per epoch with 1 of {UNEVEN_PEERS} peers "
+            f"{SLOW_FACTOR:g}x slower / predicted by summed throughput",
+            uneven_ratio,
+            "<= 1.15",
+            f"{uneven_ratio:.2f}x",
+            f"{uneven['seconds']:.2f} s per epoch; predicted {predicted:.2f} s = compute {uneven['compute']:.2f} s "
+            f"({UNEVEN_PEERS - 1} + 1/{SLOW_FACTOR:g} peers) + overhead {overhead:.2f} s measured with {UNEVEN_PEERS} "
+            f"equal peers ({equal['seconds']:.2f} s per epoch); waiting for the slow peer's equal share would take "
+            f"{synchronous:.1f} s; the slow peer contributed {100 * share:.1f}% of the samples (its throughput share: "
+            f"{100 * slow / (UNEVEN_PEERS - 1 + slow):.1f}%), mean group {uneven['mean_group']:.1f}{left_behind(uneven)}.",
+            note=f"waiting for it: {synchronous / predicted:.1f}x",
+        )
+    )
     return rows
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of one peer (``--peer``), started by the benchmark itself."""
     parser.add_argument("--run-id", required=True)
-    parser.add_argument("--initial-peers", nargs="*", default=[],
-                        help="addresses of a peer in the swarm; '-': read them from the first line of stdin")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        help="addresses of a peer in the swarm; '-': read them from the first line of stdin",
+    )
     parser.add_argument("--peers", type=int, required=True, help="wait until this many peers are ready")
     parser.add_argument("--epochs", type=int, required=True, help="stop at this global epoch")
     parser.add_argument("--target-batch-size", type=int, default=FULL.target_batch_size)
@@ -439,9 +540,10 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="log every stage of hivemind's global steps")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    common.main_or_peer(sys.modules[__name__], argv, "one simulated peer of the swarm scaling benchmark",
-                        add_peer_arguments, peer_main)
+def main(argv: Sequence[str] | None = None) -> None:
+    common.main_or_peer(
+        sys.modules[__name__], argv, "one simulated peer of the swarm scaling benchmark", add_peer_arguments, peer_main
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ parts from both anchors (collab_kit.swarm.direct_state), which relay the volunte
 ``python -m benchmarks.two_anchors`` measures and updates RESULTS.md; ``--peer ...`` is the late joiner (what the
 benchmark starts inside a home of the lab).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 from benchmarks import common, internet_links
 from benchmarks.internet_links import small_preset_peer
@@ -89,63 +90,138 @@ def measure(anchors: int, setting: Setting, log_dir: str) -> dict:
 
     epochs = setting.warmup_epochs + setting.measured_epochs
     run_id = f"bench_anchors_{anchors}_{os.getpid()}"
-    settings = ["--set", f"optimizer.target_batch_size={setting.target_batch_size}",
-                "--set", f"optimizer.batch_size_per_step={setting.micro_batch}"]
+    settings = [
+        "--set",
+        f"optimizer.target_batch_size={setting.target_batch_size}",
+        "--set",
+        f"optimizer.batch_size_per_step={setting.micro_batch}",
+    ]
     pythonpath = os.pathsep.join(filter(None, [common.REPO_ROOT, os.environ.get("PYTHONPATH")]))
     started = []
     with NetworkLab() as lab:
         try:
             server = lab.public_host("server")
             server.limit(setting.anchor_mbit)
-            monitor = server.start("monitor", ["monitor", "--preset", "small", "--run-id", run_id, "--events",
-                                               "--db", "", "--checkpoint-every", "0", *settings],
-                                   os.path.join(log_dir, f"{run_id}-monitor.log"))
+            monitor = server.start(
+                "monitor",
+                [
+                    "monitor",
+                    "--preset",
+                    "small",
+                    "--run-id",
+                    run_id,
+                    "--events",
+                    "--db",
+                    "",
+                    "--checkpoint-every",
+                    "0",
+                    *settings,
+                ],
+                os.path.join(log_dir, f"{run_id}-monitor.log"),
+            )
             started.append(monitor)
-            addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT,
-                                         what="its address")["addresses"]
+            addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT, what="its address")[
+                "addresses"
+            ]
             if anchors == 2:
                 second = lab.public_host("second")
                 second.limit(setting.anchor_mbit)
-                anchor = second.start("anchor", ["anchor", "--preset", "small", "--run-id", run_id, *settings,
-                                                 "--initial-peers", *addresses, "--events",
-                                                 "--keep-in", os.path.join(log_dir, f"{run_id}-anchor")],
-                                      os.path.join(log_dir, f"{run_id}-anchor.log"))
+                anchor = second.start(
+                    "anchor",
+                    [
+                        "anchor",
+                        "--preset",
+                        "small",
+                        "--run-id",
+                        run_id,
+                        *settings,
+                        "--initial-peers",
+                        *addresses,
+                        "--events",
+                        "--keep-in",
+                        os.path.join(log_dir, f"{run_id}-anchor"),
+                    ],
+                    os.path.join(log_dir, f"{run_id}-anchor.log"),
+                )
                 started.append(anchor)
-                mine = anchor.wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT,
-                                       what="its address")["addresses"]
-                addresses = monitor.wait_for(lambda e: e["type"] == "join_line" and set(mine) <= set(e["addresses"]),
-                                             timeout=120, what="a join line with both anchors")["addresses"]
+                mine = anchor.wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT, what="its address")[
+                    "addresses"
+                ]
+                addresses = monitor.wait_for(
+                    lambda e: e["type"] == "join_line" and set(mine) <= set(e["addresses"]),
+                    timeout=120,
+                    what="a join line with both anchors",
+                )["addresses"]
             homes = [lab.home(f"home{i}") for i in range(setting.volunteers)]
-            peers = [home.start(home.name, ["--peer", "--run-id", run_id, "--initial-peers", *addresses, "--epochs",
-                                            str(epochs + DOWNLOAD_EPOCHS), "--target-batch-size", str(setting.target_batch_size),
-                                            "--micro-batch", str(setting.micro_batch), "--compute-seconds",
-                                            repr(setting.compute_seconds), "--seed", str(index)],
-                                os.path.join(log_dir, f"{run_id}-{home.name}.log"), env=dict(PYTHONPATH=pythonpath),
-                                command=(sys.executable, "-m", "benchmarks.internet_links"))
-                     for index, home in enumerate(homes)]
+            peers = [
+                home.start(
+                    home.name,
+                    [
+                        "--peer",
+                        "--run-id",
+                        run_id,
+                        "--initial-peers",
+                        *addresses,
+                        "--epochs",
+                        str(epochs + DOWNLOAD_EPOCHS),
+                        "--target-batch-size",
+                        str(setting.target_batch_size),
+                        "--micro-batch",
+                        str(setting.micro_batch),
+                        "--compute-seconds",
+                        repr(setting.compute_seconds),
+                        "--seed",
+                        str(index),
+                    ],
+                    os.path.join(log_dir, f"{run_id}-{home.name}.log"),
+                    env=dict(PYTHONPATH=pythonpath),
+                    command=(sys.executable, "-m", "benchmarks.internet_links"),
+                )
+                for index, home in enumerate(homes)
+            ]
             started.extend(peers)
             anchor_hosts = [server] + ([second] if anchors == 2 else [])
 
             def latest_epoch():
                 return max((e["epoch"] for e in peers[0].events if e["type"] == "epoch"), default=-1)
 
-            peers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= setting.warmup_epochs,
-                              timeout=START_TIMEOUT + 60 * epochs, what="the warm-up epochs")
+            peers[0].wait_for(
+                lambda e: e["type"] == "epoch" and e["epoch"] >= setting.warmup_epochs,
+                timeout=START_TIMEOUT + 60 * epochs,
+                what="the warm-up epochs",
+            )
             links_before, epoch_before = [host.link_bytes() for host in anchor_hosts], latest_epoch()
             # the late joiner comes while the volunteers still train (the anchors that only reduce serve their state)
             for peer in peers:
-                peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= epochs, timeout=START_TIMEOUT + 60 * epochs,
-                              what="the measured epochs")
+                peer.wait_for(
+                    lambda e: e["type"] == "epoch" and e["epoch"] >= epochs,
+                    timeout=START_TIMEOUT + 60 * epochs,
+                    what="the measured epochs",
+                )
             links_after, epoch_after = [host.link_bytes() for host in anchor_hosts], latest_epoch()
             # interface counters, both directions, per epoch of the first volunteer over the same span
-            link_bytes = [(a.sent + a.received - b.sent - b.received) / max(1, epoch_after - epoch_before)
-                          for a, b in zip(links_after, links_before)]
+            link_bytes = [
+                (a.sent + a.received - b.sent - b.received) / max(1, epoch_after - epoch_before)
+                for a, b in zip(links_after, links_before)
+            ]
             late_home = lab.home("late")
-            late = late_home.start("late", ["--peer", "--run-id", run_id, "--initial-peers", *addresses,
-                                            "--target-batch-size", str(setting.target_batch_size),
-                                            "--micro-batch", str(setting.micro_batch)],
-                                   os.path.join(log_dir, f"{run_id}-late.log"), env=dict(PYTHONPATH=pythonpath),
-                                   command=(sys.executable, "-m", "benchmarks.two_anchors"))
+            late = late_home.start(
+                "late",
+                [
+                    "--peer",
+                    "--run-id",
+                    run_id,
+                    "--initial-peers",
+                    *addresses,
+                    "--target-batch-size",
+                    str(setting.target_batch_size),
+                    "--micro-batch",
+                    str(setting.micro_batch),
+                ],
+                os.path.join(log_dir, f"{run_id}-late.log"),
+                env=dict(PYTHONPATH=pythonpath),
+                command=(sys.executable, "-m", "benchmarks.two_anchors"),
+            )
             started.append(late)
             loaded = late.wait_for(lambda e: e["type"] == "loaded", timeout=600, what="the state")
         finally:
@@ -155,15 +231,24 @@ def measure(anchors: int, setting: Setting, log_dir: str) -> dict:
     with open(os.path.join(log_dir, f"{run_id}-late.log"), errors="replace") as f:
         # hivemind logs its own download of a whole state from one peer; the kit's download in parts is quiet
         in_parts = "Finished downloading state in" not in f.read()
-    result = dict(anchors=anchors, seconds=seconds, download=loaded["seconds"], in_parts=in_parts,
-                  epoch=loaded["epoch"], link_bytes=link_bytes)
-    print(f"  {anchors} anchor(s): {seconds:.2f} s per epoch; each anchor's link "
-          f"{', '.join(f'{b / 2 ** 20:.2f}' for b in link_bytes)} MiB per epoch; the late joiner's download "
-          f"{loaded['seconds']:.2f} s (epoch {loaded['epoch']}, in parts: {in_parts})", flush=True)
+    result = dict(
+        anchors=anchors,
+        seconds=seconds,
+        download=loaded["seconds"],
+        in_parts=in_parts,
+        epoch=loaded["epoch"],
+        link_bytes=link_bytes,
+    )
+    print(
+        f"  {anchors} anchor(s): {seconds:.2f} s per epoch; each anchor's link "
+        f"{', '.join(f'{b / 2**20:.2f}' for b in link_bytes)} MiB per epoch; the late joiner's download "
+        f"{loaded['seconds']:.2f} s (epoch {loaded['epoch']}, in parts: {in_parts})",
+        flush=True,
+    )
     return result
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     common.require_network_lab()
     setting = QUICK if quick else FULL
     log_dir = tempfile.mkdtemp(prefix="collab_kit_bench_anchors_")
@@ -174,22 +259,35 @@ def run(quick: bool = False) -> List[dict]:
     link_distance = max(abs(share / 0.5 - 1) for share in link_shares)
     return [
         common.make_row(
-            __spec__.name, f"time per epoch, two anchors / one ({setting.volunteers} volunteers behind NAT, anchor "
-            f"links {setting.anchor_mbit:g} Mbit/s)", epoch_ratio, f"<= {TARGET_EPOCH_RATIO}", f"{epoch_ratio:.2f}",
+            __spec__.name,
+            f"time per epoch, two anchors / one ({setting.volunteers} volunteers behind NAT, anchor "
+            f"links {setting.anchor_mbit:g} Mbit/s)",
+            epoch_ratio,
+            f"<= {TARGET_EPOCH_RATIO}",
+            f"{epoch_ratio:.2f}",
             f"{two['seconds']:.2f} s against {one['seconds']:.2f} s per epoch (compute {setting.compute_time:.2f} s "
-            f"of it); logs in {log_dir}."),
+            f"of it); logs in {log_dir}.",
+        ),
         common.make_row(
-            __spec__.name, f"each anchor's link bytes per epoch, two anchors / one: distance from one half "
-            f"(interface counters, both directions)", link_distance, f"<= {TARGET_LINK_DISTANCE}",
+            __spec__.name,
+            "each anchor's link bytes per epoch, two anchors / one: distance from one half "
+            "(interface counters, both directions)",
+            link_distance,
+            f"<= {TARGET_LINK_DISTANCE}",
             f"{link_distance:.2f}",
             f"each anchor's link carried {' and '.join(f'{share:.2f}' for share in link_shares)} of one anchor's alone "
-            f"({', '.join(f'{b / 2 ** 20:.2f}' for b in two['link_bytes'])} against "
-            f"{one['link_bytes'][0] / 2 ** 20:.2f} MiB per epoch); logs in {log_dir}."),
+            f"({', '.join(f'{b / 2**20:.2f}' for b in two['link_bytes'])} against "
+            f"{one['link_bytes'][0] / 2**20:.2f} MiB per epoch); logs in {log_dir}.",
+        ),
         common.make_row(
-            __spec__.name, f"a late joiner's state download, two sources / one (each link {setting.anchor_mbit:g} "
-            "Mbit/s)", download_ratio, f"<= {TARGET_DOWNLOAD_RATIO}", f"{download_ratio:.2f}",
+            __spec__.name,
+            f"a late joiner's state download, two sources / one (each link {setting.anchor_mbit:g} Mbit/s)",
+            download_ratio,
+            f"<= {TARGET_DOWNLOAD_RATIO}",
+            f"{download_ratio:.2f}",
             f"{two['download']:.2f} s from both anchors (in parts: {two['in_parts']}) against {one['download']:.2f} s "
-            f"from one (in parts: {one['in_parts']}); logs in {log_dir}."),
+            f"from one (in parts: {one['in_parts']}); logs in {log_dir}.",
+        ),
     ]
 
 
@@ -201,9 +299,10 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, required=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    common.main_or_peer(sys.modules[__name__], argv, "the late joiner of the two-anchors benchmark",
-                        add_peer_arguments, peer_main)
+def main(argv: Sequence[str] | None = None) -> None:
+    common.main_or_peer(
+        sys.modules[__name__], argv, "the late joiner of the two-anchors benchmark", add_peer_arguments, peer_main
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Figure: the share of the wall time a volunteer's accelerator computes, for two v
 links with the paper preset's pseudo-gradients, in the local-update mode with ``optimizer.overlap_rounds`` and
 ``optimizer.fragments=4`` against the same mode without them, in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 from benchmarks import common
 from benchmarks.internet_links import volunteer_peer
@@ -45,11 +46,14 @@ class Setting:
     def step_seconds(self) -> float:
         return self.micro_batch * PAPER_TFLOP_PER_SAMPLE / (T4_FP16_TFLOPS * ASSUMED_MFU)
 
-    def settings(self, overlapped: bool) -> List[str]:
-        base = [f"optimizer.local_steps={self.local_steps}", f"optimizer.batch_size_per_step={self.micro_batch}",
-                f"optimizer.target_batch_size={self.micro_batch * self.volunteers}",
-                f"optimizer.averaging_timeout={self.averaging_timeout}",
-                "optimizer.average_state_every=100000"]  # no state averaging: the rounds alone
+    def settings(self, overlapped: bool) -> list[str]:
+        base = [
+            f"optimizer.local_steps={self.local_steps}",
+            f"optimizer.batch_size_per_step={self.micro_batch}",
+            f"optimizer.target_batch_size={self.micro_batch * self.volunteers}",
+            f"optimizer.averaging_timeout={self.averaging_timeout}",
+            "optimizer.average_state_every=100000",
+        ]  # no state averaging: the rounds alone
         if overlapped:
             base += ["optimizer.overlap_rounds=true", f"optimizer.fragments={self.fragments}"]
         return base
@@ -99,8 +103,11 @@ def peer_main(args: argparse.Namespace) -> int:
     from collab_kit.roles.processes import emit_event
     from collab_kit.swarm.dht import wait_for_peers
 
-    config = get_preset(args.preset, swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
-                        **parse_overrides(args.set))
+    config = get_preset(
+        args.preset,
+        swarm=dict(run_id=args.run_id, initial_peers=args.initial_peers, host="0.0.0.0"),
+        **parse_overrides(args.set),
+    )
     with volunteer_peer(config) as (model, optimizer):
         parameters = [param for param in model.parameters() if param.requires_grad]
         generator = torch.Generator().manual_seed(args.seed)
@@ -120,8 +127,14 @@ def peer_main(args: argparse.Namespace) -> int:
             overlapped, new_epoch = step_on_simulated_accelerator(optimizer, started, args.compute_seconds, overlapped)
             steps += 1
             if new_epoch:
-                emit_event("epoch", epoch=optimizer.local_epoch, time=time.time(), steps=steps,
-                           group_size=optimizer.last_group_size, problem=optimizer.last_round_problem)
+                emit_event(
+                    "epoch",
+                    epoch=optimizer.local_epoch,
+                    time=time.time(),
+                    steps=steps,
+                    group_size=optimizer.last_group_size,
+                    problem=optimizer.last_round_problem,
+                )
             report_applied(optimizer)
         optimizer.finish_round_in_flight()  # the last measured round's outcome too
         report_applied(optimizer)
@@ -154,43 +167,84 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
 # the lab, from the benchmark's process
 
 
-def measure(setting: Setting, overlapped: bool, log_dir: str) -> Dict[str, object]:
+def measure(setting: Setting, overlapped: bool, log_dir: str) -> dict[str, object]:
     """One run in a fresh lab: each volunteer's utilization over the measured rounds, and their rounds' outcomes."""
     from collab_kit.netlab import NetworkLab
 
     epochs_per_round = setting.fragments if overlapped else 1
-    first, last = setting.warmup_rounds * epochs_per_round, \
-        (setting.warmup_rounds + setting.measured_rounds) * epochs_per_round
+    first, last = (
+        setting.warmup_rounds * epochs_per_round,
+        (setting.warmup_rounds + setting.measured_rounds) * epochs_per_round,
+    )
     run_id = f"bench_utilization_{'overlap' if overlapped else 'today'}_{os.getpid()}"
     options = [arg for value in setting.settings(overlapped) for arg in ("--set", value)]
     pythonpath = os.pathsep.join(filter(None, [common.REPO_ROOT, os.environ.get("PYTHONPATH")]))
     round_seconds = setting.local_steps * setting.step_seconds / epochs_per_round
     with NetworkLab() as lab:
         server = lab.public_host("server")
-        monitor = server.start("monitor", ["monitor", "--preset", setting.preset, "--run-id", run_id, "--host",
-                                           "0.0.0.0", "--events", "--db", "", "--checkpoint-every", "0", *options],
-                               os.path.join(log_dir, f"{run_id}-monitor.log"))
+        monitor = server.start(
+            "monitor",
+            [
+                "monitor",
+                "--preset",
+                setting.preset,
+                "--run-id",
+                run_id,
+                "--host",
+                "0.0.0.0",
+                "--events",
+                "--db",
+                "",
+                "--checkpoint-every",
+                "0",
+                *options,
+            ],
+            os.path.join(log_dir, f"{run_id}-monitor.log"),
+        )
         peers = []
         try:
             addresses = monitor.wait_for(lambda e: e["type"] == "ready", timeout=START_TIMEOUT, what="its address")[
-                "addresses"]
+                "addresses"
+            ]
             homes = [lab.home(f"home{i}") for i in range(setting.volunteers)]
             for index, home in enumerate(homes):
                 home.limit(setting.link_mbit)
-                peers.append(home.start(home.name, [
-                    "--peer", "--run-id", run_id, "--initial-peers", *addresses, "--preset", setting.preset,
-                    *options, "--epochs", str(last), "--volunteers", str(setting.volunteers),
-                    "--compute-seconds", repr(setting.step_seconds), "--seed", str(index)],
-                    os.path.join(log_dir, f"{run_id}-{home.name}.log"), env=dict(PYTHONPATH=pythonpath),
-                    command=(sys.executable, "-m", "benchmarks.utilization")))
+                peers.append(
+                    home.start(
+                        home.name,
+                        [
+                            "--peer",
+                            "--run-id",
+                            run_id,
+                            "--initial-peers",
+                            *addresses,
+                            "--preset",
+                            setting.preset,
+                            *options,
+                            "--epochs",
+                            str(last),
+                            "--volunteers",
+                            str(setting.volunteers),
+                            "--compute-seconds",
+                            repr(setting.step_seconds),
+                            "--seed",
+                            str(index),
+                        ],
+                        os.path.join(log_dir, f"{run_id}-{home.name}.log"),
+                        env=dict(PYTHONPATH=pythonpath),
+                        command=(sys.executable, "-m", "benchmarks.utilization"),
+                    )
+                )
             for peer in peers:
                 started = peer.wait_for(lambda e: e["type"] == "training", timeout=START_TIMEOUT, what="training")
                 if not started["client_mode"]:
                     raise RuntimeError(f"{peer.name} is behind NAT but the probe did not put it in client mode")
             for peer in peers:
-                peer.wait_for(lambda e: e["type"] == "done",
-                              timeout=START_TIMEOUT + (last + 2) * (round_seconds + 2 * setting.averaging_timeout),
-                              what="the end")
+                peer.wait_for(
+                    lambda e: e["type"] == "done",
+                    timeout=START_TIMEOUT + (last + 2) * (round_seconds + 2 * setting.averaging_timeout),
+                    what="the end",
+                )
         finally:
             stop_peers(peers + [monitor])
     utilization, averaged = [], []
@@ -207,13 +261,15 @@ def measure(setting: Setting, overlapped: bool, log_dir: str) -> Dict[str, objec
             outcomes = [marks[epoch] for epoch in range(first + 1, last + 1) if epoch in marks]
         averaged.append(sum(e["group_size"] >= setting.volunteers and not e["problem"] for e in outcomes))
     result = dict(utilization=utilization, averaged=averaged, rounds=last - first)
-    print(f"  {'overlap + fragments' if overlapped else 'today'}: utilization "
-          f"{', '.join(f'{u:.3f}' for u in utilization)}, rounds averaged by both {averaged} of {last - first}",
-          flush=True)
+    print(
+        f"  {'overlap + fragments' if overlapped else 'today'}: utilization "
+        f"{', '.join(f'{u:.3f}' for u in utilization)}, rounds averaged by both {averaged} of {last - first}",
+        flush=True,
+    )
     return result
 
 
-def run(quick: bool = False) -> List[dict]:
+def run(quick: bool = False) -> list[dict]:
     common.require_network_lab()
     setting = QUICK if quick else FULL
     folder = tempfile.mkdtemp(prefix="collab_kit_bench_utilization_")
@@ -228,22 +284,39 @@ def run(quick: bool = False) -> List[dict]:
 
     def describe(result: dict) -> str:
         rounds = result["rounds"]
-        return (f"utilization {', '.join(f'{u:.3f}' for u in result['utilization'])} (volunteers), measured rounds "
-                f"averaged by both: {', '.join(f'{a} of {rounds}' for a in result['averaged'])}")
+        return (
+            f"utilization {', '.join(f'{u:.3f}' for u in result['utilization'])} (volunteers), measured rounds "
+            f"averaged by both: {', '.join(f'{a} of {rounds}' for a in result['averaged'])}"
+        )
 
-    details = (f"today (H = {setting.local_steps}, rounds awaited): {describe(today)}; with overlap and F = "
-               f"{setting.fragments}: {describe(overlapped)}; a micro-batch of {setting.micro_batch} "
-               f"{setting.step_seconds:.2f} s, {setting.preset} preset, {setting.link_mbit:g} Mbit/s links.")
-    return [common.make_row(__spec__.name, f"network lab, {setting.volunteers} NAT volunteers on "
-                            f"{setting.link_mbit:g} Mbit/s links, {setting.preset} preset's pseudo-gradients, T4 step "
-                            f"time: compute utilization with overlap and {setting.fragments} fragments", value,
-                            ">= 0.95", f"{value:.3f}", details,
-                            note=f"today's mode: {min(today['utilization']):.3f}")]
+    details = (
+        f"today (H = {setting.local_steps}, rounds awaited): {describe(today)}; with overlap and F = "
+        f"{setting.fragments}: {describe(overlapped)}; a micro-batch of {setting.micro_batch} "
+        f"{setting.step_seconds:.2f} s, {setting.preset} preset, {setting.link_mbit:g} Mbit/s links."
+    )
+    return [
+        common.make_row(
+            __spec__.name,
+            f"network lab, {setting.volunteers} NAT volunteers on "
+            f"{setting.link_mbit:g} Mbit/s links, {setting.preset} preset's pseudo-gradients, T4 step "
+            f"time: compute utilization with overlap and {setting.fragments} fragments",
+            value,
+            ">= 0.95",
+            f"{value:.3f}",
+            details,
+            note=f"today's mode: {min(today['utilization']):.3f}",
+        )
+    ]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    common.main_or_peer(sys.modules[__name__], argv, "one simulated volunteer of the utilization benchmark",
-                        add_peer_arguments, peer_main)
+def main(argv: Sequence[str] | None = None) -> None:
+    common.main_or_peer(
+        sys.modules[__name__],
+        argv,
+        "one simulated volunteer of the utilization benchmark",
+        add_peer_arguments,
+        peer_main,
+    )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,21 @@ together"):
 - ``notebook/``: pre-flight checks, the live view, the dashboard.
 - ``demo``, ``netlab``, ``cli/``: the local demo, the network lab the tests build, the command line.
 """
+
 from collab_kit.hivemind_seam import require_tested_hivemind
 
 require_tested_hivemind()  # before anything of the kit's loads hivemind: another version gets one sentence
 
-from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig,  # noqa: E402
-                               SettingFileMissing, SettingProblem, SwarmConfig, get_preset)
+from collab_kit.config import (  # noqa: E402
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    SettingFileMissing,
+    SettingProblem,
+    SwarmConfig,
+    get_preset,
+)
 from collab_kit.errors import CollabKitError  # noqa: E402
 from collab_kit.lazy import lazy_exports  # noqa: E402
 from collab_kit.units import format_bytes  # noqa: E402
@@ -31,26 +40,40 @@ from collab_kit.units import format_bytes  # noqa: E402
 __version__ = "0.1.0"
 
 # the heavy names (torch, hivemind, transformers) load on first use: `import collab_kit` stays fast
-__getattr__, _lazy_names = lazy_exports(__name__, {
-    "roles.volunteer": ["Volunteer"],
-    "roles.monitor": ["Monitor"],
-    "roles.monitor_settings": ["MonitorSettings"],
-    "roles.services": ["*module*"],
-    "model.transformer": ["TextToImageTransformer"],
-    "model.checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint"],
-    "model.vqgan_files": ["load_vqgan"],
-    "model.clip_rank": ["ClipRanker"],
-    "swarm.optimizer": ["make_optimizer"],
-    "swarm.dht": ["start_dht"],
-    "data.synthetic": ["make_synthetic_shards"],
-    "images.generate": ["generate_images"],
-    "images.inference": ["load_for_inference"],
-    "auth.client": ["login"],
-    "notebook.preflight": ["run_preflight"],
-    "notebook.live_view": ["LiveView"],
-    "notebook.dashboard": ["*module*"],
-    "demo": ["run_demo"],
-})
+__getattr__, _lazy_names = lazy_exports(
+    __name__,
+    {
+        "roles.volunteer": ["Volunteer"],
+        "roles.monitor": ["Monitor"],
+        "roles.monitor_settings": ["MonitorSettings"],
+        "roles.services": ["*module*"],
+        "model.transformer": ["TextToImageTransformer"],
+        "model.checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint"],
+        "model.vqgan_files": ["load_vqgan"],
+        "model.clip_rank": ["ClipRanker"],
+        "swarm.optimizer": ["make_optimizer"],
+        "swarm.dht": ["start_dht"],
+        "data.synthetic": ["make_synthetic_shards"],
+        "images.generate": ["generate_images"],
+        "images.inference": ["load_for_inference"],
+        "auth.client": ["login"],
+        "notebook.preflight": ["run_preflight"],
+        "notebook.live_view": ["LiveView"],
+        "notebook.dashboard": ["*module*"],
+        "demo": ["run_demo"],
+    },
+)
 
-__all__ = ["ModelConfig", "OptimizerConfig", "RunConfig", "SwarmConfig", "DataConfig", "get_preset", "SettingProblem",
-           "SettingFileMissing", "CollabKitError", "format_bytes", *_lazy_names]
+__all__ = [
+    "ModelConfig",
+    "OptimizerConfig",
+    "RunConfig",
+    "SwarmConfig",
+    "DataConfig",
+    "get_preset",
+    "SettingProblem",
+    "SettingFileMissing",
+    "CollabKitError",
+    "format_bytes",
+    *_lazy_names,
+]

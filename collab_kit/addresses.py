@@ -4,9 +4,10 @@ A join line carries one or more full multiaddrs (``/ip4/HOST/tcp/PORT/p2p/PEER_I
 cells and ``--initial-peers`` take them as a list or as one string separated by spaces or commas. The checks here
 are those every entry point shares; the DHT that dials them is ``collab_kit.swarm.dht``.
 """
+
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 from collab_kit.errors import CollabKitError
 
@@ -18,7 +19,7 @@ class BadPeerAddress(CollabKitError, ValueError):
 ADDRESS_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
 
-def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> List[str]:
+def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> list[str]:
     """Check the multiaddrs of initial peers and return them as a list of strings.
 
     :param initial_peers: multiaddrs, a list or one string with several separated by spaces or commas
@@ -51,8 +52,10 @@ def parse_initial_peers(initial_peers: Sequence[str] | str | None) -> List[str]:
                 f"A peer address looks like {ADDRESS_EXAMPLE}."
             )
         if not any(p in protocols for p in ("ip4", "ip6", "dns", "dns4", "dns6")):
-            raise BadPeerAddress(f"initial peer {address!r} names no host (/ip4/..., /ip6/... or /dns/...). "
-                                 f"A peer address looks like {ADDRESS_EXAMPLE}.")
+            raise BadPeerAddress(
+                f"initial peer {address!r} names no host (/ip4/..., /ip6/... or /dns/...). "
+                f"A peer address looks like {ADDRESS_EXAMPLE}."
+            )
         checked.append(address)
     return checked
 

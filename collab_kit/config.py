@@ -10,13 +10,14 @@ Presets:
 what ``make demo`` trains.
 - ``paper``: the values of the paper's run (section 3 of "Training Transformers Together").
 """
+
 from __future__ import annotations
 
 import ast
 import dataclasses
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 from collab_kit.addresses import all_on_this_machine, parse_initial_peers
 from collab_kit.errors import CollabKitError
@@ -38,13 +39,21 @@ def _require(condition: bool, field_name: str, allowed: str, value: Any) -> None
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-             f"{owner}.{name}", "expected a positive integer", value)
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        f"{owner}.{name}",
+        "expected a positive integer",
+        value,
+    )
 
 
 def _positive_float(owner: str, name: str, value: Any) -> None:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-             f"{owner}.{name}", "expected a positive number", value)
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+        f"{owner}.{name}",
+        "expected a positive number",
+        value,
+    )
 
 
 ATTENTION_KINDS = ("row", "column", "conv", "full")
@@ -71,8 +80,8 @@ class ModelConfig:
     ffn_multiplier: int = 4  # GEGLU inner width = ffn_multiplier * hidden_size
     # what each layer sees (collab_kit.model.attention): "row", "column", "conv" (a window of
     # conv_kernel_size x conv_kernel_size codes) or "full" (every earlier position)
-    attention_pattern: Tuple[str, ...] = ("row", "column", "row", "row")
-    last_layer_attention: Optional[str] = "conv"  # None: the last layer follows the pattern too
+    attention_pattern: tuple[str, ...] = ("row", "column", "row", "row")
+    last_layer_attention: str | None = "conv"  # None: the last layer follows the pattern too
     conv_kernel_size: int = 11  # DALL-E's convolutional mask is 11 x 11
     share_layer_groups: bool = True  # one block per part of the pattern (ALBERT-style sharing)
     reversible: bool = True  # recompute activations in backward: memory does not grow with depth
@@ -81,27 +90,59 @@ class ModelConfig:
         if isinstance(self.attention_pattern, str):  # "row,column,row,row" from the command line
             self.attention_pattern = tuple(kind.strip() for kind in self.attention_pattern.split(","))
         self.attention_pattern = tuple(self.attention_pattern)
-        for name in ("hidden_size", "num_layers", "num_heads", "text_length", "image_side",
-                     "codebook_size", "text_vocab_size", "ffn_multiplier", "conv_kernel_size"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "text_length",
+            "image_side",
+            "codebook_size",
+            "text_vocab_size",
+            "ffn_multiplier",
+            "conv_kernel_size",
+        ):
             _positive_int("model", name, getattr(self, name))
-        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size",
-                 f"must be divisible by model.num_heads={self.num_heads}", self.hidden_size)
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            "model.hidden_size",
+            f"must be divisible by model.num_heads={self.num_heads}",
+            self.hidden_size,
+        )
         # rotary embeddings turn half of each head by the row and half by the column: pairs of pairs
-        _require(self.head_size % 4 == 0, "model.hidden_size",
-                 f"hidden_size / num_heads = {self.head_size} must be a multiple of 4 (2D rotary embeddings)",
-                 self.hidden_size)
-        _require(0 <= self.pad_token_id < self.text_vocab_size, "model.pad_token_id",
-                 f"must be a token id in [0, text_vocab_size={self.text_vocab_size})", self.pad_token_id)
-        _require(len(self.attention_pattern) > 0 and all(k in ATTENTION_KINDS for k in self.attention_pattern),
-                 "model.attention_pattern", f"expected a non-empty list of {', '.join(ATTENTION_KINDS)}",
-                 self.attention_pattern)
-        _require(self.last_layer_attention in ATTENTION_KINDS + (None,), "model.last_layer_attention",
-                 f"choose one of {', '.join(ATTENTION_KINDS)} or None", self.last_layer_attention)
-        _require(self.conv_kernel_size % 2 == 1, "model.conv_kernel_size",
-                 "expected an odd number (the window is centred on the position)", self.conv_kernel_size)
+        _require(
+            self.head_size % 4 == 0,
+            "model.hidden_size",
+            f"hidden_size / num_heads = {self.head_size} must be a multiple of 4 (2D rotary embeddings)",
+            self.hidden_size,
+        )
+        _require(
+            0 <= self.pad_token_id < self.text_vocab_size,
+            "model.pad_token_id",
+            f"must be a token id in [0, text_vocab_size={self.text_vocab_size})",
+            self.pad_token_id,
+        )
+        _require(
+            len(self.attention_pattern) > 0 and all(k in ATTENTION_KINDS for k in self.attention_pattern),
+            "model.attention_pattern",
+            f"expected a non-empty list of {', '.join(ATTENTION_KINDS)}",
+            self.attention_pattern,
+        )
+        _require(
+            self.last_layer_attention in ATTENTION_KINDS + (None,),
+            "model.last_layer_attention",
+            f"choose one of {', '.join(ATTENTION_KINDS)} or None",
+            self.last_layer_attention,
+        )
+        _require(
+            self.conv_kernel_size % 2 == 1,
+            "model.conv_kernel_size",
+            "expected an odd number (the window is centred on the position)",
+            self.conv_kernel_size,
+        )
         for name in ("share_layer_groups", "reversible"):
-            _require(isinstance(getattr(self, name), bool), f"model.{name}", "expected true or false",
-                     getattr(self, name))
+            _require(
+                isinstance(getattr(self, name), bool), f"model.{name}", "expected true or false", getattr(self, name)
+            )
 
     @property
     def image_length(self) -> int:
@@ -115,7 +156,7 @@ class ModelConfig:
     def head_size(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def layer_plan(self) -> Tuple[Tuple[int, str], ...]:
+    def layer_plan(self) -> tuple[tuple[int, str], ...]:
         """``(block index, attention kind)`` for every layer, in order.
 
         Without sharing each layer is its own block. Shared, layer ``i`` uses block ``i % len(attention_pattern)``,
@@ -136,7 +177,7 @@ class OptimizerConfig:
     """The paper's optimizer: 8-bit LAMB offloaded to CPU inside hivemind.Optimizer (section 3.3)."""
 
     learning_rate: float = 2.5e-3
-    betas: Tuple[float, float] = (0.9, 0.96)
+    betas: tuple[float, float] = (0.9, 0.96)
     eps: float = 1e-6
     weight_decay: float = 0.045  # not applied to biases and norms
     max_grad_norm: float = 4.0
@@ -146,7 +187,7 @@ class OptimizerConfig:
     warmup_fraction: float = 0.1
     target_batch_size: int = 4096  # samples the whole swarm accumulates per global step
     batch_size_per_step: int = 4  # samples one peer processes per local step
-    compression_threshold: int = 2 ** 16  # tensors this large or larger are averaged in 8 bits, others in fp16
+    compression_threshold: int = 2**16  # tensors this large or larger are averaged in 8 bits, others in fp16
     matchmaking_time: float = 15.0
     averaging_timeout: float = 180.0
     # how often a peer reads the swarm's progress alone (a sixth to 10/3 of it once it can estimate the next step)
@@ -154,7 +195,7 @@ class OptimizerConfig:
     # seconds a peer of an averaging round may stay silent (no part sent, no result returned) before the others go on
     # without it; it also covers the spread of the moments the group's peers notice that a global step is due. None:
     # the longer of matchmaking_time and 3 x the longest time between two readings (10/3 x progress_refresh_period)
-    next_chunk_timeout: Optional[float] = None
+    next_chunk_timeout: float | None = None
     # seconds a state download may take before it is started again (a stalled one is noticed after 30 s without a part,
     # swarm.averagers.STATE_DOWNLOAD_PART_TIMEOUT); the paper's model (~717 MiB of state) takes 1200 s at 5 Mbit/s
     load_state_timeout: float = 1800.0
@@ -190,24 +231,54 @@ class OptimizerConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
-        for name in ("learning_rate", "eps", "max_grad_norm", "matchmaking_time", "averaging_timeout",
-                     "progress_refresh_period", "load_state_timeout"):
+        for name in (
+            "learning_rate",
+            "eps",
+            "max_grad_norm",
+            "matchmaking_time",
+            "averaging_timeout",
+            "progress_refresh_period",
+            "load_state_timeout",
+        ):
             _positive_float("optimizer", name, getattr(self, name))
         if self.next_chunk_timeout is not None:
             _positive_float("optimizer", "next_chunk_timeout", self.next_chunk_timeout)
-        for name in ("total_steps", "target_batch_size", "batch_size_per_step", "compression_threshold",
-                     "average_state_every", "min_8bit_size"):
+        for name in (
+            "total_steps",
+            "target_batch_size",
+            "batch_size_per_step",
+            "compression_threshold",
+            "average_state_every",
+            "min_8bit_size",
+        ):
             _positive_int("optimizer", name, getattr(self, name))
-        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer.betas",
-                 "expected two numbers in [0, 1)", self.betas)
-        _require(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, "optimizer.weight_decay",
-                 "expected a number >= 0", self.weight_decay)
-        _require(self.state_compression in ("fp16", "none"), "optimizer.state_compression",
-                 "choose 'fp16' or 'none'", self.state_compression)
-        _require(0.0 <= self.warmup_fraction < 1.0, "optimizer.warmup_fraction", "must be in [0, 1)",
-                 self.warmup_fraction)
-        _require(self.aggregation in ("mean", "centered_clip"), "optimizer.aggregation",
-                 "choose 'mean' or 'centered_clip'", self.aggregation)
+        _require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "optimizer.betas",
+            "expected two numbers in [0, 1)",
+            self.betas,
+        )
+        _require(
+            isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0,
+            "optimizer.weight_decay",
+            "expected a number >= 0",
+            self.weight_decay,
+        )
+        _require(
+            self.state_compression in ("fp16", "none"),
+            "optimizer.state_compression",
+            "choose 'fp16' or 'none'",
+            self.state_compression,
+        )
+        _require(
+            0.0 <= self.warmup_fraction < 1.0, "optimizer.warmup_fraction", "must be in [0, 1)", self.warmup_fraction
+        )
+        _require(
+            self.aggregation in ("mean", "centered_clip"),
+            "optimizer.aggregation",
+            "choose 'mean' or 'centered_clip'",
+            self.aggregation,
+        )
         _positive_float("optimizer", "clip_tau", self.clip_tau)
         _require(self.clip_tau < float("inf"), "optimizer.clip_tau", "expected a finite number", self.clip_tau)
         _positive_int("optimizer", "clip_iterations", self.clip_iterations)
@@ -215,29 +286,58 @@ class OptimizerConfig:
         # for late peers; hivemind refuses a round that cannot start within averaging_timeout, and the anchor then
         # never leads one (tests/test_config.py::test_a_round_must_fit_within_its_timeout)
         least = self.matchmaking_time + self.chunk_timeout
-        _require(self.averaging_timeout > least, "optimizer.averaging_timeout",
-                 f"a round may start matchmaking_time ({self.matchmaking_time:g} s) plus the wait for late peers "
-                 f"({self.chunk_timeout:g} s: next_chunk_timeout, or 10 x progress_refresh_period) after it is "
-                 f"scheduled: set it above {least:g} s, or shorten those", self.averaging_timeout)
-        _require(self.delay_optimizer_step is False or self.offload_optimizer, "optimizer.delay_optimizer_step",
-                 "True needs optimizer.offload_optimizer=True (hivemind runs the delayed step on the offloaded copy)",
-                 self.delay_optimizer_step)
+        _require(
+            self.averaging_timeout > least,
+            "optimizer.averaging_timeout",
+            f"a round may start matchmaking_time ({self.matchmaking_time:g} s) plus the wait for late peers "
+            f"({self.chunk_timeout:g} s: next_chunk_timeout, or 10 x progress_refresh_period) after it is "
+            f"scheduled: set it above {least:g} s, or shorten those",
+            self.averaging_timeout,
+        )
+        _require(
+            self.delay_optimizer_step is False or self.offload_optimizer,
+            "optimizer.delay_optimizer_step",
+            "True needs optimizer.offload_optimizer=True (hivemind runs the delayed step on the offloaded copy)",
+            self.delay_optimizer_step,
+        )
 
-        _require(isinstance(self.local_steps, int) and not isinstance(self.local_steps, bool) and self.local_steps >= 0,
-                 "optimizer.local_steps", "expected an integer >= 0 (0: synchronous training; H > 0: average every H "
-                 "global batches)", self.local_steps)
+        _require(
+            isinstance(self.local_steps, int) and not isinstance(self.local_steps, bool) and self.local_steps >= 0,
+            "optimizer.local_steps",
+            "expected an integer >= 0 (0: synchronous training; H > 0: average every H global batches)",
+            self.local_steps,
+        )
         _positive_float("optimizer", "outer_learning_rate", self.outer_learning_rate)
-        _require(isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
-                 "optimizer.outer_momentum", "must be in [0, 1)", self.outer_momentum)
+        _require(
+            isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
+            "optimizer.outer_momentum",
+            "must be in [0, 1)",
+            self.outer_momentum,
+        )
         in_mode = "(a setting of the local-update mode) needs optimizer.local_steps set to H > 0 too"
-        _require(self.overlap_rounds is False or (self.overlap_rounds is True and self.local_updates),
-                 "optimizer.overlap_rounds", f"expected true or false; true {in_mode}", self.overlap_rounds)
-        _require(self.pseudo_gradient_bits == 8 or (self.pseudo_gradient_bits == 4 and self.local_updates),
-                 "optimizer.pseudo_gradient_bits", f"choose 8 or 4; 4 {in_mode}", self.pseudo_gradient_bits)
-        fragments_fit = type(self.fragments) is int and self.fragments >= 1 and (self.fragments == 1 or (
-            self.local_updates and self.local_steps % self.fragments == 0))
-        _require(fragments_fit, "optimizer.fragments", f"expected an integer >= 1; F > 1 {in_mode}, a multiple of F",
-                 self.fragments)
+        _require(
+            self.overlap_rounds is False or (self.overlap_rounds is True and self.local_updates),
+            "optimizer.overlap_rounds",
+            f"expected true or false; true {in_mode}",
+            self.overlap_rounds,
+        )
+        _require(
+            self.pseudo_gradient_bits == 8 or (self.pseudo_gradient_bits == 4 and self.local_updates),
+            "optimizer.pseudo_gradient_bits",
+            f"choose 8 or 4; 4 {in_mode}",
+            self.pseudo_gradient_bits,
+        )
+        fragments_fit = (
+            type(self.fragments) is int
+            and self.fragments >= 1
+            and (self.fragments == 1 or (self.local_updates and self.local_steps % self.fragments == 0))
+        )
+        _require(
+            fragments_fit,
+            "optimizer.fragments",
+            f"expected an integer >= 1; F > 1 {in_mode}, a multiple of F",
+            self.fragments,
+        )
 
     @property
     def warmup_steps(self) -> int:
@@ -272,34 +372,54 @@ class SwarmConfig:
     run_id: str = "collab_kit"
     initial_peers: Sequence[str] = ()  # multiaddrs of peers already in the swarm; empty = start a new swarm
     # the address to listen on; None: where the swarm can reach this peer (``listen_host``)
-    host: Optional[str] = None
+    host: str | None = None
     port: int = 0  # 0 = any free port
     # True: this peer connects out but accepts no connections (behind NAT or a firewall); None: asked of the swarm's
     # peers when joining (collab_kit.swarm.reachability); False: it accepts connections
-    client_mode: Optional[bool] = None
+    client_mode: bool | None = None
     use_auto_relay: bool = False  # look for relays so peers behind NAT can still be reached
-    identity_path: Optional[str] = None  # a private key file keeps the peer ID across restarts
+    identity_path: str | None = None  # a private key file keeps the peer ID across restarts
     announce_maddrs: Sequence[str] = ()  # public addresses to announce, when the host address is not reachable
     # the run's authentication server (collab-kit auth-server), e.g. "https://auth.example.org"; None: an open run
-    auth_server: Optional[str] = None
+    auth_server: str | None = None
 
     def __post_init__(self):
         self.announce_maddrs = tuple(self.announce_maddrs)
-        _require(self.auth_server is None or (isinstance(self.auth_server, str) and
-                                              self.auth_server.startswith(("http://", "https://"))),
-                 "swarm.auth_server", "expected the server's URL, e.g. https://auth.example.org", self.auth_server)
-        _require(isinstance(self.run_id, str) and self.run_id.replace("_", "").replace("-", "").isalnum(),
-                 "swarm.run_id", "use letters, digits, '_' and '-' only", self.run_id)
-        _require(isinstance(self.port, int) and 0 <= self.port < 65536, "swarm.port", "must be in [0, 65535]",
-                 self.port)
-        _require(self.host is None or (isinstance(self.host, str) and len(self.host) > 0), "swarm.host",
-                 "expected an IP address such as 127.0.0.1 or 0.0.0.0, or None (where the swarm can reach)", self.host)
+        _require(
+            self.auth_server is None
+            or (isinstance(self.auth_server, str) and self.auth_server.startswith(("http://", "https://"))),
+            "swarm.auth_server",
+            "expected the server's URL, e.g. https://auth.example.org",
+            self.auth_server,
+        )
+        _require(
+            isinstance(self.run_id, str) and self.run_id.replace("_", "").replace("-", "").isalnum(),
+            "swarm.run_id",
+            "use letters, digits, '_' and '-' only",
+            self.run_id,
+        )
+        _require(
+            isinstance(self.port, int) and 0 <= self.port < 65536, "swarm.port", "must be in [0, 65535]", self.port
+        )
+        _require(
+            self.host is None or (isinstance(self.host, str) and len(self.host) > 0),
+            "swarm.host",
+            "expected an IP address such as 127.0.0.1 or 0.0.0.0, or None (where the swarm can reach)",
+            self.host,
+        )
         self.initial_peers = tuple(parse_initial_peers(self.initial_peers))
-        _require(self.client_mode in (None, True, False), "swarm.client_mode",
-                 "expected true, false or none (none: found out when joining)", self.client_mode)
-        _require(not (self.client_mode and not self.initial_peers), "swarm.client_mode",
-                 "a client-mode peer accepts no connections, so it cannot start a swarm: give initial_peers",
-                 self.client_mode)
+        _require(
+            self.client_mode in (None, True, False),
+            "swarm.client_mode",
+            "expected true, false or none (none: found out when joining)",
+            self.client_mode,
+        )
+        _require(
+            not (self.client_mode and not self.initial_peers),
+            "swarm.client_mode",
+            "a client-mode peer accepts no connections, so it cannot start a swarm: give initial_peers",
+            self.client_mode,
+        )
 
     @property
     def listen_host(self) -> str:
@@ -317,7 +437,7 @@ class DataConfig:
 
     # a folder of parquet shards, a glob, a Hub dataset id, or "synthetic" (made on each peer, collab_kit.data.synthetic);
     # None: the run's own data, as its first peer published it (collab_kit.swarm.run_card)
-    shards: Optional[str] = None
+    shards: str | None = None
     shuffle_buffer: int = 1024
     seed: int = 0
     # how captions become tokens: "bytes" (UTF-8 bytes, no download), "toy" (the toy world's words), or the
@@ -325,12 +445,24 @@ class DataConfig:
     tokenizer: str = "t5-small"
 
     def __post_init__(self):
-        _require(self.shards is None or (isinstance(self.shards, str) and len(self.shards) > 0), "data.shards",
-                 "expected a folder of parquet shards, a glob, a Hub dataset id or 'synthetic'", self.shards)
-        _require(isinstance(self.tokenizer, str) and len(self.tokenizer) > 0, "data.tokenizer",
-                 "expected 'bytes', 'toy' or a Hugging Face tokenizer name", self.tokenizer)
-        _require(isinstance(self.shuffle_buffer, int) and self.shuffle_buffer >= 1, "data.shuffle_buffer",
-                 "expected an integer >= 1", self.shuffle_buffer)
+        _require(
+            self.shards is None or (isinstance(self.shards, str) and len(self.shards) > 0),
+            "data.shards",
+            "expected a folder of parquet shards, a glob, a Hub dataset id or 'synthetic'",
+            self.shards,
+        )
+        _require(
+            isinstance(self.tokenizer, str) and len(self.tokenizer) > 0,
+            "data.tokenizer",
+            "expected 'bytes', 'toy' or a Hugging Face tokenizer name",
+            self.tokenizer,
+        )
+        _require(
+            isinstance(self.shuffle_buffer, int) and self.shuffle_buffer >= 1,
+            "data.shuffle_buffer",
+            "expected an integer >= 1",
+            self.shuffle_buffer,
+        )
 
 
 @dataclass
@@ -347,7 +479,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "RunConfig":
+    def from_dict(cls, values: dict) -> RunConfig:
         values = dict(values)
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         _require(not unknown, "config", f"unknown keys {sorted(unknown)}", sorted(unknown))
@@ -384,36 +516,89 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
     if name == "paper":
         model, optimizer = ModelConfig(), OptimizerConfig()
     elif name == "small":
-        model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=16, image_side=8,
-                            codebook_size=256, text_vocab_size=259, pad_token_id=0, conv_kernel_size=5)
+        model = ModelConfig(
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            text_length=16,
+            image_side=8,
+            codebook_size=256,
+            text_vocab_size=259,
+            pad_token_id=0,
+            conv_kernel_size=5,
+        )
         # a short schedule, out of warm-up in a few global steps, and a high peak rate: a demo has few steps to learn
-        optimizer = OptimizerConfig(learning_rate=2e-2, total_steps=100, warmup_fraction=0.03,
-                                    target_batch_size=256, batch_size_per_step=16,
-                                    matchmaking_time=3.0, averaging_timeout=30.0, progress_refresh_period=0.6)
+        optimizer = OptimizerConfig(
+            learning_rate=2e-2,
+            total_steps=100,
+            warmup_fraction=0.03,
+            target_batch_size=256,
+            batch_size_per_step=16,
+            matchmaking_time=3.0,
+            averaging_timeout=30.0,
+            progress_refresh_period=0.6,
+        )
     elif name == "toy":
         # the small preset's model on the toy world: 12 word tokens, the toy VQGAN's 8 x 8 codes from 512
-        model = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, text_length=12, image_side=8,
-                            codebook_size=512, text_vocab_size=27, pad_token_id=0, conv_kernel_size=5)
+        model = ModelConfig(
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            text_length=12,
+            image_side=8,
+            codebook_size=512,
+            text_vocab_size=27,
+            pad_token_id=0,
+            conv_kernel_size=5,
+        )
         # Colours are learned in steps, not samples: 60 global steps of 64 pictures teach them, 40 of 256 do not. The
         # step runs at once (not one epoch late as in the paper's run): with few local steps per epoch, stale gradients
         # halved the progress per step. State averaging every 5 steps only guards against drift.
-        optimizer = OptimizerConfig(learning_rate=3e-2, total_steps=60, warmup_fraction=0.03,
-                                    target_batch_size=64, batch_size_per_step=16, delay_optimizer_step=False,
-                                    average_state_every=5, matchmaking_time=1.5, averaging_timeout=30.0,
-                                    progress_refresh_period=0.6)
+        optimizer = OptimizerConfig(
+            learning_rate=3e-2,
+            total_steps=60,
+            warmup_fraction=0.03,
+            target_batch_size=64,
+            batch_size_per_step=16,
+            delay_optimizer_step=False,
+            average_state_every=5,
+            matchmaking_time=1.5,
+            averaging_timeout=30.0,
+            progress_refresh_period=0.6,
+        )
     else:  # tiny
-        model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, text_length=8, image_side=4,
-                            codebook_size=32, text_vocab_size=259, pad_token_id=0, conv_kernel_size=3)
+        model = ModelConfig(
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            text_length=8,
+            image_side=4,
+            codebook_size=32,
+            text_vocab_size=259,
+            pad_token_id=0,
+            conv_kernel_size=3,
+        )
         # a step takes milliseconds: a large target batch makes an epoch last a second, for peers to see it in the DHT
-        optimizer = OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_fraction=0.02,
-                                    target_batch_size=2048, batch_size_per_step=8,
-                                    matchmaking_time=2.0, averaging_timeout=20.0, progress_refresh_period=0.6)
+        optimizer = OptimizerConfig(
+            learning_rate=1e-2,
+            total_steps=100,
+            warmup_fraction=0.02,
+            target_batch_size=2048,
+            batch_size_per_step=8,
+            matchmaking_time=2.0,
+            averaging_timeout=20.0,
+            progress_refresh_period=0.6,
+        )
     config = RunConfig(preset=name, model=model, optimizer=optimizer)
     if name != "paper":
         config.swarm = SwarmConfig(run_id=f"collab_kit_{name}")
         config.data = DataConfig(tokenizer="toy" if name == "toy" else "bytes")
-    for section, config_cls in (("model", ModelConfig), ("optimizer", OptimizerConfig),
-                                ("swarm", SwarmConfig), ("data", DataConfig)):
+    for section, config_cls in (
+        ("model", ModelConfig),
+        ("optimizer", OptimizerConfig),
+        ("swarm", SwarmConfig),
+        ("data", DataConfig),
+    ):
         if section in overrides:
             setattr(config, section, _with(config_cls, getattr(config, section), overrides[section]))
     return config
@@ -433,24 +618,33 @@ def command_line_literal(section: str, name: str, value) -> str:
     except (ValueError, SyntaxError):
         same = False
     if not same:
-        raise SettingProblem(f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a "
-                             f"string, a boolean, None or a tuple of these")
+        raise SettingProblem(
+            f"{section}.{name}={value!r} cannot be passed on the command line: use a number, a "
+            f"string, a boolean, None or a tuple of these"
+        )
     return text
 
 
 # fields each peer chooses for its own machine (the preflight sets the first two): its activations, local batch,
 # optimizer state's place, steps or rounds in the background, download time. The swarm's weights and steps are the
 # same whatever each chooses, so a join line must not force one peer's choices on another machine.
-PER_PEER_SETTINGS = frozenset({("model", "reversible"), ("optimizer", "batch_size_per_step"),
-                               ("optimizer", "offload_optimizer"), ("optimizer", "delay_optimizer_step"),
-                               ("optimizer", "load_state_timeout"), ("optimizer", "overlap_rounds")})
+PER_PEER_SETTINGS = frozenset(
+    {
+        ("model", "reversible"),
+        ("optimizer", "batch_size_per_step"),
+        ("optimizer", "offload_optimizer"),
+        ("optimizer", "delay_optimizer_step"),
+        ("optimizer", "load_state_timeout"),
+        ("optimizer", "overlap_rounds"),
+    }
+)
 
 
 # data fields every peer of a run must share: the same caption gives every peer the same token ids
 SHARED_DATA_SETTINGS = ("tokenizer",)
 
 
-def shared_settings(config: RunConfig) -> Dict[Tuple[str, str], Any]:
+def shared_settings(config: RunConfig) -> dict[tuple[str, str], Any]:
     """Every setting the peers of ``config``'s run must share, ``(section, field) -> value``: each model and optimizer
     field but :data:`PER_PEER_SETTINGS`, and :data:`SHARED_DATA_SETTINGS`. What a run publishes and a peer compares
     (collab_kit.swarm.run_card); the rest of the data and swarm sections is each peer's own."""
@@ -464,7 +658,7 @@ def shared_settings(config: RunConfig) -> Dict[Tuple[str, str], Any]:
     return settings
 
 
-def shared_setting_options(config: RunConfig) -> List[str]:
+def shared_setting_options(config: RunConfig) -> list[str]:
     """The ``collab-kit join`` options every peer of ``config``'s run must share: ``--preset``, ``--run-id``, a
     ``--set`` (shell-quoted) for each of its :func:`shared_settings` that differs from the preset's, and the run's auth
     server. The rest of the data and swarm settings and :data:`PER_PEER_SETTINGS` are each peer's own.
@@ -483,15 +677,16 @@ def shared_setting_options(config: RunConfig) -> List[str]:
     return options
 
 
-def parse_overrides(assignments: Sequence[str]) -> Dict[str, dict]:
+def parse_overrides(assignments: Sequence[str]) -> dict[str, dict]:
     """Turn ``["optimizer.target_batch_size=64", ...]`` into ``{"optimizer": {"target_batch_size": 64}}``."""
-    overrides: Dict[str, dict] = {}
+    overrides: dict[str, dict] = {}
     for assignment in assignments:
         key, sep, raw_value = assignment.partition("=")
         section, dot, name = key.partition(".")
         if not sep or not dot or not name:
-            raise SettingProblem(f"--set {assignment!r}: expected SECTION.FIELD=VALUE, "
-                                 f"for example --set optimizer.target_batch_size=64")
+            raise SettingProblem(
+                f"--set {assignment!r}: expected SECTION.FIELD=VALUE, for example --set optimizer.target_batch_size=64"
+            )
         try:
             value = ast.literal_eval(raw_value)
         except (ValueError, SyntaxError):

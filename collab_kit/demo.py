@@ -19,6 +19,7 @@ colour (pixel statistics, no model) is the colour the prompt asks for (chance: 0
 rounds, and the states it served (the monitor's checkpoints download them). ``collab-kit demo --local-steps H`` runs
 the local-update mode (collab_kit.swarm.local_updates) instead, and its line ends with ``local_steps=H``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 from collab_kit.config import get_preset, parse_overrides
 from collab_kit.data.preprocess import preprocess
@@ -68,15 +69,17 @@ class DemoResult:
     bytes_sent: float = 0.0  # bytes a volunteer sent to the others over the run (the mean over volunteers)
     bytes_served: float = 0.0  # ... of which the states it served (the monitor's checkpoints download them)
     local_steps: int = 0  # the local-update mode's H (collab_kit.swarm.local_updates); 0: synchronous
-    color_match: Optional[float] = None  # share of the kept toy pictures in the prompt's colour (toy preset only)
+    color_match: float | None = None  # share of the kept toy pictures in the prompt's colour (toy preset only)
     # the mean loss of the volunteers' local steps in each global epoch every volunteer completed: epoch -> loss
-    epoch_losses: Dict[int, float] = dataclasses.field(default_factory=dict)
-    outputs: Dict[str, str] = dataclasses.field(default_factory=dict)  # what was written: name -> path
+    epoch_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # what was written: name -> path
 
     def summary_line(self) -> str:
-        line = (f"demo: peers={self.peers} epochs={self.epochs} loss_first={self.loss_first:.4f} "
-                f"loss_last={self.loss_last:.4f} averaged_rounds={self.averaged_rounds} "
-                f"bytes_sent={self.bytes_sent / 2 ** 20:.2f}MiB")
+        line = (
+            f"demo: peers={self.peers} epochs={self.epochs} loss_first={self.loss_first:.4f} "
+            f"loss_last={self.loss_last:.4f} averaged_rounds={self.averaged_rounds} "
+            f"bytes_sent={self.bytes_sent / 2**20:.2f}MiB"
+        )
         if self.local_steps:
             line += f" local_steps={self.local_steps}"
         if self.color_match is not None:
@@ -95,15 +98,27 @@ def prepare_demo_data(workdir: str, num_samples: int, config) -> str:
     started = time.monotonic()
     if config.data.tokenizer == "toy":
         shards = prepare_toy_dataset(num_samples, progress=True)
-        print(f"demo: the toy world's dataset ({num_samples} pictures as toy VQGAN codes) in {shards} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+        print(
+            f"demo: the toy world's dataset ({num_samples} pictures as toy VQGAN codes) in {shards} "
+            f"({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
         return shards
     vqgan = untrained_vqgan(config.model.image_side, config.model.codebook_size)
     images = make_synthetic_images(os.path.join(workdir, "pictures"), num_samples, size=vqgan.image_size)
-    report = preprocess(images, os.path.join(workdir, "shards"), vqgan, rows_per_shard=max(1, num_samples // 8),
-                        batch_size=256, progress=False)
-    print(f"demo: {report.kept} synthetic pictures -> VQGAN codes in {len(report.shards)} shards "
-          f"({report.bytes_total / 1024:.0f} KiB, {time.monotonic() - started:.0f} s)", flush=True)
+    report = preprocess(
+        images,
+        os.path.join(workdir, "shards"),
+        vqgan,
+        rows_per_shard=max(1, num_samples // 8),
+        batch_size=256,
+        progress=False,
+    )
+    print(
+        f"demo: {report.kept} synthetic pictures -> VQGAN codes in {len(report.shards)} shards "
+        f"({report.bytes_total / 1024:.0f} KiB, {time.monotonic() - started:.0f} s)",
+        flush=True,
+    )
     return report.output
 
 
@@ -120,11 +135,20 @@ def default_epochs(preset: str, epoch_batches: int = 1) -> int:
     return -(-DEFAULT_EPOCHS.get(preset, 5) // max(1, epoch_batches))
 
 
-def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str = "toy",
-             workdir: Optional[str] = None, timeout: Optional[float] = None, num_samples: int = 4096,
-             keep_workdir: bool = False, output_dir: Optional[str] = "demo_out",
-             overrides: Sequence[str] = (), prompts: Sequence[str] = DEMO_PROMPTS, draws_per_prompt: int = 32,
-             keep: int = 4) -> DemoResult:
+def run_demo(
+    num_volunteers: int = 2,
+    epochs: int | None = None,
+    preset: str = "toy",
+    workdir: str | None = None,
+    timeout: float | None = None,
+    num_samples: int = 4096,
+    keep_workdir: bool = False,
+    output_dir: str | None = "demo_out",
+    overrides: Sequence[str] = (),
+    prompts: Sequence[str] = DEMO_PROMPTS,
+    draws_per_prompt: int = 32,
+    keep: int = 4,
+) -> DemoResult:
     """Start a coordinator and ``num_volunteers`` volunteers on 127.0.0.1, train, then show what was learned.
 
     :param num_volunteers: training peers (each its own process)
@@ -147,12 +171,14 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     config = get_preset(preset, **parse_overrides(overrides))
     epochs = epochs if epochs is not None else default_epochs(preset, config.optimizer.epoch_batches)
     if num_volunteers < 1 or epochs < 1:
-        raise ValueError(f"the demo needs at least one volunteer and one epoch (got peers={num_volunteers}, "
-                         f"epochs={epochs})")
+        raise ValueError(
+            f"the demo needs at least one volunteer and one epoch (got peers={num_volunteers}, epochs={epochs})"
+        )
     timeout = timeout if timeout is not None else (480.0 if preset == "toy" else 270.0)
     # every peer on this machine, in one run of its own
-    config = dataclasses.replace(config, swarm=dataclasses.replace(config.swarm, host="127.0.0.1",
-                                                                   run_id=f"demo_{os.getpid()}"))
+    config = dataclasses.replace(
+        config, swarm=dataclasses.replace(config.swarm, host="127.0.0.1", run_id=f"demo_{os.getpid()}")
+    )
     toy_world = config.data.tokenizer == "toy"
     own_workdir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="collab_kit_demo_")
@@ -169,13 +195,15 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
     # checkpoints go beside the other outputs, and the dashboard page is drawn from that history at the end
     monitor_settings = _fresh_monitor_settings(output_dir if output_dir is not None else workdir, workdir, epochs)
 
-    services: List[Service] = []
+    services: list[Service] = []
     succeeded = False
     try:
-        print(f"demo: starting the first peer and {num_volunteers} volunteers on 127.0.0.1 "
-              f"(preset {preset}, logs in {workdir})", flush=True)
-        services = _start_peers(config, monitor_settings, num_volunteers, epochs, shards, checkpoint, workdir,
-                                deadline)
+        print(
+            f"demo: starting the first peer and {num_volunteers} volunteers on 127.0.0.1 "
+            f"(preset {preset}, logs in {workdir})",
+            flush=True,
+        )
+        services = _start_peers(config, monitor_settings, num_volunteers, epochs, shards, checkpoint, workdir, deadline)
         volunteers = [service.process for service in services[1:]]
         print(f"demo: {num_volunteers} volunteers joined; training {epochs} global epochs", flush=True)
         losses, finished = _follow_training(volunteers, epochs, deadline, timeout, workdir)
@@ -185,11 +213,13 @@ def run_demo(num_volunteers: int = 2, epochs: Optional[int] = None, preset: str 
             service.stop(grace=5.0)
         if output_dir is not None:
             result.outputs["loss"] = plot_losses(losses, os.path.join(output_dir, "loss.png"))
-            result.outputs["dashboard"] = write_dashboard(monitor_settings.db_path,
-                                                          os.path.join(output_dir, "dashboard.html"))
+            result.outputs["dashboard"] = write_dashboard(
+                monitor_settings.db_path, os.path.join(output_dir, "dashboard.html")
+            )
         if toy_world:
-            _draw_from_checkpoint(result, checkpoint, output_dir, prompts, draws_per_prompt, keep,
-                                  volunteers[0].log_path)
+            _draw_from_checkpoint(
+                result, checkpoint, output_dir, prompts, draws_per_prompt, keep, volunteers[0].log_path
+            )
         for name, path in result.outputs.items():
             print(f"demo: wrote {name}: {path}", flush=True)
         succeeded = True
@@ -210,31 +240,55 @@ def _fresh_monitor_settings(folder: str, workdir: str, epochs: int) -> MonitorSe
             os.remove(stale)
     checkpoints = os.path.join(folder, "checkpoints")
     shutil.rmtree(checkpoints, ignore_errors=True)
-    return MonitorSettings(db_path=monitor_db, checkpoint_dir=checkpoints, checkpoint_every=max(1, epochs // 3),
-                           keep_last=2, poll_every=2.0, address_file=os.path.join(workdir, "first_peer.addr"))
+    return MonitorSettings(
+        db_path=monitor_db,
+        checkpoint_dir=checkpoints,
+        checkpoint_every=max(1, epochs // 3),
+        keep_last=2,
+        poll_every=2.0,
+        address_file=os.path.join(workdir, "first_peer.addr"),
+    )
 
 
-def _start_peers(config, monitor_settings: MonitorSettings, num_volunteers: int, epochs: int, shards: str,
-                 checkpoint: Optional[str], workdir: str, deadline: float) -> List[Service]:
+def _start_peers(
+    config,
+    monitor_settings: MonitorSettings,
+    num_volunteers: int,
+    epochs: int,
+    shards: str,
+    checkpoint: str | None,
+    workdir: str,
+    deadline: float,
+) -> list[Service]:
     """The first peer, then the volunteers (all started at once, then waited for), through collab_kit.roles.services
     as a maintainer's would be, with the command lines it builds from the configuration. Returns them, first peer
     first; on a failure, stops what started and says which part failed."""
-    services: List[Service] = []
+    services: list[Service] = []
     try:
         try:
-            services.append(start_monitor(config, monitor_settings, log_path=os.path.join(workdir, "first_peer.log"),
-                                          timeout=60))
+            services.append(
+                start_monitor(config, monitor_settings, log_path=os.path.join(workdir, "first_peer.log"), timeout=60)
+            )
         except ServiceError as e:
             raise DemoFailed(f"the first peer did not start: {e}") from None
-        volunteer_config = dataclasses.replace(config, swarm=dataclasses.replace(
-            config.swarm, initial_peers=tuple(services[0].addresses)))
+        volunteer_config = dataclasses.replace(
+            config, swarm=dataclasses.replace(config.swarm, initial_peers=tuple(services[0].addresses))
+        )
         threads = max(1, (os.cpu_count() or 2) // num_volunteers)
         for index in range(num_volunteers):
-            services.append(start_volunteer_process(
-                volunteer_config, data_shards=shards, max_epochs=epochs, wait_for_peers=num_volunteers,
-                threads=threads, name=f"volunteer {index + 1}",
-                log_path=os.path.join(workdir, f"volunteer_{index + 1}.log"),
-                save_checkpoint=checkpoint if index == 0 else None, wait=False))
+            services.append(
+                start_volunteer_process(
+                    volunteer_config,
+                    data_shards=shards,
+                    max_epochs=epochs,
+                    wait_for_peers=num_volunteers,
+                    threads=threads,
+                    name=f"volunteer {index + 1}",
+                    log_path=os.path.join(workdir, f"volunteer_{index + 1}.log"),
+                    save_checkpoint=checkpoint if index == 0 else None,
+                    wait=False,
+                )
+            )
         for service in services[1:]:
             try:
                 service.wait_until_ready(timeout=max(1.0, deadline - time.monotonic()))
@@ -247,13 +301,14 @@ def _start_peers(config, monitor_settings: MonitorSettings, num_volunteers: int,
     return services
 
 
-def _follow_training(volunteers: List[PeerProcess], epochs: int, deadline: float, timeout: float,
-                     workdir: str) -> Tuple[Dict[int, Dict[str, float]], Dict[str, dict]]:
+def _follow_training(
+    volunteers: list[PeerProcess], epochs: int, deadline: float, timeout: float, workdir: str
+) -> tuple[dict[int, dict[str, float]], dict[str, dict]]:
     """Show each volunteer's epochs as they end, until every one says it is done; returns (each global epoch's loss by
     volunteer, each volunteer's "done" event). A volunteer that stops early or a run past ``deadline`` fails the
     demo, with where to look."""
-    losses: Dict[int, Dict[str, float]] = defaultdict(dict)
-    finished: Dict[str, dict] = {}
+    losses: dict[int, dict[str, float]] = defaultdict(dict)
+    finished: dict[str, dict] = {}
     while len(finished) < len(volunteers):
         if time.monotonic() > deadline:
             raise DemoFailed(f"the run did not finish within {timeout:.0f} s; logs in {workdir}")
@@ -265,9 +320,11 @@ def _follow_training(volunteers: List[PeerProcess], epochs: int, deadline: float
                 elif event["type"] == "epoch":
                     _show_epoch(losses, event, volunteer.name, len(volunteers), epochs)
             if exited and volunteer.name not in finished:
-                raise DemoFailed(f"{volunteer.name} stopped before the end (exit code "
-                                 f"{volunteer.process.returncode}); last lines of {volunteer.log_path}:\n"
-                                 f"{volunteer.log_tail()}")
+                raise DemoFailed(
+                    f"{volunteer.name} stopped before the end (exit code "
+                    f"{volunteer.process.returncode}); last lines of {volunteer.log_path}:\n"
+                    f"{volunteer.log_tail()}"
+                )
     for volunteer in volunteers:
         code = volunteer.wait_exit(timeout=max(5.0, deadline - time.monotonic()))
         if code != 0:
@@ -275,8 +332,9 @@ def _follow_training(volunteers: List[PeerProcess], epochs: int, deadline: float
     return losses, finished
 
 
-def _result(losses: Dict[int, Dict[str, float]], finished: Dict[str, dict], num_volunteers: int, seconds: float,
-            workdir: str) -> DemoResult:
+def _result(
+    losses: dict[int, dict[str, float]], finished: dict[str, dict], num_volunteers: int, seconds: float, workdir: str
+) -> DemoResult:
     """What the run showed: the loss of the first and last global epochs every volunteer completed, and how many
     rounds they averaged; a run in which they never averaged is no collaborative run, and fails the demo."""
     complete = [epoch for epoch in sorted(losses) if len(losses[epoch]) == num_volunteers]
@@ -285,21 +343,33 @@ def _result(losses: Dict[int, Dict[str, float]], finished: Dict[str, dict], num_
     averaged_rounds = min(event["averaged_rounds"] for event in finished.values())
     first_epoch, last_epoch = complete[0], complete[-1]
     result = DemoResult(
-        peers=num_volunteers, epochs=max(event["final_epoch"] for event in finished.values()),
+        peers=num_volunteers,
+        epochs=max(event["final_epoch"] for event in finished.values()),
         loss_first=sum(losses[first_epoch].values()) / num_volunteers,
         loss_last=sum(losses[last_epoch].values()) / num_volunteers,
-        averaged_rounds=averaged_rounds, seconds=seconds,
+        averaged_rounds=averaged_rounds,
+        seconds=seconds,
         bytes_sent=sum(event.get("bytes_sent", 0) for event in finished.values()) / len(finished),
         bytes_served=sum(event.get("bytes_served", 0) for event in finished.values()) / len(finished),
-        epoch_losses={epoch: sum(losses[epoch].values()) / num_volunteers for epoch in complete})
+        epoch_losses={epoch: sum(losses[epoch].values()) / num_volunteers for epoch in complete},
+    )
     if num_volunteers > 1 and averaged_rounds == 0:
-        raise DemoFailed(f"the volunteers trained but never averaged gradients with each other: they did not "
-                         f"meet in the swarm. Logs in {workdir}")
+        raise DemoFailed(
+            f"the volunteers trained but never averaged gradients with each other: they did not "
+            f"meet in the swarm. Logs in {workdir}"
+        )
     return result
 
 
-def _draw_from_checkpoint(result: DemoResult, checkpoint: str, output_dir: Optional[str], prompts: Sequence[str],
-                          draws_per_prompt: int, keep: int, log_path: str) -> None:
+def _draw_from_checkpoint(
+    result: DemoResult,
+    checkpoint: str,
+    output_dir: str | None,
+    prompts: Sequence[str],
+    draws_per_prompt: int,
+    keep: int,
+    log_path: str,
+) -> None:
     """The toy world's end: the checkpoint volunteer 1 saved draws the prompts (samples.png) and is scored."""
     if not os.path.exists(os.path.join(checkpoint, "model.safetensors")):
         raise DemoFailed(f"volunteer 1 finished but left no checkpoint in {checkpoint}; see {log_path}")
@@ -318,8 +388,15 @@ def write_dashboard(monitor_db: str, path: str) -> str:
     return write_page(monitor_db, path, title="collab_kit demo", loss_x="epoch")
 
 
-def draw_toy_samples(checkpoint: str, prompts: Sequence[str], path: Optional[str], n: int = 32, keep: int = 4,
-                     seed: int = 0, top_k: Optional[int] = None) -> float:
+def draw_toy_samples(
+    checkpoint: str,
+    prompts: Sequence[str],
+    path: str | None,
+    n: int = 32,
+    keep: int = 4,
+    seed: int = 0,
+    top_k: int | None = None,
+) -> float:
     """Draw ``n`` pictures per prompt with a toy-world model, keep CLIP's best ``keep``, save them as a sheet.
 
     The same path as ``notebooks/inference.ipynb`` (``collab_kit.images.inference``): the shipped toy VQGAN and
@@ -340,7 +417,7 @@ def draw_toy_samples(checkpoint: str, prompts: Sequence[str], path: Optional[str
     return color_match(kept, wanted)
 
 
-def plot_losses(losses: Dict[int, Dict[str, float]], path: str) -> str:
+def plot_losses(losses: dict[int, dict[str, float]], path: str) -> str:
     """Each volunteer's mean loss per global epoch, and their mean, as a PNG."""
     # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib
@@ -355,8 +432,13 @@ def plot_losses(losses: Dict[int, Dict[str, float]], path: str) -> str:
         epochs = [epoch for epoch in sorted(losses) if name in losses[epoch]]
         ax.plot([e + 1 for e in epochs], [losses[e][name] for e in epochs], alpha=0.6, linewidth=1, label=name)
     complete = [epoch for epoch in sorted(losses) if len(losses[epoch]) == len(names)]
-    ax.plot([e + 1 for e in complete], [sum(losses[e].values()) / len(names) for e in complete], color="black",
-            linewidth=2, label="mean")
+    ax.plot(
+        [e + 1 for e in complete],
+        [sum(losses[e].values()) / len(names) for e in complete],
+        color="black",
+        linewidth=2,
+        label="mean",
+    )
     ax.set_xlabel("global epoch (one averaged step of the swarm)")
     ax.set_ylabel("training loss")
     ax.set_title(f"{len(names)} volunteers training together")
@@ -368,7 +450,7 @@ def plot_losses(losses: Dict[int, Dict[str, float]], path: str) -> str:
     return path
 
 
-def _show_epoch(losses: Dict[int, Dict[str, float]], event: dict, name: str, num_volunteers: int, epochs: int):
+def _show_epoch(losses: dict[int, dict[str, float]], event: dict, name: str, num_volunteers: int, epochs: int):
     """Record one volunteer's epoch; once every volunteer has reported it, print the epoch's line."""
     epoch = event["epoch"]
     losses[epoch][name] = event["loss"]

@@ -6,9 +6,6 @@ The command line prints such an error as one line without a traceback; anything 
 """
 
 
-from typing import List
-
-
 class CollabKitError(Exception):
     """A problem the user can fix: the message names the setting, file or command to change.
 
@@ -16,5 +13,5 @@ class CollabKitError(Exception):
     instead of the stack), and the notebook stops there as at any error.
     """
 
-    def _render_traceback_(self) -> List[str]:
+    def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]

@@ -5,20 +5,21 @@ reads shards should not wait for the VQGAN's libraries because ``collab_kit.data
 ``collab-kit --help`` should not wait for torch. Each ``__init__`` therefore lists what it offers and where it lives,
 and :func:`lazy_exports` imports the module on the first use of one of its names.
 """
+
 import importlib
 import os
 import sys
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Callable, Iterable
 
 
-def lazy_exports(package: str, exports: Dict[str, Iterable[str]]) -> Tuple[Callable[[str], object], List[str]]:
+def lazy_exports(package: str, exports: dict[str, Iterable[str]]) -> tuple[Callable[[str], object], list[str]]:
     """A module ``__getattr__`` for ``package`` and the names for its ``__all__``.
 
     :param package: the package's ``__name__``
     :param exports: module path relative to ``package`` (``"shards"``, ``"notebook.dashboard"``) -> the names of it
       that the package offers; the name ``"*module*"`` offers the module itself, under its last component
     """
-    where: Dict[str, Tuple[str, str]] = {}
+    where: dict[str, tuple[str, str]] = {}
     folder = os.path.dirname(sys.modules[package].__file__)
     for module, names in exports.items():
         for name in names:

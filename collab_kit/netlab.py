@@ -26,6 +26,7 @@ when a test fails; a lab left behind by a process that was killed is removed by 
 Making namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and Debian's ``iproute2`` and ``iptables``:
 ``lab_unavailable()`` says why a lab cannot be built here, for tests to skip with that reason.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,7 +37,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 from collab_kit.errors import CollabKitError
 from collab_kit.roles.processes import PeerProcess
@@ -48,8 +49,14 @@ NAMESPACE_PREFIX = "ckl"  # every namespace a lab makes is named ckl<pid>x<lab>-
 _lab_numbers = itertools.count()
 # the kernel's TCP counters a report shows: segments sent again, retransmission timeouts (each one a stall of at
 # least 200 ms, doubling), and segments that arrived out of order or as duplicates
-TCP_COUNTERS = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes", "TcpExtTCPOFOQueue",
-                "TcpExtTCPDSACKRecv", "TcpExtTCPSpuriousRTOs")
+TCP_COUNTERS = (
+    "TcpRetransSegs",
+    "TcpExtTCPTimeouts",
+    "TcpExtTCPLossProbes",
+    "TcpExtTCPOFOQueue",
+    "TcpExtTCPDSACKRecv",
+    "TcpExtTCPSpuriousRTOs",
+)
 
 
 class LabError(CollabKitError, RuntimeError):
@@ -63,12 +70,14 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def lab_unavailable() -> Optional[str]:
+def lab_unavailable() -> str | None:
     """Why no lab can be built on this machine (None: it can): a missing tool, or no right to make namespaces."""
     for tool in ("ip", "iptables", "tc"):
         if shutil.which(tool) is None:
-            return (f"`{tool}` is not installed: install Debian's iproute2 and iptables as root "
-                    f"(`make test` does it where it can)")
+            return (
+                f"`{tool}` is not installed: install Debian's iproute2 and iptables as root "
+                f"(`make test` does it where it can)"
+            )
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN and CAP_SYS_ADMIN): run the tests as root"
     name = f"{NAMESPACE_PREFIX}{os.getpid()}xprobe"
@@ -79,8 +88,26 @@ def lab_unavailable() -> Optional[str]:
         nat = _run("ip", "netns", "exec", name, "iptables", "-t", "nat", "-L", "-n", check=False)
         if nat.returncode != 0:
             return f"iptables' NAT table does not work in a namespace here: {nat.stdout.strip()[:200]}"
-        tbf = _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit",
-                   "burst", "16kb", "limit", "64kb", check=False)
+        tbf = _run(
+            "ip",
+            "netns",
+            "exec",
+            name,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            "1mbit",
+            "burst",
+            "16kb",
+            "limit",
+            "64kb",
+            check=False,
+        )
         if tbf.returncode != 0:
             return f"tc's tbf does not work in a namespace here: {tbf.stdout.strip()[:200]}"
     finally:
@@ -88,13 +115,13 @@ def lab_unavailable() -> Optional[str]:
     return None
 
 
-def remove_stale_labs() -> List[str]:
+def remove_stale_labs() -> list[str]:
     """Delete the namespaces of labs whose process is gone (a test run killed before it could clean up)."""
     removed = []
     for name in list_namespaces():
         if not name.startswith(NAMESPACE_PREFIX):
             continue
-        pid_part = name[len(NAMESPACE_PREFIX):].split("x", 1)[0]
+        pid_part = name[len(NAMESPACE_PREFIX) :].split("x", 1)[0]
         if pid_part.isdigit() and not os.path.exists(f"/proc/{pid_part}"):
             _kill_namespace_processes(name)
             _run("ip", "netns", "del", name, check=False)
@@ -102,7 +129,7 @@ def remove_stale_labs() -> List[str]:
     return removed
 
 
-def list_namespaces() -> List[str]:
+def list_namespaces() -> list[str]:
     result = _run("ip", "netns", "list", check=False)
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
@@ -137,18 +164,27 @@ class Host:
     :param cut_rules: (namespace, iptables arguments) that drop the link's traffic when inserted
     """
 
-    def __init__(self, lab: "NetworkLab", name: str, namespace: str, address: str, public_address: str,
-                 uplink: Tuple[str, str], downlink: Tuple[str, str], cut_rules: Sequence[Tuple[str, List[str]]]):
+    def __init__(
+        self,
+        lab: NetworkLab,
+        name: str,
+        namespace: str,
+        address: str,
+        public_address: str,
+        uplink: tuple[str, str],
+        downlink: tuple[str, str],
+        cut_rules: Sequence[tuple[str, list[str]]],
+    ):
         self.lab, self.name, self.namespace = lab, name, namespace
         self.address, self.public_address = address, public_address
         self.uplink, self.downlink, self._cut_rules = uplink, downlink, list(cut_rules)
         self.is_cut = False
-        self.rate_mbit: Optional[float] = None
+        self.rate_mbit: float | None = None
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, {self.address}, seen as {self.public_address})"
 
-    def command(self, *args: str) -> List[str]:
+    def command(self, *args: str) -> list[str]:
         """``args`` as a command that runs inside this host's namespace."""
         return ["ip", "netns", "exec", self.namespace, *args]
 
@@ -156,8 +192,14 @@ class Host:
         """Run a command inside this host and wait for it."""
         return _run(*self.command(*args), check=check)
 
-    def start(self, name: str, args: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None,
-              command: Optional[Sequence[str]] = None) -> PeerProcess:
+    def start(
+        self,
+        name: str,
+        args: Sequence[str],
+        log_path: str,
+        env: dict[str, str] | None = None,
+        command: Sequence[str] | None = None,
+    ) -> PeerProcess:
         """Start ``collab-kit ARGS`` (or ``command + args``) inside this host, as a PeerProcess the lab kills at close.
 
         :param name: a short name for messages
@@ -185,8 +227,25 @@ class Host:
         burst = max(16 * 1024, int(rate_bytes / 100))
         limit = max(64 * 1024, int(rate_bytes / 10))
         for namespace, device in (self.uplink, self.downlink):
-            _run("ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
-                 "rate", f"{int(mbit * 1000)}kbit", "burst", str(burst), "limit", str(limit))
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                device,
+                "root",
+                "tbf",
+                "rate",
+                f"{int(mbit * 1000)}kbit",
+                "burst",
+                str(burst),
+                "limit",
+                str(limit),
+            )
         self.rate_mbit = mbit
 
     def unlimit(self) -> None:
@@ -235,9 +294,9 @@ class NetworkLab:
         remove_stale_labs()
         self.internet_prefix = internet_prefix
         self.tag = f"{NAMESPACE_PREFIX}{os.getpid()}x{next(_lab_numbers)}"
-        self.namespaces: List[str] = []
-        self.processes: List[PeerProcess] = []
-        self.hosts: Dict[str, Host] = {}
+        self.namespaces: list[str] = []
+        self.processes: list[PeerProcess] = []
+        self.hosts: dict[str, Host] = {}
         self._public_count = 0
         self._home_count = 0
         self._veth_count = itertools.count()
@@ -262,8 +321,21 @@ class NetworkLab:
         """A veth from ``namespace`` (as ``device``, with ``address``/16) to the Internet's bridge; returns the
         bridge side's name (inside the Internet's namespace)."""
         bridge_side = f"p{next(self._veth_count)}"
-        _run("ip", "link", "add", device, "netns", namespace, "type", "veth", "peer", "name", bridge_side,
-             "netns", self.internet)
+        _run(
+            "ip",
+            "link",
+            "add",
+            device,
+            "netns",
+            namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            bridge_side,
+            "netns",
+            self.internet,
+        )
         _run("ip", "-n", self.internet, "link", "set", bridge_side, "master", "br0", "up")
         _run("ip", "-n", namespace, "addr", "add", f"{address}/16", "dev", device)
         _run("ip", "-n", namespace, "link", "set", device, "up")
@@ -286,17 +358,42 @@ class NetworkLab:
         namespace = self._namespace(name)
         bridge_side = self._plug(namespace, "eth0", address)
         if drop_inbound:
-            _run("ip", "netns", "exec", namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-m", "conntrack",
-                 "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "iptables",
+                "-A",
+                "INPUT",
+                "-i",
+                "eth0",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            )
             _run("ip", "netns", "exec", namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "DROP")
-        cut_rules = [(namespace, ["INPUT", "-i", "eth0", "-j", "DROP"]),
-                     (namespace, ["OUTPUT", "-o", "eth0", "-j", "DROP"])]
-        host = Host(self, name, namespace, address, address, uplink=(namespace, "eth0"),
-                    downlink=(self.internet, bridge_side), cut_rules=cut_rules)
+        cut_rules = [
+            (namespace, ["INPUT", "-i", "eth0", "-j", "DROP"]),
+            (namespace, ["OUTPUT", "-o", "eth0", "-j", "DROP"]),
+        ]
+        host = Host(
+            self,
+            name,
+            namespace,
+            address,
+            address,
+            uplink=(namespace, "eth0"),
+            downlink=(self.internet, bridge_side),
+            cut_rules=cut_rules,
+        )
         self.hosts[name] = host
         return host
 
-    def home(self, name: str, forward_port: Optional[int] = None) -> Host:
+    def home(self, name: str, forward_port: int | None = None) -> Host:
         """A host behind a NAT router of its own: it can dial out, nobody outside can dial it.
 
         :param name: its name
@@ -320,15 +417,51 @@ class NetworkLab:
         _run(*in_router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
         _run(*in_router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE")
         if forward_port is not None:
-            _run(*in_router, "iptables", "-t", "nat", "-A", "PREROUTING", "-i", "wan0", "-p", "tcp", "--dport",
-                 str(forward_port), "-j", "DNAT", "--to-destination", f"{lan_prefix}.2:{forward_port}")
+            _run(
+                *in_router,
+                "iptables",
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-i",
+                "wan0",
+                "-p",
+                "tcp",
+                "--dport",
+                str(forward_port),
+                "-j",
+                "DNAT",
+                "--to-destination",
+                f"{lan_prefix}.2:{forward_port}",
+            )
         # a home router lets in only what answers the home's own connections (and a forwarded port)
-        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-m", "conntrack", "--ctstate",
-             "ESTABLISHED,RELATED,DNAT", "-j", "ACCEPT")
+        _run(
+            *in_router,
+            "iptables",
+            "-A",
+            "FORWARD",
+            "-i",
+            "wan0",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "ESTABLISHED,RELATED,DNAT",
+            "-j",
+            "ACCEPT",
+        )
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-j", "DROP")
         cut_rules = [(router, ["FORWARD", "-j", "DROP"])]
-        host = Host(self, name, namespace, f"{lan_prefix}.2", wan_address, uplink=(router, "wan0"),
-                    downlink=(router, "lan0"), cut_rules=cut_rules)
+        host = Host(
+            self,
+            name,
+            namespace,
+            f"{lan_prefix}.2",
+            wan_address,
+            uplink=(router, "wan0"),
+            downlink=(router, "lan0"),
+            cut_rules=cut_rules,
+        )
         self.hosts[name] = host
         return host
 
@@ -346,13 +479,15 @@ class NetworkLab:
             lines.append(f"{host.name}: " + " ".join(f"{name}={found.get(name, '?')}" for name in TCP_COUNTERS))
             router = host.uplink[0]
             if router != host.namespace:  # a home: its router's firewall and NAT
-                dropped = _run("ip", "netns", "exec", router, "iptables", "-L", "FORWARD", "-v", "-n", "-x",
-                               check=False).stdout
+                dropped = _run(
+                    "ip", "netns", "exec", router, "iptables", "-L", "FORWARD", "-v", "-n", "-x", check=False
+                ).stdout
                 drops = [line.split()[0] for line in dropped.splitlines() if " DROP " in f" {line} "]
                 lines.append(f"  {host.name}'s router dropped {'+'.join(drops) or '0'} packet(s) from outside")
             for namespace, device in (host.uplink, host.downlink):
-                shown = _run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", device,
-                             check=False).stdout
+                shown = _run(
+                    "ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", device, check=False
+                ).stdout
                 if "tbf" in shown:
                     lines.append(f"  rate cap on {device}: " + " ".join(shown.split()))
         return "\n".join(lines)
@@ -369,7 +504,7 @@ class NetworkLab:
             _run("ip", "netns", "del", namespace, check=False)
         self.namespaces.clear()
 
-    def __enter__(self) -> "NetworkLab":
+    def __enter__(self) -> NetworkLab:
         return self
 
     def __exit__(self, *exc_info) -> None:

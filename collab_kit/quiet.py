@@ -4,6 +4,7 @@ A notebook shows every logged warning as a red box, so a run where nothing is wr
 left on a library's logger, or a warnings filter set at import, would also hide what that library says later about
 the user's own work. So each silence here holds for one call.
 """
+
 import contextlib
 import logging
 import sys
@@ -76,8 +77,11 @@ def import_bitsandbytes() -> ModuleType:
     Nor may it fetch those kernels from the Hub: where the ``kernels`` package is installed (transformers >= 5.25
     requires it), bitsandbytes downloads them at import on CPUs with AVX-512 BF16, and offline it logs a warning.
     Shown by ``tests/swarm/test_optim.py::test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels``."""
-    with without_log_messages("bitsandbytes.backends.cpu.ops", "gemm_4bit"), without_torch_compile(), \
-            without_module("kernels"):
+    with (
+        without_log_messages("bitsandbytes.backends.cpu.ops", "gemm_4bit"),
+        without_torch_compile(),
+        without_module("kernels"),
+    ):
         # lazy: imported inside the silence, which only a function can scope
         import bitsandbytes
 

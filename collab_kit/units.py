@@ -4,7 +4,8 @@ The memory calculator, the pre-flight checks, the tutorial's tables, ``collab-ki
 preprocessing report all print bytes through :func:`format_bytes`, so one notebook never shows the same size
 as "0.50 GiB" in one cell and "512.0 MiB" in the next.
 """
-KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def format_bytes(n: float) -> str:

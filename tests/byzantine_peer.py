@@ -15,12 +15,13 @@ Times -1000 turns the plain mean into gradient ascent.
 (collab_kit.roles.processes.PeerProcess: events, deadlines, kill of the whole process group);
 ``run_poisoned_swarm`` runs it beside 3 honest peers (tests/swarm/test_robust.py, benchmarks/robust_aggregation.py).
 """
+
 from __future__ import annotations
 
 import functools
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 from collab_kit.roles.processes import PeerFailed, PeerProcess
 
@@ -30,8 +31,7 @@ SCRIPT = os.path.abspath(__file__)
 class ScriptPeerProcess(PeerProcess):
     """PeerProcess running ``python SCRIPT ARGS...`` instead of ``python -m collab_kit.cli ARGS...``."""
 
-    def __init__(self, name: str, script: str, args: Sequence[str], log_path: str,
-                 env: Optional[Dict[str, str]] = None):
+    def __init__(self, name: str, script: str, args: Sequence[str], log_path: str, env: dict[str, str] | None = None):
         super().__init__(name, args, log_path, env=env, command=(sys.executable, script))
 
 
@@ -43,36 +43,74 @@ def start_byzantine_peer(name: str, scale: float, args: Sequence[str], log_path:
 # A short global epoch (1024 samples) with a longer matchmaking (3 s) so that the 4 peers mostly average in
 # one group. State averaging (plain mean of parameters) is off: this test is about the gradients; a
 # malicious peer could poison the parameters through state averaging, which CenteredClip does not cover.
-SWARM_SETTINGS = ("optimizer.target_batch_size=1024", "optimizer.matchmaking_time=3.0",
-                  "optimizer.compression_threshold=1024", "optimizer.average_state_every=1000")
+SWARM_SETTINGS = (
+    "optimizer.target_batch_size=1024",
+    "optimizer.matchmaking_time=3.0",
+    "optimizer.compression_threshold=1024",
+    "optimizer.average_state_every=1000",
+)
 
 
-def run_poisoned_swarm(aggregation: str, scale: float, epochs: int, shards: str, log_dir: str, run_id: str,
-                       extra_settings: Sequence[str] = ()):
+def run_poisoned_swarm(
+    aggregation: str,
+    scale: float,
+    epochs: int,
+    shards: str,
+    log_dir: str,
+    run_id: str,
+    extra_settings: Sequence[str] = (),
+):
     """4 peers of the tiny preset, one of which sends its gradients times ``scale``: the honest peers' epoch losses.
 
     :param extra_settings: more ``--set`` values for every peer (``optimizer.local_steps=H``: the local-update mode,
       where the attacker sends its pseudo-gradients times ``scale``)
     """
-    settings = [arg for setting in (*SWARM_SETTINGS, f"optimizer.aggregation='{aggregation}'", *extra_settings)
-                for arg in ("--set", setting)]
-    common = ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--data", shards,
-              "--threads", "1", "--events", "--no-progress", "--wait-for-peers", "4", "--max-epochs", str(epochs),
-              *settings]
+    settings = [
+        arg
+        for setting in (*SWARM_SETTINGS, f"optimizer.aggregation='{aggregation}'", *extra_settings)
+        for arg in ("--set", setting)
+    ]
+    common = [
+        "join",
+        "--preset",
+        "tiny",
+        "--run-id",
+        run_id,
+        "--host",
+        "127.0.0.1",
+        "--data",
+        shards,
+        "--threads",
+        "1",
+        "--events",
+        "--no-progress",
+        "--wait-for-peers",
+        "4",
+        "--max-epochs",
+        str(epochs),
+        *settings,
+    ]
     peers = []
     try:
         attacker = start_byzantine_peer("byzantine", scale, common, f"{log_dir}/byzantine-{aggregation}{scale:g}.log")
         peers.append(attacker)
         addresses = attacker.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-        honest = [PeerProcess(f"honest-{i}", common + ["--initial-peers", *addresses],
-                              f"{log_dir}/honest-{i}-{aggregation}{scale:g}.log") for i in range(3)]
+        honest = [
+            PeerProcess(
+                f"honest-{i}",
+                common + ["--initial-peers", *addresses],
+                f"{log_dir}/honest-{i}-{aggregation}{scale:g}.log",
+            )
+            for i in range(3)
+        ]
         peers += honest
         for peer in honest:
             code = peer.wait_exit(timeout=240)
             if code != 0:
                 raise PeerFailed(f"{peer.name} exited with code {code}:\n{peer.log_tail()}")
-        return [[(e["epoch"], e["loss"], e["group_size"]) for e in peer.events if e["type"] == "epoch"]
-                for peer in honest]
+        return [
+            [(e["epoch"], e["loss"], e["group_size"]) for e in peer.events if e["type"] == "epoch"] for peer in honest
+        ]
     finally:
         for peer in peers:
             peer.kill()
@@ -85,11 +123,12 @@ def loss_ratio(epochs_by_peer, window: int = 3) -> float:
     return (sum(last) / len(last)) / (sum(first) / len(first))
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     import torch
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.cli import join, main as collab_kit_main
+    from collab_kit.cli import join
+    from collab_kit.cli import main as collab_kit_main
     from collab_kit.roles.volunteer import Volunteer
     from collab_kit.swarm import robust
     from collab_kit.swarm.averagers import TRAINER_ROLE, compose_averager, round_report_averager_class
@@ -122,8 +161,12 @@ def main(argv: List[str]) -> int:
         mode_class = mode_averager_class(round_report_averager_class(GradientAverager, TRAINER_ROLE), config)
         honest_class = mode_class if config.aggregation == "mean" else robust.with_centered_clip(mode_class)
         kwargs["grad_averager_factory"] = robust.grad_averager_factory(
-            config.aggregation, config.clip_tau, config.clip_iterations, poisoned(honest_class),
-            request_timeout=min(3.0, config.matchmaking_time / 2))
+            config.aggregation,
+            config.clip_tau,
+            config.clip_iterations,
+            poisoned(honest_class),
+            request_timeout=min(3.0, config.matchmaking_time / 2),
+        )
         optimizer = make_optimizer(model, dht, run_id, config, **kwargs)
         # It serves no state to peers that fall behind. Its own copy of the model drifts: what it gets back from
         # each round is the difference from its x1000 gradients, sent in 8 bits. An honest peer that downloaded

@@ -8,11 +8,11 @@ A test's wall time is its setup, call and teardown; its CPU time is that of the 
 children it waited for (the peers, kernels and services it started), from ``resource.getrusage``: a file whose CPU
 time is far below its wall time mostly waits. Under pytest-xdist the workers measure and the controller writes.
 """
+
 import json
 import os
 import resource
 import sys
-import time
 from collections import defaultdict
 
 import pytest
@@ -24,8 +24,11 @@ def _cpu_seconds() -> float:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--file-times", metavar="PATH",
-                     help="write each test's wall and CPU seconds to PATH (JSON) and print the slowest files")
+    parser.addoption(
+        "--file-times",
+        metavar="PATH",
+        help="write each test's wall and CPU seconds to PATH (JSON) and print the slowest files",
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -50,8 +53,9 @@ class FileTimes:
         self.path, self.rows = path, {}
 
     def pytest_runtest_logreport(self, report):
-        row = self.rows.setdefault(report.nodeid, dict(test=report.nodeid, file=report.nodeid.split("::")[0],
-                                                       wall=0.0, cpu=0.0))
+        row = self.rows.setdefault(
+            report.nodeid, dict(test=report.nodeid, file=report.nodeid.split("::")[0], wall=0.0, cpu=0.0)
+        )
         row["wall"] += report.duration
         row["cpu"] += dict(report.user_properties).get("cpu_seconds", 0.0)
 
@@ -106,11 +110,14 @@ def table(path: str, top: int = 25) -> str:
         lines.append(f"| `{name}` | {count} | {wall:.0f} | {cpu:.0f} | {cpu / max(wall, 1e-9):.2f} |")
     rest = ordered[top:]
     if rest:
-        lines.append(f"| {len(rest)} other files | {sum(v[0] for _, v in rest)} | {sum(v[1] for _, v in rest):.0f} "
-                     f"| {sum(v[2] for _, v in rest):.0f} | |")
+        lines.append(
+            f"| {len(rest)} other files | {sum(v[0] for _, v in rest)} | {sum(v[1] for _, v in rest):.0f} "
+            f"| {sum(v[2] for _, v in rest):.0f} | |"
+        )
     total_wall, total_cpu = sum(v[1] for v in files.values()), sum(v[2] for v in files.values())
-    lines.append(f"| all | {len(rows)} | {total_wall:.0f} | {total_cpu:.0f} "
-                 f"| {total_cpu / max(total_wall, 1e-9):.2f} |")
+    lines.append(
+        f"| all | {len(rows)} | {total_wall:.0f} | {total_cpu:.0f} | {total_cpu / max(total_wall, 1e-9):.2f} |"
+    )
     return "\n".join(lines)
 
 

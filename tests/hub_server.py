@@ -51,6 +51,7 @@ Tokens: ``whoami-v2`` answers from ``StandInHub.tokens`` (token -> the JSON the 
 ``auth.accessToken.displayName`` and ``role``), after huggingface.js's ``whoAmI`` types (hub/src/lib/who-am-i.ts).
 An unknown token, or none, is a ``401`` as the Hub gives it. The other endpoints still check no token.
 """
+
 from __future__ import annotations
 
 import base64
@@ -65,7 +66,7 @@ import tempfile
 import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
@@ -74,9 +75,33 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the file types the Hub's default .gitattributes sends to git-LFS (hence through the CDN)
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".npy", ".npz",
-                ".parquet", ".arrow", ".pkl", ".pickle", ".joblib", ".model", ".tflite", ".zip", ".gz", ".tar",
-                ".tgz", ".zst", ".xz", ".7z", ".bz2")
+LFS_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".npy",
+    ".npz",
+    ".parquet",
+    ".arrow",
+    ".pkl",
+    ".pickle",
+    ".joblib",
+    ".model",
+    ".tflite",
+    ".zip",
+    ".gz",
+    ".tar",
+    ".tgz",
+    ".zst",
+    ".xz",
+    ".7z",
+    ".bz2",
+)
 CREATED_AT = "2021-12-06T00:00:00.000Z"
 REPO_TYPES = ("model", "dataset")
 
@@ -134,21 +159,33 @@ class Repo:
                     sibling["lfs"] = dict(sha256=file.sha256, size=file.size, pointerSize=file.pointer_size)
             siblings.append(sibling)
         owner = self.repo_id.split("/")[0]
-        info = {"_id": self.commit[:24], "id": self.repo_id, "author": owner, "sha": self.commit,
-                "lastModified": CREATED_AT, "createdAt": CREATED_AT, "private": False, "disabled": False,
-                "gated": False, "downloads": 0, "likes": 0, "tags": [], "siblings": siblings}
+        info = {
+            "_id": self.commit[:24],
+            "id": self.repo_id,
+            "author": owner,
+            "sha": self.commit,
+            "lastModified": CREATED_AT,
+            "createdAt": CREATED_AT,
+            "private": False,
+            "disabled": False,
+            "gated": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": [],
+            "siblings": siblings,
+        }
         if self.repo_type == "model":
             info["modelId"] = self.repo_id
         return info
 
-    def tree(self, path: str, recursive: bool) -> Optional[List[dict]]:
+    def tree(self, path: str, recursive: bool) -> list[dict] | None:
         """Entries under ``path`` ("" for the root) as list_repo_tree expects them, or None if no such folder."""
         prefix = path.strip("/") + "/" if path.strip("/") else ""
         entries, folders = [], {}
         for file in self.files.values():
             if not file.path.startswith(prefix):
                 continue
-            rest = file.path[len(prefix):].split("/")
+            rest = file.path[len(prefix) :].split("/")
             for depth in range(1, len(rest)):  # the folders on the way, once each
                 if depth > 1 and not recursive:
                     break
@@ -162,7 +199,7 @@ class Repo:
             entries.append(_folder_entry(folder, oids))
         return entries
 
-    def path_info(self, path: str) -> Optional[dict]:
+    def path_info(self, path: str) -> dict | None:
         """The tree entry of the file or folder ``path``, as get_paths_info expects it, or None if there is none."""
         path = path.strip("/")
         if path in self.files:
@@ -171,7 +208,7 @@ class Repo:
         return _folder_entry(path, oids) if path and oids else None
 
 
-def _folder_entry(path: str, oids: List[str]) -> dict:
+def _folder_entry(path: str, oids: list[str]) -> dict:
     return dict(type="directory", oid=hashlib.sha1("".join(oids).encode()).hexdigest(), size=0, path=path)
 
 
@@ -185,13 +222,13 @@ class StandInHub:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
-        self.requests: List[str] = []  # "METHOD /path?query" as received; the CDN's as "METHOD cdn:/path"
-        self.ranges: List[str] = []  # "METHOD /path bytes=A-B" (or cdn:/path) for each request with a Range header
-        self.unserved: List[str] = []  # requests for endpoints this stand-in does not implement (answered 404)
+        self.requests: list[str] = []  # "METHOD /path?query" as received; the CDN's as "METHOD cdn:/path"
+        self.ranges: list[str] = []  # "METHOD /path bytes=A-B" (or cdn:/path) for each request with a Range header
+        self.unserved: list[str] = []  # requests for endpoints this stand-in does not implement (answered 404)
         # every commit received: dict(repo_type, repo_id, summary, added=[paths], deleted=[paths], commit=oid)
-        self.commits: List[dict] = []
-        self._snapshots: Dict[tuple, Repo] = {}  # (repo_type, repo_id) -> the repository as served now
-        self.tokens: Dict[str, dict] = {}  # bearer token -> the whoami-v2 answer (add_user_token, ...)
+        self.commits: list[dict] = []
+        self._snapshots: dict[tuple, Repo] = {}  # (repo_type, repo_id) -> the repository as served now
+        self.tokens: dict[str, dict] = {}  # bearer token -> the whoami-v2 answer (add_user_token, ...)
         self.private: set = set()  # (repo_type, repo_id) of private repositories: answered only with a known token
         self._lock = threading.Lock()
         self._hub = self._start_server(is_cdn=False)
@@ -220,12 +257,13 @@ class StandInHub:
     def folder(self, repo_id: str, repo_type: str = "model") -> str:
         """The local folder that holds (or would hold) the files of the repository ``repo_id``."""
         if repo_type not in REPO_TYPES:
-            raise ValueError(f"the stand-in Hub serves repositories of type {' or '.join(REPO_TYPES)}, "
-                             f"not {repo_type!r}")
+            raise ValueError(
+                f"the stand-in Hub serves repositories of type {' or '.join(REPO_TYPES)}, not {repo_type!r}"
+            )
         owner, name = _split_repo_id(repo_id)
         return os.path.join(self.root, *(["datasets"] if repo_type == "dataset" else []), owner, name)
 
-    def repo(self, repo_id: str, repo_type: str = "model") -> Optional[Repo]:
+    def repo(self, repo_id: str, repo_type: str = "model") -> Repo | None:
         """The repository ``repo_id`` as served now, or None; a folder is hashed once, when first asked for."""
         try:
             folder = self.folder(repo_id, repo_type)
@@ -247,8 +285,9 @@ class StandInHub:
             self._snapshots.pop((repo_type, repo_id), None)
         return True
 
-    def apply_commit(self, repo_id: str, repo_type: str, summary: str, added: Dict[str, bytes],
-                     deleted: List[str]) -> str:
+    def apply_commit(
+        self, repo_id: str, repo_type: str, summary: str, added: dict[str, bytes], deleted: list[str]
+    ) -> str:
         """Write ``added`` ({path: content}) into the repository and remove ``deleted`` paths; returns the new commit.
 
         The commit is validated whole before anything is written, so a bad one changes nothing.
@@ -271,51 +310,80 @@ class StandInHub:
                 os.replace(target + ".uploading", target)
             self._snapshots.pop((repo_type, repo_id), None)
         commit = self.repo(repo_id, repo_type).commit
-        self.commits.append(dict(repo_type=repo_type, repo_id=repo_id, summary=summary, added=sorted(added),
-                                 deleted=sorted(deleted), commit=commit))
+        self.commits.append(
+            dict(
+                repo_type=repo_type,
+                repo_id=repo_id,
+                summary=summary,
+                added=sorted(added),
+                deleted=sorted(deleted),
+                commit=commit,
+            )
+        )
         return commit
 
-    def add_user_token(self, username: str, orgs: Sequence[str] = (), role: str = "read",
-                       token: Optional[str] = None) -> str:
+    def add_user_token(
+        self, username: str, orgs: Sequence[str] = (), role: str = "read", token: str | None = None
+    ) -> str:
         """A user access token of ``username`` (as made at huggingface.co/settings/tokens), a member of ``orgs``.
 
         :param role: the token's permission: ``read``, ``write`` or ``fineGrained``
         :param token: the token's text (by default a new ``hf_...`` one)
         :returns: the token, to send as ``Authorization: Bearer <token>``
         """
-        answer = dict(_entity("user", username), email=f"{username}@example.com", emailVerified=True, isPro=False,
-                      orgs=[dict(_entity("org", org), roleInOrg="read") for org in orgs],
-                      auth=dict(type="access_token", accessToken=dict(displayName=f"{username}-token", role=role,
-                                                                      createdAt=CREATED_AT)))
+        answer = dict(
+            _entity("user", username),
+            email=f"{username}@example.com",
+            emailVerified=True,
+            isPro=False,
+            orgs=[dict(_entity("org", org), roleInOrg="read") for org in orgs],
+            auth=dict(
+                type="access_token", accessToken=dict(displayName=f"{username}-token", role=role, createdAt=CREATED_AT)
+            ),
+        )
         return self._add_token(answer, token, "hf_")
 
-    def add_org_token(self, organization: str, token: Optional[str] = None) -> str:
+    def add_org_token(self, organization: str, token: str | None = None) -> str:
         """An organization's own token (the Hub's older ``api_org_...`` tokens): whoami says ``type: org``."""
-        answer = dict(_entity("org", organization),
-                      auth=dict(type="access_token", accessToken=dict(displayName="org-token", role="read",
-                                                                      createdAt=CREATED_AT)))
+        answer = dict(
+            _entity("org", organization),
+            auth=dict(
+                type="access_token", accessToken=dict(displayName="org-token", role="read", createdAt=CREATED_AT)
+            ),
+        )
         return self._add_token(answer, token, "api_org_")
 
-    def add_app_token(self, app: str, as_user: Optional[str] = None, orgs: Sequence[str] = (),
-                      token: Optional[str] = None) -> str:
+    def add_app_token(
+        self, app: str, as_user: str | None = None, orgs: Sequence[str] = (), token: str | None = None
+    ) -> str:
         """An OAuth app's token: its own (``type: app``, ``auth.type: app_token``), or, with ``as_user``, acting for
         that user (the user's identity and ``orgs``, ``auth.type: app_token_as_user``)."""
         if as_user is None:
-            answer = dict(id=_entity_id(app), type="app", name=app, scope=dict(entities=[], role="read"),
-                          auth=dict(type="app_token"))
+            answer = dict(
+                id=_entity_id(app),
+                type="app",
+                name=app,
+                scope=dict(entities=[], role="read"),
+                auth=dict(type="app_token"),
+            )
         else:
-            answer = dict(_entity("user", as_user), email=f"{as_user}@example.com", emailVerified=True, isPro=False,
-                          orgs=[dict(_entity("org", org), roleInOrg="read") for org in orgs],
-                          auth=dict(type="app_token_as_user"))
+            answer = dict(
+                _entity("user", as_user),
+                email=f"{as_user}@example.com",
+                emailVerified=True,
+                isPro=False,
+                orgs=[dict(_entity("org", org), roleInOrg="read") for org in orgs],
+                auth=dict(type="app_token_as_user"),
+            )
         return self._add_token(answer, token, "hf_oauth_")
 
-    def _add_token(self, answer: dict, token: Optional[str], prefix: str) -> str:
+    def _add_token(self, answer: dict, token: str | None, prefix: str) -> str:
         with self._lock:
             token = token or f"{prefix}{hashlib.sha1(f'{len(self.tokens)}:{answer}'.encode()).hexdigest()[:30]}"
             self.tokens[token] = answer
         return token
 
-    def blob(self, sha256: str) -> Optional[str]:
+    def blob(self, sha256: str) -> str | None:
         """The local path of an LFS file served now with this sha256 (what the CDN serves), or None."""
         with self._lock:
             for repo in self._snapshots.values():
@@ -324,8 +392,9 @@ class StandInHub:
                         return file.local_path
         return None
 
-    def run_python(self, code: str, timeout: float = 120, hf_home: Optional[str] = None,
-                   env: Optional[Dict[str, str]] = None) -> str:
+    def run_python(
+        self, code: str, timeout: float = 120, hf_home: str | None = None, env: dict[str, str] | None = None
+    ) -> str:
         """Run ``code`` in a fresh Python process whose huggingface_hub talks to this server; returns its stdout.
 
         See :func:`run_python_with_hub`.
@@ -348,8 +417,12 @@ class StandInHub:
         server.daemon_threads = True  # a client that hangs up mid-download never blocks shutdown
         server.hub = self
         # a short poll interval: shutdown() waits for the loop to notice, up to one interval
-        threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05),
-                         name=f"stand-in-{'cdn' if is_cdn else 'hub'}", daemon=True).start()
+        threading.Thread(
+            target=server.serve_forever,
+            kwargs=dict(poll_interval=0.05),
+            name=f"stand-in-{'cdn' if is_cdn else 'hub'}",
+            daemon=True,
+        ).start()
         return server
 
 
@@ -360,8 +433,16 @@ def _entity_id(name: str) -> str:
 
 def _entity(kind: str, name: str) -> dict:
     """The fields whoami-v2 gives a user or an organization."""
-    return dict(id=_entity_id(name), type=kind, name=name, fullname=name.title(), email=None, canPay=False,
-                avatarUrl=f"/avatars/{_entity_id(name)}.svg", periodEnd=None)
+    return dict(
+        id=_entity_id(name),
+        type=kind,
+        name=name,
+        fullname=name.title(),
+        email=None,
+        canPay=False,
+        avatarUrl=f"/avatars/{_entity_id(name)}.svg",
+        periodEnd=None,
+    )
 
 
 def _split_repo_id(repo_id: str):
@@ -414,7 +495,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()  # the CRLF after each chunk
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def answer(self, status: int, body: bytes = b"", headers: Optional[dict] = None, send_body: bool = True):
+    def answer(self, status: int, body: bytes = b"", headers: dict | None = None, send_body: bool = True):
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -423,11 +504,12 @@ class _Handler(BaseHTTPRequestHandler):
         if send_body and body:
             self.wfile.write(body)
 
-    def answer_json(self, status: int, data, headers: Optional[dict] = None, send_body: bool = True):
-        self.answer(status, json.dumps(data).encode(), {"Content-Type": "application/json", **(headers or {})},
-                    send_body)
+    def answer_json(self, status: int, data, headers: dict | None = None, send_body: bool = True):
+        self.answer(
+            status, json.dumps(data).encode(), {"Content-Type": "application/json", **(headers or {})}, send_body
+        )
 
-    def answer_error(self, status: int, code: Optional[str], message: str, send_body: bool, **headers):
+    def answer_error(self, status: int, code: str | None, message: str, send_body: bool, **headers):
         if code is not None:
             headers["X-Error-Code"] = code
         headers["X-Error-Message"] = message
@@ -447,7 +529,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.hub.ranges.append(f"{self.command} {where}{self.path} {self.headers['Range']}")
         first, _, last = self.headers.get("Range", "").partition("-")
         if first.startswith("bytes=") and "," not in last:
-            first = first[len("bytes="):].strip()
+            first = first[len("bytes=") :].strip()
             if first.isdigit() and (last.strip().isdigit() or not last.strip()):
                 start = int(first)
                 end = min(int(last) + 1, size) if last.strip() else size
@@ -461,8 +543,9 @@ class _Handler(BaseHTTPRequestHandler):
         with open(local_path, "rb") as f:
             f.seek(start)
             body = f.read(max(end - start, 0))
-        self.answer(status, body, {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes", **headers},
-                    send_body)
+        self.answer(
+            status, body, {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes", **headers}, send_body
+        )
 
 
 class _HubHandler(_Handler):
@@ -497,7 +580,7 @@ class _HubHandler(_Handler):
             return self.answer_error(401, None, "Invalid credentials in Authorization header", send_body)
         self.answer_json(200, answer, send_body=send_body)
 
-    def find(self, repo_type: str, repo_id: str, revision: str, send_body: bool) -> Optional[Repo]:
+    def find(self, repo_type: str, repo_id: str, revision: str, send_body: bool) -> Repo | None:
         """The repository at ``revision``, or None after answering the error the Hub gives."""
         repo = self.hub.repo(repo_id, repo_type)
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
@@ -511,7 +594,7 @@ class _HubHandler(_Handler):
             repo = None
         return repo
 
-    def api(self, repo_type: str, repo_id: str, rest: List[str], query: dict, send_body: bool):
+    def api(self, repo_type: str, repo_id: str, rest: list[str], query: dict, send_body: bool):
         if not rest:  # model_info / dataset_info without a revision: the default branch
             rest = ["revision", "main"]
         repo = self.find(repo_type, repo_id, rest[1] if len(rest) >= 2 else "main", send_body)
@@ -524,8 +607,13 @@ class _HubHandler(_Handler):
             recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
             entries = repo.tree("/".join(rest[2:]), recursive)
             if entries is None:
-                return self.answer_error(404, "EntryNotFound", f"{'/'.join(rest[2:])} does not exist on {rest[1]}",
-                                         send_body, **{"X-Repo-Commit": repo.commit})
+                return self.answer_error(
+                    404,
+                    "EntryNotFound",
+                    f"{'/'.join(rest[2:])} does not exist on {rest[1]}",
+                    send_body,
+                    **{"X-Repo-Commit": repo.commit},
+                )
             return self.answer_json(200, entries, send_body=send_body)
         self.unserved(send_body)
 
@@ -538,9 +626,14 @@ class _HubHandler(_Handler):
         if file is None:
             return self.answer_error(404, "EntryNotFound", "Entry not found", send_body, **headers)
         if file.is_lfs:  # as the Hub does: the metadata here, the bytes at the CDN
-            headers.update({"ETag": f'"{file.oid}"', "X-Linked-Etag": f'"{file.sha256}"',
-                            "X-Linked-Size": str(file.size),
-                            "Location": f"{self.hub.cdn_endpoint}/lfs/{file.sha256}"})
+            headers.update(
+                {
+                    "ETag": f'"{file.oid}"',
+                    "X-Linked-Etag": f'"{file.sha256}"',
+                    "X-Linked-Size": str(file.size),
+                    "Location": f"{self.hub.cdn_endpoint}/lfs/{file.sha256}",
+                }
+            )
             return self.answer(302, b"", headers, send_body)
         headers["ETag"] = f'"{file.oid}"'
         self.answer_file(file.local_path, headers, send_body)
@@ -548,7 +641,7 @@ class _HubHandler(_Handler):
     # ------------------------------------------------------------------------------------------
     # POST: repository creation, paths-info and uploads
 
-    def post(self, parts: List[str], query: dict):
+    def post(self, parts: list[str], query: dict):
         body = self.read_body()  # read whatever comes next, so that the connection stays usable
         if parts == ["api", "repos", "create"]:
             return self.create_repo(body)
@@ -596,8 +689,14 @@ class _HubHandler(_Handler):
             existing = repo.files.get(file["path"])
             # "regular": the bytes come inline in the commit (no LFS / Xet transfer to stand in for); the oid of
             # the file already there lets the client leave an unchanged file out of the commit
-            files.append(dict(path=file["path"], uploadMode="regular", shouldIgnore=False,
-                              oid=existing.content_oid if existing is not None else None))
+            files.append(
+                dict(
+                    path=file["path"],
+                    uploadMode="regular",
+                    shouldIgnore=False,
+                    oid=existing.content_oid if existing is not None else None,
+                )
+            )
         self.answer_json(200, dict(files=files, commitOid=repo.commit))
 
     def commit(self, repo: Repo, revision: str, body: bytes):
@@ -624,8 +723,15 @@ class _HubHandler(_Handler):
         except ValueError as e:
             return self.answer_error(400, None, str(e), True)
         prefix = "" if repo.repo_type == "model" else f"{repo.repo_type}s/"
-        self.answer_json(200, {"success": True, "commitOid": commit, "hookOutput": "",
-                               "commitUrl": f"{self.hub.endpoint}/{prefix}{repo.repo_id}/commit/{commit}"})
+        self.answer_json(
+            200,
+            {
+                "success": True,
+                "commitOid": commit,
+                "hookOutput": "",
+                "commitUrl": f"{self.hub.endpoint}/{prefix}{repo.repo_id}/commit/{commit}",
+            },
+        )
 
 
 class _CdnHandler(_Handler):
@@ -638,8 +744,9 @@ class _CdnHandler(_Handler):
         self.answer_file(local_path, {"ETag": f'"{parts[1]}"'}, send_body)
 
 
-def run_python_with_hub(code: str, endpoint: str, timeout: float = 120, hf_home: Optional[str] = None,
-                        env: Optional[Dict[str, str]] = None) -> str:
+def run_python_with_hub(
+    code: str, endpoint: str, timeout: float = 120, hf_home: str | None = None, env: dict[str, str] | None = None
+) -> str:
     """Run a Python snippet in a subprocess whose Hugging Face clients use ``endpoint``; returns its stdout.
 
     The subprocess gets ``HF_ENDPOINT=endpoint``, no ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` /
@@ -654,28 +761,55 @@ def run_python_with_hub(code: str, endpoint: str, timeout: float = 120, hf_home:
     :param env: more environment variables for the subprocess
     :raises RuntimeError: if the snippet fails or runs past ``timeout``; the message holds its stderr
     """
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE",
-                                  "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
-                                  "HF_HUB_ENABLE_HF_TRANSFER")}
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key
+        not in (
+            "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "HF_DATASETS_OFFLINE",
+            "HF_HUB_CACHE",
+            "HUGGINGFACE_HUB_CACHE",
+            "HF_DATASETS_CACHE",
+            "HF_TOKEN",
+            "HUGGING_FACE_HUB_TOKEN",
+            "HF_HUB_ENABLE_HF_TRANSFER",
+        )
+    }
     no_proxy = ",".join(filter(None, [environment.get("NO_PROXY", ""), "127.0.0.1", "localhost"]))
-    environment.update(HF_ENDPOINT=endpoint, HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1",
-                       HF_HUB_DISABLE_IMPLICIT_TOKEN="1", NO_PROXY=no_proxy, no_proxy=no_proxy, **(env or {}))
+    environment.update(
+        HF_ENDPOINT=endpoint,
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+        NO_PROXY=no_proxy,
+        no_proxy=no_proxy,
+        **(env or {}),
+    )
     temporary_home = None if hf_home is not None else tempfile.mkdtemp(prefix="collab_kit_hub_client_")
     environment["HF_HOME"] = hf_home or temporary_home
     try:
-        process = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, env=environment,
-                                 capture_output=True, text=True, timeout=timeout)
+        process = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            cwd=REPO_ROOT,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as e:
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise RuntimeError(f"the snippet ran past its {timeout} s deadline and was killed; "
-                           f"its stderr ends with:\n{stderr[-4000:]}") from None
+        raise RuntimeError(
+            f"the snippet ran past its {timeout} s deadline and was killed; its stderr ends with:\n{stderr[-4000:]}"
+        ) from None
     finally:
         if temporary_home is not None:
             shutil.rmtree(temporary_home, ignore_errors=True)
     if process.returncode != 0:
-        raise RuntimeError(f"the snippet failed with exit code {process.returncode}; "
-                           f"its stderr ends with:\n{process.stderr[-4000:]}")
+        raise RuntimeError(
+            f"the snippet failed with exit code {process.returncode}; its stderr ends with:\n{process.stderr[-4000:]}"
+        )
     return process.stdout
 
 

@@ -2,6 +2,7 @@
 connections and prints its addresses; ``watch ADDRESS...`` joins through them in client mode, with a SwarmWatchdog
 whose link events it prints, and reports every second how many neighbours its routing table holds. Both run until
 killed."""
+
 import logging
 import sys
 import threading
@@ -27,8 +28,12 @@ def main(mode: str, addresses):
     else:
         dht = start_dht(SwarmConfig(host="0.0.0.0", client_mode=True, initial_peers=list(addresses)))
         # its thread keeps it alive as long as the process runs
-        SwarmWatchdog(dht, addresses, on_link_down=lambda: emit_event("link", state="down"),
-                      on_link_back=lambda: emit_event("link", state="back"))
+        SwarmWatchdog(
+            dht,
+            addresses,
+            on_link_down=lambda: emit_event("link", state="down"),
+            on_link_back=lambda: emit_event("link", state="back"),
+        )
         emit_event("ready", neighbours=routing_table_size(dht))
         while not threading.Event().wait(1.0):
             emit_event("table", neighbours=routing_table_size(dht))

@@ -15,33 +15,45 @@ step at global epoch E or later that is its K-th step or later goes wrong:
 It prints ``@event {"type": "fault", ...}`` when it does. Nothing of this is in collab_kit: the
 fault is injected here, by patching the model's forward pass in this process only.
 """
+
 from __future__ import annotations
 
 import argparse
 import functools
 import os
 import sys
-from typing import List
 
 from collab_kit.roles.processes import PeerProcess
 
 SCRIPT = os.path.abspath(__file__)
 
 
-def start_nan_peer(name: str, args: List[str], log_path: str, at_epoch: int = 0, at_step: int = 1,
-                   what: str = "parameters", steps: int = 1) -> PeerProcess:
+def start_nan_peer(
+    name: str,
+    args: list[str],
+    log_path: str,
+    at_epoch: int = 0,
+    at_step: int = 1,
+    what: str = "parameters",
+    steps: int = 1,
+) -> PeerProcess:
     """Start it as a subprocess (events, deadlines, kill of its whole process group as for any test peer);
     ``args`` are those of ``collab-kit`` (``["join", "--preset", "tiny", ...]``)."""
     from byzantine_peer import ScriptPeerProcess
 
-    return ScriptPeerProcess(name, SCRIPT, ["--nan-at-epoch", str(at_epoch), "--nan-at-step", str(at_step),
-                                            "--what", what, "--steps", str(steps), *args], log_path)
+    return ScriptPeerProcess(
+        name,
+        SCRIPT,
+        ["--nan-at-epoch", str(at_epoch), "--nan-at-step", str(at_step), "--what", what, "--steps", str(steps), *args],
+        log_path,
+    )
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     import torch
 
-    from collab_kit.cli import join, main as collab_kit_main
+    from collab_kit.cli import join
+    from collab_kit.cli import main as collab_kit_main
     from collab_kit.model.transformer import TextToImageTransformer, initial_model
     from collab_kit.roles.processes import emit_event
     from collab_kit.roles.volunteer import Volunteer
@@ -53,8 +65,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--steps", type=int, default=1, help="with --what loss: steps in a row with a nan loss")
     options, rest = parser.parse_known_args(argv)
     if not rest or rest[0] != "join":
-        parser.error("expected: [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N] "
-                     "join OPTIONS...")
+        parser.error(
+            "expected: [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N] join OPTIONS..."
+        )
 
     class FaultyTransformer(TextToImageTransformer):
         """The run's model, whose training step goes nan once it reaches the chosen epoch and step."""
@@ -67,8 +80,9 @@ def main(argv: List[str]) -> int:
                 return super().forward(*args, **kwargs)
             self.calls += 1
             step, epoch = self.calls, self.volunteer.local_epoch
-            if len(self.faulty) < (options.steps if options.what == "loss" else 1) and \
-                    (self.faulty or (epoch >= options.nan_at_epoch and step >= options.nan_at_step)):
+            if len(self.faulty) < (options.steps if options.what == "loss" else 1) and (
+                self.faulty or (epoch >= options.nan_at_epoch and step >= options.nan_at_step)
+            ):
                 self.faulty.append(step)
                 emit_event("fault", what=options.what, step=step, epoch=epoch)
                 if options.what == "parameters":
@@ -91,8 +105,11 @@ def main(argv: List[str]) -> int:
         model.volunteer = volunteer
         return volunteer
 
-    print(f"nan peer: a step at epoch {options.nan_at_epoch} or later, step {options.nan_at_step} or later, goes "
-          f"nan ({options.what})", flush=True)
+    print(
+        f"nan peer: a step at epoch {options.nan_at_epoch} or later, step {options.nan_at_step} or later, goes "
+        f"nan ({options.what})",
+        flush=True,
+    )
     return collab_kit_main(rest, handlers={"join": functools.partial(join.run, make_volunteer=make_volunteer)})
 
 

@@ -28,6 +28,7 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
 
 Nothing of this is in collab_kit: the probes wrap the optimizer's methods in this process only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,21 +37,23 @@ import hashlib
 import os
 import sys
 import time
-from typing import List
 
 SCRIPT = os.path.abspath(__file__)
 
 
-def digest(tensors) -> List[str]:
+def digest(tensors) -> list[str]:
     """A short digest of each tensor's exact values (a state downloaded in parts takes each tensor from one sharer)."""
-    return [hashlib.sha256(tensor.detach().cpu().contiguous().float().numpy().tobytes()).hexdigest()[:12]
-            for tensor in tensors]
+    return [
+        hashlib.sha256(tensor.detach().cpu().contiguous().float().numpy().tobytes()).hexdigest()[:12]
+        for tensor in tensors
+    ]
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     import torch
 
-    from collab_kit.cli import join, main as collab_kit_main
+    from collab_kit.cli import join
+    from collab_kit.cli import main as collab_kit_main
     from collab_kit.model.transformer import TextToImageTransformer, initial_model
     from collab_kit.roles.processes import emit_event
     from collab_kit.roles.volunteer import Volunteer
@@ -70,8 +73,9 @@ def main(argv: List[str]) -> int:
 
     def global_state(optimizer):
         parameters = [p for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]]
-        momentum = [optimizer.state_averager.optimizer.state[p].get("momentum_buffer", torch.zeros(0))
-                    for p in parameters]
+        momentum = [
+            optimizer.state_averager.optimizer.state[p].get("momentum_buffer", torch.zeros(0)) for p in parameters
+        ]
         return digest(parameters), digest(momentum)
 
     waiting = [0.0]  # seconds spent in rounds and state downloads so far: the network's, not a step's work
@@ -93,8 +97,11 @@ def main(argv: List[str]) -> int:
                     model.text_embedding.weight.fill_(float("nan"))
             load_pseudo_gradient()
             averager = optimizer.grad_averager
-            record.update(epoch=optimizer.local_epoch, weight=averager.local_samples_accumulated,
-                          pseudo=[acc.clone() for acc in averager._grad_accumulators()])
+            record.update(
+                epoch=optimizer.local_epoch,
+                weight=averager.local_samples_accumulated,
+                pseudo=[acc.clone() for acc in averager._grad_accumulators()],
+            )
             if getattr(optimizer, "overlap", False):
                 sent_rounds[record["epoch"]] = (record["weight"], record["pseudo"])
 
@@ -110,25 +117,38 @@ def main(argv: List[str]) -> int:
             waiting[0] += time.monotonic() - began
             saved = None
             if "epoch" in record:
-                record["global"] = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
-                                    for p in group["params"]]
+                record["global"] = [
+                    p.detach().clone()
+                    for group in optimizer.state_averager.optimizer.param_groups
+                    for p in group["params"]
+                ]
                 saved = f"{options.name}-{record['epoch']}.pt"
                 torch.save(record, os.path.join(options.out, saved))
             global_digest, momentum_digest = global_state(optimizer)
             model_digest = digest(optimizer.state_averager.main_parameters)  # the model's, in the groups' order
-            emit_event("round", epoch=optimizer.local_epoch, weight=record.get("weight"), file=saved,
-                       group_size=optimizer.last_group_size, problem=optimizer.last_round_problem,
-                       resync=optimizer._resync_requested,
-                       **{"global": global_digest, "momentum": momentum_digest, "model": model_digest})
+            emit_event(
+                "round",
+                epoch=optimizer.local_epoch,
+                weight=record.get("weight"),
+                file=saved,
+                group_size=optimizer.last_group_size,
+                problem=optimizer.last_round_problem,
+                resync=optimizer._resync_requested,
+                **{"global": global_digest, "momentum": momentum_digest, "model": model_digest},
+            )
 
         def probed_load_state(**kwargs):
             began = time.monotonic()
             loaded = load_state(**kwargs)
             waiting[0] += time.monotonic() - began
             global_digest, momentum_digest = global_state(optimizer)
-            emit_event("loaded", epoch=optimizer.local_epoch, loaded=loaded,
-                       downloaded=optimizer.state_averager.last_downloaded_epoch,
-                       **{"global": global_digest, "momentum": momentum_digest})
+            emit_event(
+                "loaded",
+                epoch=optimizer.local_epoch,
+                loaded=loaded,
+                downloaded=optimizer.state_averager.last_downloaded_epoch,
+                **{"global": global_digest, "momentum": momentum_digest},
+            )
             return loaded
 
         def probed_apply_round_in_flight():
@@ -138,18 +158,35 @@ def main(argv: List[str]) -> int:
             progress = [b - sent for b, sent in zip(before, optimizer._sent_parameters)]
             apply_round_in_flight()
             after = [p.detach().clone() for p in optimizer.state_averager.main_parameters]
-            global_after = [p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups
-                            for p in group["params"]]
+            global_after = [
+                p.detach().clone() for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]
+            ]
             weight, pseudo = sent_rounds.pop(epoch, (None, None))
             saved = f"{options.name}-applied-{epoch}.pt"
-            torch.save(dict(epoch=epoch, progress=progress, model=after, averaged=record.get("averaged"),
-                            weight=weight, pseudo=pseudo, **{"global": global_after}),
-                       os.path.join(options.out, saved))
+            torch.save(
+                dict(
+                    epoch=epoch,
+                    progress=progress,
+                    model=after,
+                    averaged=record.get("averaged"),
+                    weight=weight,
+                    pseudo=pseudo,
+                    **{"global": global_after},
+                ),
+                os.path.join(options.out, saved),
+            )
             global_digest, momentum_digest = global_state(optimizer)
-            emit_event("applied", epoch=epoch, file=saved, group_size=optimizer.last_group_size,
-                       problem=optimizer.last_round_problem, overlapped_steps=optimizer.overlapped_steps,
-                       weight=weight, resync=optimizer._resync_requested,
-                       **{"global": global_digest, "momentum": momentum_digest})
+            emit_event(
+                "applied",
+                epoch=epoch,
+                file=saved,
+                group_size=optimizer.last_group_size,
+                problem=optimizer.last_round_problem,
+                overlapped_steps=optimizer.overlapped_steps,
+                weight=weight,
+                resync=optimizer._resync_requested,
+                **{"global": global_digest, "momentum": momentum_digest},
+            )
 
         if hasattr(optimizer, "_apply_round_in_flight"):
             apply_round_in_flight = optimizer._apply_round_in_flight

@@ -1,8 +1,16 @@
 """Presets carry the paper's numbers; a wrong value fails at once, naming the field."""
+
 import pytest
 
-from collab_kit.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig, SettingProblem, SwarmConfig,
-                               get_preset)
+from collab_kit.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    SettingProblem,
+    SwarmConfig,
+    get_preset,
+)
 
 
 def test_paper_preset_has_the_papers_values():
@@ -14,7 +22,7 @@ def test_paper_preset_has_the_papers_values():
     assert opt.learning_rate == 2.5e-3 and opt.betas == (0.9, 0.96) and opt.eps == 1e-6
     assert opt.weight_decay == 0.045 and opt.max_grad_norm == 4.0
     assert opt.total_steps == 31250 and opt.warmup_steps == 3125
-    assert opt.target_batch_size == 4096 and opt.compression_threshold == 2 ** 16
+    assert opt.target_batch_size == 4096 and opt.compression_threshold == 2**16
     assert opt.offload_optimizer and opt.delay_optimizer_step
     assert opt.averaging_timeout == 180.0 and 15.0 <= opt.matchmaking_time <= 20.0
 
@@ -56,22 +64,25 @@ def test_overrides_change_one_field_and_are_validated():
         get_preset("huge")
 
 
-@pytest.mark.parametrize("build, field", [
-    (lambda: ModelConfig(hidden_size=100, num_heads=16), "model.hidden_size"),
-    (lambda: ModelConfig(num_layers=-1), "model.num_layers"),
-    (lambda: ModelConfig(pad_token_id=40000), "model.pad_token_id"),
-    (lambda: ModelConfig(attention_pattern=("row", "diagonal")), "model.attention_pattern"),
-    (lambda: ModelConfig(conv_kernel_size=4), "model.conv_kernel_size"),
-    (lambda: ModelConfig(hidden_size=24, num_heads=4), "model.hidden_size"),  # head size 6: no 2D rotary
-    (lambda: OptimizerConfig(learning_rate=0), "optimizer.learning_rate"),
-    (lambda: OptimizerConfig(betas=(0.9, 1.2)), "optimizer.betas"),
-    (lambda: OptimizerConfig(warmup_fraction=1.0), "optimizer.warmup_fraction"),
-    (lambda: OptimizerConfig(offload_optimizer=False, delay_optimizer_step=True), "optimizer.delay_optimizer_step"),
-    (lambda: OptimizerConfig(state_compression="zip"), "optimizer.state_compression"),
-    (lambda: SwarmConfig(port=70000), "swarm.port"),
-    (lambda: SwarmConfig(run_id="my run!"), "swarm.run_id"),
-    (lambda: DataConfig(shuffle_buffer=0), "data.shuffle_buffer"),
-])
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (lambda: ModelConfig(hidden_size=100, num_heads=16), "model.hidden_size"),
+        (lambda: ModelConfig(num_layers=-1), "model.num_layers"),
+        (lambda: ModelConfig(pad_token_id=40000), "model.pad_token_id"),
+        (lambda: ModelConfig(attention_pattern=("row", "diagonal")), "model.attention_pattern"),
+        (lambda: ModelConfig(conv_kernel_size=4), "model.conv_kernel_size"),
+        (lambda: ModelConfig(hidden_size=24, num_heads=4), "model.hidden_size"),  # head size 6: no 2D rotary
+        (lambda: OptimizerConfig(learning_rate=0), "optimizer.learning_rate"),
+        (lambda: OptimizerConfig(betas=(0.9, 1.2)), "optimizer.betas"),
+        (lambda: OptimizerConfig(warmup_fraction=1.0), "optimizer.warmup_fraction"),
+        (lambda: OptimizerConfig(offload_optimizer=False, delay_optimizer_step=True), "optimizer.delay_optimizer_step"),
+        (lambda: OptimizerConfig(state_compression="zip"), "optimizer.state_compression"),
+        (lambda: SwarmConfig(port=70000), "swarm.port"),
+        (lambda: SwarmConfig(run_id="my run!"), "swarm.run_id"),
+        (lambda: DataConfig(shuffle_buffer=0), "data.shuffle_buffer"),
+    ],
+)
 def test_a_wrong_value_names_its_field(build, field):
     with pytest.raises(ValueError) as error:
         build()

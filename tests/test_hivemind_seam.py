@@ -1,5 +1,6 @@
 """collab_kit.hivemind_seam: the list of private hivemind names the kit touches is checked against the code both
 ways, and another hivemind version is refused at import with one sentence."""
+
 import ast
 import importlib
 import inspect
@@ -21,9 +22,11 @@ HIVEMIND = pathlib.Path(hivemind.__file__).parent
 KIT_OWN = {"_lock", "_run", "_namespace", "_result", "_stub", "_unpack"}
 LISTED = {entry.name for entry in SEAM}
 IMPORT = "import collab_kit; print('imported')"
-SENTENCE = (f"collab_kit works with hivemind {TESTED_HIVEMIND} only and this Python has hivemind 1.2.0: run "
-            f"`pip install hivemind=={TESTED_HIVEMIND}` in it, or set {ANY_HIVEMIND_VARIABLE}=1 to try yours at your "
-            f"own risk.")
+SENTENCE = (
+    f"collab_kit works with hivemind {TESTED_HIVEMIND} only and this Python has hivemind 1.2.0: run "
+    f"`pip install hivemind=={TESTED_HIVEMIND}` in it, or set {ANY_HIVEMIND_VARIABLE}=1 to try yours at your "
+    f"own risk."
+)
 
 
 def private(name: str) -> bool:
@@ -59,8 +62,13 @@ def test_every_private_hivemind_name_the_kit_uses_is_listed():
     used = {}
     for path, tree in sources(PACKAGE):
         for node in ast.walk(tree):
-            name = node.attr if isinstance(node, ast.Attribute) else \
-                node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.name
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                else None
+            )
             if name in hivemind_names and name not in KIT_OWN:
                 used.setdefault(name, set()).add(str(path.relative_to(PACKAGE.parent)))
     unlisted = {name: sorted(paths) for name, paths in used.items() if name not in LISTED}
@@ -85,9 +93,14 @@ def test_every_private_hivemind_name_a_kit_class_overrides_is_listed():
                 continue
             bases = [base for base in cls.__mro__ if base.__module__.startswith("hivemind")]
             if bases or cls.__name__.endswith("Mixin"):
-                overridden |= {(name, cls.__qualname__) for name in vars(cls) if private(name)
-                               and name not in KIT_OWN and not name.startswith("_abc")
-                               and (any(name in vars(base) for base in bases) or name in hivemind_methods)}
+                overridden |= {
+                    (name, cls.__qualname__)
+                    for name in vars(cls)
+                    if private(name)
+                    and name not in KIT_OWN
+                    and not name.startswith("_abc")
+                    and (any(name in vars(base) for base in bases) or name in hivemind_methods)
+                }
     unlisted = sorted((name, where) for name, where in overridden if name not in LISTED)
     assert not unlisted, f"private hivemind names overridden but not in collab_kit.hivemind_seam.SEAM: {unlisted}"
 

@@ -1,5 +1,6 @@
 """The package's shape: every subpackage imports alone, importing the kit leaves the user's process as it was, lazy
 imports say why, modules stay readable, and the layers hold (``lint-imports``, which ``make test`` runs first)."""
+
 import ast
 import json
 import os
@@ -18,15 +19,31 @@ TOP_MODULES = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem != 
 
 def python(code: str, timeout: float = 180) -> str:
     """Run ``code`` in a fresh interpreter (nothing imported yet) and return what it printed."""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                            env=dict(os.environ, PYTHONWARNINGS="default"))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONWARNINGS="default"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
 def test_the_tree_has_the_concepts_the_readme_names():
-    assert SUBPACKAGES == ["auth", "cli", "data", "images", "memory", "model", "notebook", "roles", "swarm", "toy",
-                           "tutorial"]
+    assert SUBPACKAGES == [
+        "auth",
+        "cli",
+        "data",
+        "images",
+        "memory",
+        "model",
+        "notebook",
+        "roles",
+        "swarm",
+        "toy",
+        "tutorial",
+    ]
     for name in SUBPACKAGES:
         docstring = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
         assert docstring, f"collab_kit/{name}/__init__.py says nothing of its files"
@@ -38,26 +55,32 @@ def test_the_tree_has_the_concepts_the_readme_names():
 @pytest.mark.parametrize("name", SUBPACKAGES + TOP_MODULES)
 def test_each_part_imports_alone_and_offers_what_it_lists(name):
     # a fresh interpreter: an import cycle or a name listed but not defined shows here, whatever was imported before
-    out = python(f"import importlib, json\n"
-                 f"module = importlib.import_module('collab_kit.{name}')\n"
-                 f"offered = getattr(module, '__all__', [])\n"
-                 f"print(json.dumps([n for n in offered if getattr(module, n, None) is None]))")
+    out = python(
+        f"import importlib, json\n"
+        f"module = importlib.import_module('collab_kit.{name}')\n"
+        f"offered = getattr(module, '__all__', [])\n"
+        f"print(json.dumps([n for n in offered if getattr(module, n, None) is None]))"
+    )
     assert json.loads(out.splitlines()[-1]) == []
 
 
 def test_a_preset_is_built_without_torch_or_hivemind():
-    out = python("import sys, collab_kit\n"
-                 "config = collab_kit.get_preset('tiny', optimizer=dict(target_batch_size=64))\n"
-                 "print(config.optimizer.target_batch_size, 'hivemind' in sys.modules, 'torch' in sys.modules)")
+    out = python(
+        "import sys, collab_kit\n"
+        "config = collab_kit.get_preset('tiny', optimizer=dict(target_batch_size=64))\n"
+        "print(config.optimizer.target_batch_size, 'hivemind' in sys.modules, 'torch' in sys.modules)"
+    )
     assert out.split() == ["64", "False", "False"]
 
 
 def test_the_command_line_answers_help_without_torch_or_hivemind():
-    out = python("import contextlib, io, sys\n"
-                 "from collab_kit.cli import make_parser\n"
-                 "with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):\n"
-                 "    make_parser().parse_args(['join', '--help'])\n"
-                 "print('--initial-peers' in text.getvalue(), 'hivemind' in sys.modules, 'torch' in sys.modules)")
+    out = python(
+        "import contextlib, io, sys\n"
+        "from collab_kit.cli import make_parser\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):\n"
+        "    make_parser().parse_args(['join', '--help'])\n"
+        "print('--initial-peers' in text.getvalue(), 'hivemind' in sys.modules, 'torch' in sys.modules)"
+    )
     assert out.split() == ["True", "False", "False"]
 
 
@@ -119,8 +142,12 @@ def in_function_imports_without_a_reason(path: pathlib.Path):
     """Imports inside functions with no comment on their line or just above their block of imports."""
     lines = path.read_text().splitlines()
     tree = ast.parse("\n".join(lines))
-    import_lines = {n for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                    for n in range(node.lineno, node.end_lineno + 1)}
+    import_lines = {
+        n
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for n in range(node.lineno, node.end_lineno + 1)
+    }
     found = []
     for function in ast.walk(tree):
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -138,17 +165,23 @@ def in_function_imports_without_a_reason(path: pathlib.Path):
 
 def test_every_import_inside_a_function_says_why_it_waits(tmp_path):
     found = [line for path in sorted(PACKAGE.rglob("*.py")) for line in in_function_imports_without_a_reason(path)]
-    assert found == [], "an import inside a function, without a comment saying why it is not at the top:\n" + \
-        "\n".join(found)
+    assert found == [], "an import inside a function, without a comment saying why it is not at the top:\n" + "\n".join(
+        found
+    )
     sample = tmp_path / "sample.py"  # the check finds one where there is one
-    sample.write_text("def f():\n    import json\n\n    return json\n\n\ndef g():\n    # lazy: slow\n    import csv\n\n"
-                      "    import json\n    return json, csv\n")
+    sample.write_text(
+        "def f():\n    import json\n\n    return json\n\n\ndef g():\n    # lazy: slow\n    import csv\n\n"
+        "    import json\n    return json, csv\n"
+    )
     assert in_function_imports_without_a_reason(sample) == ["sample.py:2: import json"]
 
 
 def test_no_module_is_over_500_lines():
-    long = {str(path.relative_to(PACKAGE.parent)): count for path in PACKAGE.rglob("*.py")
-            if (count := len(path.read_text().splitlines())) > 500}
+    long = {
+        str(path.relative_to(PACKAGE.parent)): count
+        for path in PACKAGE.rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > 500
+    }
     assert long == {}, f"split these where they hold several concepts: {long}"
 
 
@@ -162,19 +195,24 @@ def test_the_names_the_readme_notebooks_and_benchmarks_import_from_the_top_still
         for line in text.replace("\\n", "\n").splitlines():
             line = line.strip().strip('",')
             if line.startswith("from collab_kit import "):
-                names.update(name.strip(" ()") for name in line[len("from collab_kit import "):].split(","))
-            names.update(part.split(".")[1].split("(")[0] for part in line.split() if part.startswith("collab_kit.")
-                         and part.split(".")[1][:1].isalpha())
+                names.update(name.strip(" ()") for name in line[len("from collab_kit import ") :].split(","))
+            names.update(
+                part.split(".")[1].split("(")[0]
+                for part in line.split()
+                if part.startswith("collab_kit.") and part.split(".")[1][:1].isalpha()
+            )
     names = sorted(name for name in names if name and name.isidentifier())
     assert {"Volunteer", "get_preset", "memory", "dashboard", "services", "generate_images"} <= set(names)
-    out = python(f"import collab_kit, importlib\nmissing = []\n"
-                 f"for name in {names!r}:\n"
-                 f"    try:\n"
-                 f"        getattr(collab_kit, name)\n"
-                 f"    except AttributeError:\n"
-                 f"        try:\n"
-                 f"            importlib.import_module('collab_kit.' + name)\n"
-                 f"        except ImportError:\n"
-                 f"            missing.append(name)\n"
-                 f"print(missing)")
+    out = python(
+        f"import collab_kit, importlib\nmissing = []\n"
+        f"for name in {names!r}:\n"
+        f"    try:\n"
+        f"        getattr(collab_kit, name)\n"
+        f"    except AttributeError:\n"
+        f"        try:\n"
+        f"            importlib.import_module('collab_kit.' + name)\n"
+        f"        except ImportError:\n"
+        f"            missing.append(name)\n"
+        f"print(missing)"
+    )
     assert out.strip() == "[]"

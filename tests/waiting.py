@@ -1,4 +1,5 @@
 """Waiting in tests on something another process or thread does: a deadline, never a bare sleep."""
+
 import time
 
 

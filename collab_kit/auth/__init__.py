@@ -9,12 +9,16 @@
 
 What peers do with their tokens in the swarm (bindings in the DHT, the averagers' gate) is collab_kit.swarm.bindings.
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "tokens": ["issue_token", "token_problem", "binding_problem", "MalformedToken"],
-    "client": ["login", "HubAuthorizer", "AuthorizationError", "request_access"],
-    "server_settings": ["AuthServerSettings"],
-    "ledger": ["JoinLedger"],
-    "server": ["create_app", "serve"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "tokens": ["issue_token", "token_problem", "binding_problem", "MalformedToken"],
+        "client": ["login", "HubAuthorizer", "AuthorizationError", "request_access"],
+        "server_settings": ["AuthServerSettings"],
+        "ledger": ["JoinLedger"],
+        "server": ["create_app", "serve"],
+    },
+)

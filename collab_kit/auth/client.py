@@ -14,24 +14,29 @@ are ignored. The token is refreshed before it expires, without stopping training
 What peers do with their tokens in the swarm (bindings of peer ids to tokens, the averagers' gate) is
 collab_kit.swarm.bindings.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
 
+import huggingface_hub
+import requests
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
-import requests
-import huggingface_hub
 
-from collab_kit.auth.tokens import (MalformedToken, public_key_from_text, public_key_to_text, seconds_left,
-                                    token_from_json, token_problem)
+from collab_kit.auth.tokens import (
+    MalformedToken,
+    public_key_from_text,
+    public_key_to_text,
+    seconds_left,
+    token_from_json,
+    token_problem,
+)
 from collab_kit.errors import CollabKitError
-
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ JOIN_PATH = "/api/experiments/join"
 class AuthorizationError(CollabKitError, RuntimeError):
     """The authentication server refused this volunteer, or could not be reached; the message says what to do."""
 
-    def __init__(self, message: str, status: Optional[int] = None):
+    def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
 
@@ -53,8 +58,8 @@ class JoinAnswer:
     username: str
     token: AccessToken
     server_public_key: RSAPublicKey
-    coordinator_addresses: List[str] = field(default_factory=list)
-    run_id: Optional[str] = None
+    coordinator_addresses: list[str] = field(default_factory=list)
+    run_id: str | None = None
 
 
 def request_access(auth_server: str, hf_token: str, peer_public_key: RSAPublicKey, timeout: float = 30.0) -> JoinAnswer:
@@ -67,11 +72,17 @@ def request_access(auth_server: str, hf_token: str, peer_public_key: RSAPublicKe
 
     url = auth_server.rstrip("/") + JOIN_PATH
     try:
-        response = requests.put(url, headers={"Authorization": f"Bearer {hf_token}"},
-                                json={"peer_public_key": public_key_to_text(peer_public_key)}, timeout=timeout)
+        response = requests.put(
+            url,
+            headers={"Authorization": f"Bearer {hf_token}"},
+            json={"peer_public_key": public_key_to_text(peer_public_key)},
+            timeout=timeout,
+        )
     except requests.RequestException as e:
-        raise AuthorizationError(f"could not reach the run's authentication server at {url} ({type(e).__name__}): "
-                                 f"check the address and your connection") from None
+        raise AuthorizationError(
+            f"could not reach the run's authentication server at {url} ({type(e).__name__}): "
+            f"check the address and your connection"
+        ) from None
     try:
         body = response.json()
     except ValueError:
@@ -79,16 +90,23 @@ def request_access(auth_server: str, hf_token: str, peer_public_key: RSAPublicKe
     if response.status_code != 200:
         detail = body.get("detail") if isinstance(body, dict) else None
         message = detail if isinstance(detail, str) else (response.text[:300] or response.reason)
-        raise AuthorizationError(f"the authentication server refused to let this peer in "
-                                 f"({response.status_code}): {message}", status=response.status_code)
+        raise AuthorizationError(
+            f"the authentication server refused to let this peer in ({response.status_code}): {message}",
+            status=response.status_code,
+        )
     try:
-        return JoinAnswer(username=str(body["username"]), token=token_from_json(body["access_token"]),
-                          server_public_key=public_key_from_text(body["auth_server_public_key"]),
-                          coordinator_addresses=[str(a) for a in body.get("coordinator_addresses") or []],
-                          run_id=body.get("run_id"))
+        return JoinAnswer(
+            username=str(body["username"]),
+            token=token_from_json(body["access_token"]),
+            server_public_key=public_key_from_text(body["auth_server_public_key"]),
+            coordinator_addresses=[str(a) for a in body.get("coordinator_addresses") or []],
+            run_id=body.get("run_id"),
+        )
     except (KeyError, TypeError, MalformedToken) as e:
-        raise AuthorizationError(f"the authentication server at {url} answered something that is not an access "
-                                 f"token ({e}): is this the right address?") from None
+        raise AuthorizationError(
+            f"the authentication server at {url} answered something that is not an access "
+            f"token ({e}): is this the right address?"
+        ) from None
 
 
 class HubAuthorizer(TokenAuthorizerBase):
@@ -100,19 +118,25 @@ class HubAuthorizer(TokenAuthorizerBase):
     :param refresh_margin: seconds before expiry at which a new token is fetched
     """
 
-    def __init__(self, auth_server: str, hf_token: str, private_key: Optional[RSAPrivateKey] = None,
-                 refresh_margin: float = 300.0, request_timeout: float = 30.0):
+    def __init__(
+        self,
+        auth_server: str,
+        hf_token: str,
+        private_key: RSAPrivateKey | None = None,
+        refresh_margin: float = 300.0,
+        request_timeout: float = 30.0,
+    ):
         super().__init__(private_key)
         self.auth_server, self.refresh_margin, self.request_timeout = auth_server, refresh_margin, request_timeout
         self._hf_token = hf_token
-        self.answer: Optional[JoinAnswer] = None
+        self.answer: JoinAnswer | None = None
 
     @property
     def private_key(self) -> RSAPrivateKey:
         return self._local_private_key
 
     @property
-    def username(self) -> Optional[str]:
+    def username(self) -> str | None:
         return self.answer.username if self.answer else None
 
     @property
@@ -136,8 +160,10 @@ class HubAuthorizer(TokenAuthorizerBase):
 
     def _accept(self, answer: JoinAnswer) -> None:
         if self.answer is not None and answer.server_public_key.to_bytes() != self.answer.server_public_key.to_bytes():
-            raise AuthorizationError("the authentication server's key changed: it is another run's server, or it "
-                                     "lost its key; restart the peer to trust the new key")
+            raise AuthorizationError(
+                "the authentication server's key changed: it is another run's server, or it "
+                "lost its key; restart the peer to trust the new key"
+            )
         problem = token_problem(answer.token, answer.server_public_key)
         if problem is not None:
             raise AuthorizationError(f"the authentication server gave an unusable token: {problem}")
@@ -150,7 +176,8 @@ class HubAuthorizer(TokenAuthorizerBase):
     async def get_token(self) -> AccessToken:
         """A fresh token (hivemind calls this when ``does_token_need_refreshing`` says so)."""
         answer = await asyncio.get_running_loop().run_in_executor(
-            None, request_access, self.auth_server, self._hf_token, self.local_public_key, self.request_timeout)
+            None, request_access, self.auth_server, self._hf_token, self.local_public_key, self.request_timeout
+        )
         self._accept(answer)
         logger.info(f"access token refreshed, valid until {answer.token.expiration_time}")
         return answer.token
@@ -168,6 +195,7 @@ class HubAuthorizer(TokenAuthorizerBase):
         margin = min(self.refresh_margin, 0.25 * getattr(self, "_lifetime", self.refresh_margin))
         return seconds_left(access_token) < margin
 
+
 # ---------------------------------------------------------------------------------------------
 # the volunteer's Hugging Face login
 
@@ -183,7 +211,7 @@ def in_notebook() -> bool:
     return shell is not None and type(shell).__name__ in ("ZMQInteractiveShell", "Shell")  # Shell: Colab's
 
 
-def login(token: Optional[str] = None) -> Optional[str]:
+def login(token: str | None = None) -> str | None:
     """The volunteer's Hugging Face user token: given, ``$HF_TOKEN``, or a saved login.
 
     In a notebook without any of these, shows ``notebook_login``'s form and returns None: the form is
@@ -199,5 +227,7 @@ def login(token: Optional[str] = None) -> Optional[str]:
         huggingface_hub.notebook_login()
         print("Log in with your Hugging Face user token in the form above, then run the next cell.")
         return None
-    raise AuthorizationError("no Hugging Face token: create a user token at https://huggingface.co/settings/tokens "
-                             "and set HF_TOKEN=hf_... (or run `hf auth login`)")
+    raise AuthorizationError(
+        "no Hugging Face token: create a user token at https://huggingface.co/settings/tokens "
+        "and set HF_TOKEN=hf_... (or run `hf auth login`)"
+    )

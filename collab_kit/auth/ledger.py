@@ -3,6 +3,7 @@
 What it is for: the rate limit of joins per user (a minute's window), the maintainers' view of who joined and when,
 and a server restarted with the same file that goes on where it was.
 """
+
 from __future__ import annotations
 
 import base64
@@ -11,8 +12,6 @@ import os
 import sqlite3
 import threading
 from dataclasses import dataclass
-from typing import List, Optional
-
 
 # ---------------------------------------------------------------------------------------------
 # the ledger: joins and per-user stats in SQLite
@@ -46,8 +45,10 @@ class JoinLedger:
             self._db.execute("PRAGMA busy_timeout = 5000")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version > self.SCHEMA_VERSION:
-                raise ValueError(f"{path} was written by a newer collab_kit (schema {version}): upgrade collab_kit "
-                                 f"or give another --db")
+                raise ValueError(
+                    f"{path} was written by a newer collab_kit (schema {version}): upgrade collab_kit "
+                    f"or give another --db"
+                )
             self._db.executescript("""
                 CREATE TABLE IF NOT EXISTS joins (
                     id INTEGER PRIMARY KEY,
@@ -66,38 +67,47 @@ class JoinLedger:
             """)
             self._db.execute(f"PRAGMA user_version = {self.SCHEMA_VERSION}")
         except sqlite3.Error as e:
-            raise ValueError(f"cannot use {path} as the auth server's database ({e}): give --db a writable "
-                             f"file path") from None
+            raise ValueError(
+                f"cannot use {path} as the auth server's database ({e}): give --db a writable file path"
+            ) from None
         self._lock = threading.Lock()
 
-    def joins_since(self, username: str, since: float) -> List[float]:
+    def joins_since(self, username: str, since: float) -> list[float]:
         """When ``username`` joined at or after ``since`` (Unix seconds), oldest first."""
         with self._lock:
-            rows = self._db.execute("SELECT issued_at FROM joins WHERE username = ? AND issued_at >= ? "
-                                    "ORDER BY issued_at", (username, since)).fetchall()
+            rows = self._db.execute(
+                "SELECT issued_at FROM joins WHERE username = ? AND issued_at >= ? ORDER BY issued_at",
+                (username, since),
+            ).fetchall()
         return [row[0] for row in rows]
 
     def record_join(self, username: str, peer_public_key: bytes, issued_at: float, expires_at: str) -> None:
         with self._lock:
             with self._transaction():
-                self._db.execute("INSERT INTO joins (username, peer_public_key, issued_at, expires_at) "
-                                 "VALUES (?, ?, ?, ?)",
-                                 (username, base64.b64encode(peer_public_key).decode(), issued_at, expires_at))
-                self._db.execute("INSERT INTO users (username, first_seen, last_seen, joins) VALUES (?, ?, ?, 1) "
-                                 "ON CONFLICT (username) DO UPDATE SET last_seen = excluded.last_seen, "
-                                 "joins = joins + 1", (username, issued_at, issued_at))
+                self._db.execute(
+                    "INSERT INTO joins (username, peer_public_key, issued_at, expires_at) VALUES (?, ?, ?, ?)",
+                    (username, base64.b64encode(peer_public_key).decode(), issued_at, expires_at),
+                )
+                self._db.execute(
+                    "INSERT INTO users (username, first_seen, last_seen, joins) VALUES (?, ?, ?, 1) "
+                    "ON CONFLICT (username) DO UPDATE SET last_seen = excluded.last_seen, "
+                    "joins = joins + 1",
+                    (username, issued_at, issued_at),
+                )
 
-    def user_stats(self, username: str) -> Optional[UserStats]:
+    def user_stats(self, username: str) -> UserStats | None:
         with self._lock:
-            row = self._db.execute("SELECT username, first_seen, last_seen, joins FROM users WHERE username = ?",
-                                   (username,)).fetchone()
+            row = self._db.execute(
+                "SELECT username, first_seen, last_seen, joins FROM users WHERE username = ?", (username,)
+            ).fetchone()
         return UserStats(*row) if row else None
 
-    def all_users(self) -> List[UserStats]:
+    def all_users(self) -> list[UserStats]:
         """Every user who joined, the most joins first."""
         with self._lock:
-            rows = self._db.execute("SELECT username, first_seen, last_seen, joins FROM users "
-                                    "ORDER BY joins DESC, username").fetchall()
+            rows = self._db.execute(
+                "SELECT username, first_seen, last_seen, joins FROM users ORDER BY joins DESC, username"
+            ).fetchall()
         return [UserStats(*row) for row in rows]
 
     def count_joins(self) -> int:

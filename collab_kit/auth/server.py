@@ -62,6 +62,7 @@ Tokens travel in plain text over HTTP: expose the server through an HTTPS revers
 Its settings are collab_kit.auth.server_settings, its ledger collab_kit.auth.ledger, and its guards against
 slow clients collab_kit.auth.guards.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,24 +75,38 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import uvicorn
+from cryptography.hazmat.primitives import serialization
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.requests import ClientDisconnect
-from cryptography.hazmat.primitives import serialization
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from starlette.requests import ClientDisconnect
 
 from collab_kit.auth.guards import guarded_protocol_class
 from collab_kit.auth.ledger import JoinLedger
-from collab_kit.auth.server_settings import (AuthServerSettings, DEFAULT_PORT, JOIN_PATH, MAX_PEER_KEY_BITS,
-                                             MIN_PEER_KEY_BITS, RATE_WINDOW_SECONDS, _JSON_TYPES, _TOKEN, is_hub_name)
-from collab_kit.auth.tokens import (MalformedToken, issue_token, load_or_create_private_key, public_key_to_text,
-                                    read_public_key, token_to_json)
-
+from collab_kit.auth.server_settings import (
+    _JSON_TYPES,
+    _TOKEN,
+    DEFAULT_PORT,
+    JOIN_PATH,
+    MAX_PEER_KEY_BITS,
+    MIN_PEER_KEY_BITS,
+    RATE_WINDOW_SECONDS,
+    AuthServerSettings,
+    is_hub_name,
+)
+from collab_kit.auth.tokens import (
+    MalformedToken,
+    issue_token,
+    load_or_create_private_key,
+    public_key_to_text,
+    read_public_key,
+    token_to_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +118,7 @@ logger = logging.getLogger(__name__)
 class Refusal(Exception):
     """A join refused: the HTTP status and the one-line reason sent to the client."""
 
-    def __init__(self, status: int, detail: str, headers: Optional[dict] = None):
+    def __init__(self, status: int, detail: str, headers: dict | None = None):
         super().__init__(detail)
         self.status, self.detail, self.headers = status, detail, headers or {}
 
@@ -120,8 +135,10 @@ class AuthServer:
         try:
             self.private_key = load_or_create_private_key(settings.key_path)
         except OSError as e:
-            raise ValueError(f"cannot read or write the server's key {settings.key_path} ({e.strerror or e}): give "
-                             f"--key a path this user can write") from None
+            raise ValueError(
+                f"cannot read or write the server's key {settings.key_path} ({e.strerror or e}): give "
+                f"--key a path this user can write"
+            ) from None
         self.public_key_text = public_key_to_text(self.private_key.get_public_key())
         self.ledger = JoinLedger(settings.database_path)
         self.hub = HfApi(endpoint=settings.hub_endpoint)
@@ -132,8 +149,9 @@ class AuthServer:
         self._admit_lock = threading.Lock()  # the rate check and the record of a join happen as one
         self._allowlist = set(settings.allowlist)
         self._tokens_url = f"{settings.hub_endpoint}/settings/tokens"
-        logger.info(f"auth server key {settings.key_path}, database {settings.database_path}, "
-                    f"Hub {settings.hub_endpoint}")
+        logger.info(
+            f"auth server key {settings.key_path}, database {settings.database_path}, Hub {settings.hub_endpoint}"
+        )
 
     def close(self):
         self._hub_threads.shutdown(wait=False, cancel_futures=True)
@@ -141,29 +159,42 @@ class AuthServer:
 
     # the steps of a join, each raising Refusal
 
-    def read_token(self, authorization: Optional[str]) -> str:
-        login = (f"create a user access token at {self._tokens_url} (a 'read' token is enough) and log in with it "
-                 f"(huggingface_hub.notebook_login() or `hf auth login`)")
+    def read_token(self, authorization: str | None) -> str:
+        login = (
+            f"create a user access token at {self._tokens_url} (a 'read' token is enough) and log in with it "
+            f"(huggingface_hub.notebook_login() or `hf auth login`)"
+        )
         if authorization is None:
-            raise Refusal(401, f"no Authorization header: send your Hugging Face token as "
-                               f"'Authorization: Bearer hf_...'; {login}", {"WWW-Authenticate": "Bearer"})
+            raise Refusal(
+                401,
+                f"no Authorization header: send your Hugging Face token as 'Authorization: Bearer hf_...'; {login}",
+                {"WWW-Authenticate": "Bearer"},
+            )
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise Refusal(401, f"the Authorization header must be 'Bearer <your Hugging Face token>'; {login}",
-                          {"WWW-Authenticate": "Bearer"})
+            raise Refusal(
+                401,
+                f"the Authorization header must be 'Bearer <your Hugging Face token>'; {login}",
+                {"WWW-Authenticate": "Bearer"},
+            )
         if not _TOKEN.match(token):
-            raise Refusal(401, f"the bearer token is not a Hugging Face token (printable ASCII without spaces); "
-                               f"{login}", {"WWW-Authenticate": "Bearer"})
+            raise Refusal(
+                401,
+                f"the bearer token is not a Hugging Face token (printable ASCII without spaces); {login}",
+                {"WWW-Authenticate": "Bearer"},
+            )
         return token
 
-    def read_body(self, content_type: Optional[str], body: bytes) -> bytes:
+    def read_body(self, content_type: str | None, body: bytes) -> bytes:
         """The peer's public key (OpenSSH bytes) from the request's body."""
         media_type = (content_type or "").split(";")[0].strip().lower()
         if media_type not in _JSON_TYPES and not media_type.endswith("+json"):
             raise Refusal(415, f"the body must be JSON (Content-Type: application/json), not {media_type[:100]!r}")
-        expected = ('expected a JSON object {"peer_public_key": "<base64 of your peer\'s RSA public key in '
-                    'OpenSSH format: RSAPublicKey.to_bytes()>"}')
+        expected = (
+            'expected a JSON object {"peer_public_key": "<base64 of your peer\'s RSA public key in '
+            'OpenSSH format: RSAPublicKey.to_bytes()>"}'
+        )
         if not body.strip():
             raise Refusal(400, f"the body is empty: {expected}")
         try:
@@ -176,21 +207,30 @@ class AuthServer:
             raise Refusal(400, f"the body has no 'peer_public_key' field: {expected}")
         text = data["peer_public_key"]
         if not isinstance(text, str):
-            raise Refusal(400, f"'peer_public_key' is a JSON {_json_type(text)}, expected a base64 string of your "
-                               f"peer's RSA public key in OpenSSH format")
+            raise Refusal(
+                400,
+                f"'peer_public_key' is a JSON {_json_type(text)}, expected a base64 string of your "
+                f"peer's RSA public key in OpenSSH format",
+            )
         try:
             key_bytes = base64.b64decode(text.encode("ascii"), validate=True)
         except (UnicodeEncodeError, binascii.Error, ValueError):
-            raise Refusal(400, "'peer_public_key' is not valid base64: expected the base64 of your peer's RSA "
-                               "public key in OpenSSH format (RSAPublicKey.to_bytes())") from None
+            raise Refusal(
+                400,
+                "'peer_public_key' is not valid base64: expected the base64 of your peer's RSA "
+                "public key in OpenSSH format (RSAPublicKey.to_bytes())",
+            ) from None
         try:
             read_public_key(key_bytes)
             bits = _rsa_key_bits(key_bytes)
         except MalformedToken as e:
             raise Refusal(400, f"'peer_public_key' is {e}: expected the base64 of RSAPublicKey.to_bytes()") from None
         if not MIN_PEER_KEY_BITS <= bits <= MAX_PEER_KEY_BITS:
-            raise Refusal(400, f"'peer_public_key' is an RSA key of {bits} bits: expected {MIN_PEER_KEY_BITS} to "
-                               f"{MAX_PEER_KEY_BITS} bits (hivemind's RSAPrivateKey() makes 2048)")
+            raise Refusal(
+                400,
+                f"'peer_public_key' is an RSA key of {bits} bits: expected {MIN_PEER_KEY_BITS} to "
+                f"{MAX_PEER_KEY_BITS} bits (hivemind's RSAPrivateKey() makes 2048)",
+            )
         return key_bytes
 
     def whoami(self, token: str) -> dict:
@@ -202,31 +242,49 @@ class AuthServer:
         except HfHubHTTPError as e:
             status = e.response.status_code if e.response is not None else None
             if status in (401, 403):
-                raise Refusal(401, f"the Hub does not accept this Hugging Face token (invalid, expired or revoked): "
-                                   f"create a user access token at {self._tokens_url} and log in with it",
-                              {"WWW-Authenticate": "Bearer"}) from None
+                raise Refusal(
+                    401,
+                    f"the Hub does not accept this Hugging Face token (invalid, expired or revoked): "
+                    f"create a user access token at {self._tokens_url} and log in with it",
+                    {"WWW-Authenticate": "Bearer"},
+                ) from None
             logger.warning(f"the Hub answered whoami with {status}: {e}")
-            raise Refusal(503, f"the Hugging Face Hub answered {status} when asked whose token this is; try again "
-                               f"in a minute", {"Retry-After": "60"}) from None
+            raise Refusal(
+                503,
+                f"the Hugging Face Hub answered {status} when asked whose token this is; try again in a minute",
+                {"Retry-After": "60"},
+            ) from None
         except OfflineModeIsEnabled:
             logger.error("HF_HUB_OFFLINE is set: the auth server cannot ask the Hub; unset it and restart")
-            raise Refusal(503, "the authentication server cannot reach the Hugging Face Hub (it runs offline); "
-                               "tell the run's organisers") from None
+            raise Refusal(
+                503,
+                "the authentication server cannot reach the Hugging Face Hub (it runs offline); "
+                "tell the run's organisers",
+            ) from None
         except Exception as e:  # connection refused, DNS, TLS, a reset, an answer that is not JSON: the Hub's side
-            logger.warning(f"could not ask the Hub at {self.settings.hub_endpoint} whose token this is: "
-                           f"{type(e).__name__}: {e}")
-            raise Refusal(503, "the authentication server could not reach the Hugging Face Hub; try again in a "
-                               "minute", {"Retry-After": "60"}) from None
+            logger.warning(
+                f"could not ask the Hub at {self.settings.hub_endpoint} whose token this is: {type(e).__name__}: {e}"
+            )
+            raise Refusal(
+                503,
+                "the authentication server could not reach the Hugging Face Hub; try again in a minute",
+                {"Retry-After": "60"},
+            ) from None
         if not isinstance(answer, dict) or not isinstance(answer.get("name"), str) or not answer["name"]:
             logger.warning(f"the Hub's whoami answer has no name: {ascii(answer)[:200]}")
             raise Refusal(503, "the Hugging Face Hub gave an unexpected answer about this token; try again later")
         if not is_hub_name(answer["name"]):
             # not a name the Hub gives: a stand-in or a tampered answer; nothing of it is recorded or signed
-            logger.warning(f"the Hub's whoami answer names the user {ascii(answer['name'])[:120]}, which is not a "
-                           f"Hugging Face name: refused")
-            raise Refusal(403, f"the Hub names this token's user {ascii(answer['name'])[:120]}, which is not a "
-                               f"Hugging Face user name (letters, digits, '-', '_' and '.'): this server does not "
-                               f"admit it; tell the run's organisers")
+            logger.warning(
+                f"the Hub's whoami answer names the user {ascii(answer['name'])[:120]}, which is not a "
+                f"Hugging Face name: refused"
+            )
+            raise Refusal(
+                403,
+                f"the Hub names this token's user {ascii(answer['name'])[:120]}, which is not a "
+                f"Hugging Face user name (letters, digits, '-', '_' and '.'): this server does not "
+                f"admit it; tell the run's organisers",
+            )
         return answer
 
     def check_member(self, whoami: dict) -> str:
@@ -234,39 +292,51 @@ class AuthServer:
         name, kind = whoami["name"], whoami.get("type")
         auth = whoami.get("auth") if isinstance(whoami.get("auth"), dict) else {}
         auth_type = auth.get("type")
-        personal = (f"use your personal user access token: create one at {self._tokens_url} (a 'read' token is "
-                    f"enough) and log in with it")
+        personal = (
+            f"use your personal user access token: create one at {self._tokens_url} (a 'read' token is "
+            f"enough) and log in with it"
+        )
         if kind == "org":
             raise Refusal(403, f"this is a token of the organization {name!r}, not of a user: {personal}")
         if kind != "user":
             raise Refusal(403, f"this is a token of the {kind or 'unknown'} {name!r}, not of a user: {personal}")
         if auth_type not in self.settings.accepted_auth_types:
             # an app's token acting for the user, which is also what a browser login (OAuth) gives
-            raise Refusal(403, f"this token ({auth_type or 'of an unknown kind'}) was given to an app or by a "
-                               f"browser login; {personal} (`hf auth login --token hf_...`, or paste it into "
-                               f"notebook_login())")
+            raise Refusal(
+                403,
+                f"this token ({auth_type or 'of an unknown kind'}) was given to an app or by a "
+                f"browser login; {personal} (`hf auth login --token hf_...`, or paste it into "
+                f"notebook_login())",
+            )
         if name in self._allowlist:
             return name
         organization = self.settings.organization
         orgs = whoami.get("orgs") if isinstance(whoami.get("orgs"), list) else []
         # exactly, and only names the Hub allows: compared without case (casefold), look-alikes such as 'kiß' and
         # 'kiss', or a Kelvin sign and 'K', would pass for each other
-        org_names = {org.get("name") for org in orgs
-                     if isinstance(org, dict) and isinstance(org.get("name"), str) and is_hub_name(org.get("name"))}
+        org_names = {
+            org.get("name")
+            for org in orgs
+            if isinstance(org, dict) and isinstance(org.get("name"), str) and is_hub_name(org.get("name"))
+        }
         if organization is not None and organization in org_names:
             return name
         if organization is not None and organization.lower() in {org.lower() for org in org_names}:
-            logger.warning(f"{name} is a member of an organization whose name differs from --organization "
-                           f"{organization} in case only: names are compared exactly; give the name as the Hub "
-                           f"writes it")
+            logger.warning(
+                f"{name} is a member of an organization whose name differs from --organization "
+                f"{organization} in case only: names are compared exactly; give the name as the Hub "
+                f"writes it"
+            )
         if organization is None:
-            raise Refusal(403, f"{name} is not on this run's list of participants: ask the run's organisers to "
-                               f"add you")
-        raise Refusal(403, f"{name} is not a member of the Hugging Face organization {organization}, whose members "
-                           f"train this run: join {self.settings.hub_endpoint}/{organization} (ask its admins "
-                           f"for an invite) and try again")
+            raise Refusal(403, f"{name} is not on this run's list of participants: ask the run's organisers to add you")
+        raise Refusal(
+            403,
+            f"{name} is not a member of the Hugging Face organization {organization}, whose members "
+            f"train this run: join {self.settings.hub_endpoint}/{organization} (ask its admins "
+            f"for an invite) and try again",
+        )
 
-    def admit(self, username: str, peer_public_key: bytes, now: Optional[float] = None) -> dict:
+    def admit(self, username: str, peer_public_key: bytes, now: float | None = None) -> dict:
         """Check the rate, sign and record the join; the 200 answer. :raises Refusal: 429 past the rate."""
         with self._admit_lock:
             now = time.time() if now is None else now
@@ -274,35 +344,46 @@ class AuthServer:
             limit = self.settings.joins_per_minute
             if len(recent) >= limit:
                 wait = max(1, int(recent[len(recent) - limit] + RATE_WINDOW_SECONDS - now) + 1)
-                raise Refusal(429, f"{username} joined {len(recent)} times in the last minute, the most this run "
-                                   f"allows is {limit}: try again in {wait} s (a token lasts "
-                                   f"{_minutes(self.settings.token_lifetime)}; keep it rather than join again)",
-                              {"Retry-After": str(wait)})
+                raise Refusal(
+                    429,
+                    f"{username} joined {len(recent)} times in the last minute, the most this run "
+                    f"allows is {limit}: try again in {wait} s (a token lasts "
+                    f"{_minutes(self.settings.token_lifetime)}; keep it rather than join again)",
+                    {"Retry-After": str(wait)},
+                )
             moment = datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
             token = issue_token(self.private_key, username, peer_public_key, self.settings.token_lifetime, now=moment)
             self.ledger.record_join(username, peer_public_key, now, token.expiration_time)
         logger.info(f"{username} joined run {self.settings.run_id} (token until {token.expiration_time})")
-        return {"username": username, "access_token": token_to_json(token),
-                "auth_server_public_key": self.public_key_text,
-                "coordinator_addresses": list(self.settings.coordinator_addresses), "run_id": self.settings.run_id}
+        return {
+            "username": username,
+            "access_token": token_to_json(token),
+            "auth_server_public_key": self.public_key_text,
+            "coordinator_addresses": list(self.settings.coordinator_addresses),
+            "run_id": self.settings.run_id,
+        }
 
-    async def join(self, authorization: Optional[str], content_type: Optional[str], body: bytes) -> dict:
+    async def join(self, authorization: str | None, content_type: str | None, body: bytes) -> dict:
         """All the checks of one join, in order; the 200 answer. :raises Refusal: for any other answer."""
         token = self.read_token(authorization)
         peer_public_key = self.read_body(content_type, body)  # a malformed body never costs a Hub call
         if self._pending_hub_checks >= self.settings.max_pending_hub_checks:
-            raise Refusal(503, "too many joins are being checked right now: try again in a few seconds",
-                          {"Retry-After": "5"})
+            raise Refusal(
+                503, "too many joins are being checked right now: try again in a few seconds", {"Retry-After": "5"}
+            )
         self._pending_hub_checks += 1
         try:
             future = asyncio.wrap_future(self._hub_threads.submit(self.whoami, token))
             try:
                 whoami = await asyncio.wait_for(future, self.settings.hub_timeout)
             except asyncio.TimeoutError:
-                logger.warning(f"the Hub at {self.settings.hub_endpoint} did not answer whoami within "
-                               f"{self.settings.hub_timeout} s")
-                raise Refusal(503, "the Hugging Face Hub did not answer in time; try again in a minute",
-                              {"Retry-After": "60"}) from None
+                logger.warning(
+                    f"the Hub at {self.settings.hub_endpoint} did not answer whoami within "
+                    f"{self.settings.hub_timeout} s"
+                )
+                raise Refusal(
+                    503, "the Hugging Face Hub did not answer in time; try again in a minute", {"Retry-After": "60"}
+                ) from None
         finally:
             self._pending_hub_checks -= 1
         username = self.check_member(whoami)
@@ -332,8 +413,10 @@ def _minutes(delta: datetime.timedelta) -> str:
 async def _read_limited(request: Request, limit: int) -> bytes:
     """The request's body, refused (413) past ``limit`` bytes: from its Content-Length before reading, else as it
     streams in. uvicorn drains what is left of a refused body, so the client reads the 413."""
-    too_large = Refusal(413, f"the request body is over {limit} bytes; a join's body is about 500 bytes: "
-                             f'{{"peer_public_key": "<base64>"}}')
+    too_large = Refusal(
+        413,
+        f'the request body is over {limit} bytes; a join\'s body is about 500 bytes: {{"peer_public_key": "<base64>"}}',
+    )
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large
@@ -369,16 +452,16 @@ def create_app(settings: AuthServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
         # FastAPI would answer 422 with pydantic's report; a client's mistake here is a 400 with one sentence
-        problems = "; ".join(f"{'.'.join(str(part) for part in e.get('loc', ()))}: {e.get('msg')}"
-                             for e in error.errors()[:3])
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in e.get('loc', ()))}: {e.get('msg')}" for e in error.errors()[:3]
+        )
         return JSONResponse({"detail": f"malformed request ({problems})"}, status_code=400)
 
     @app.put(JOIN_PATH)
     async def join(request: Request):
         try:
             body = await _read_limited(request, settings.max_body_bytes)
-            answer = await auth.join(request.headers.get("authorization"), request.headers.get("content-type"),
-                                     body)
+            answer = await auth.join(request.headers.get("authorization"), request.headers.get("content-type"), body)
         except Refusal as refusal:
             if refusal.status >= 500:
                 logger.warning(f"join answered {refusal.status}: {refusal.detail}")
@@ -389,13 +472,18 @@ def create_app(settings: AuthServerSettings) -> FastAPI:
 
     return app
 
+
 def listening_line(settings: AuthServerSettings, host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     return f"auth server for run {settings.run_id} ({settings.who_may_join}) listening on http://{shown}:{port}"
 
 
-def serve(settings: AuthServerSettings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-          on_listening: Optional[Callable[[str], None]] = None) -> None:
+def serve(
+    settings: AuthServerSettings,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
     """Run the authentication server until interrupted (Ctrl-C, SIGTERM); blocks.
 
     :param settings: what the server accepts and where it keeps its state
@@ -406,13 +494,23 @@ def serve(settings: AuthServerSettings, host: str = "127.0.0.1", port: int = DEF
     """
     app = create_app(settings)
     if on_listening is None:
+
         def on_listening(line: str):
             print(line, flush=True)
 
     # a short keep-alive: volunteers join once an hour, idle connections only hold a slot
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            timeout_keep_alive=5, limit_concurrency=256, server_header=False,
-                            http=guarded_protocol_class(settings.request_deadline, settings.connections_per_client))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=5,
+        limit_concurrency=256,
+        server_header=False,
+        http=guarded_protocol_class(settings.request_deadline, settings.connections_per_client),
+    )
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -423,5 +521,6 @@ def serve(settings: AuthServerSettings, host: str = "127.0.0.1", port: int = DEF
     server = Server(config)
     server.run()
     if not server.started:  # uvicorn logs why (the port is taken, ...) and returns
-        raise ValueError(f"the auth server could not listen on {host}:{port} (see the error above): "
-                         f"pick another --port or --host")
+        raise ValueError(
+            f"the auth server could not listen on {host}:{port} (see the error above): pick another --port or --host"
+        )

@@ -3,19 +3,19 @@
 ``AuthServerSettings`` checks every field when it is built (a name the Hub would not allow, a non-positive limit),
 so ``collab-kit auth-server`` fails at once with what to change; collab_kit.auth.server serves with them.
 """
+
 from __future__ import annotations
 
 import datetime
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 from huggingface_hub import constants
 
 from collab_kit.addresses import parse_initial_peers
 from collab_kit.auth.tokens import DEFAULT_TOKEN_LIFETIME
-
 
 JOIN_PATH = "/api/experiments/join"
 DEFAULT_PORT = 8555
@@ -63,11 +63,11 @@ class AuthServerSettings:
       per client, and this cap bounds what the proxy may hold
     """
 
-    organization: Optional[str] = None
+    organization: str | None = None
     allowlist: Sequence[str] = ()
     run_id: str = "collab_kit"
     database_path: str = DEFAULT_DATABASE
-    key_path: Optional[str] = None
+    key_path: str | None = None
     token_lifetime: datetime.timedelta = DEFAULT_TOKEN_LIFETIME
     joins_per_minute: int = 10
     coordinator_addresses: Sequence[str] = ()
@@ -88,22 +88,30 @@ class AuthServerSettings:
         for name in self.allowlist:
             _check_name("allowlist", name)
         if self.organization is None and not self.allowlist:
-            raise ValueError("nobody could join this run: give the organization whose members may join "
-                             "(--organization ORG) and/or the users who may (--allow USER)")
+            raise ValueError(
+                "nobody could join this run: give the organization whose members may join "
+                "(--organization ORG) and/or the users who may (--allow USER)"
+            )
         if not (isinstance(self.run_id, str) and self.run_id.replace("_", "").replace("-", "").isalnum()):
-            raise ValueError(f"run_id={self.run_id!r} is not allowed: use letters, digits, '_' and '-' only "
-                             f"(the run id the peers use)")
+            raise ValueError(
+                f"run_id={self.run_id!r} is not allowed: use letters, digits, '_' and '-' only "
+                f"(the run id the peers use)"
+            )
         if not isinstance(self.database_path, str) or not self.database_path.strip():
             raise ValueError(f"database_path={self.database_path!r} is not allowed: expected a file path")
         if self.key_path is None:
             stem = os.path.splitext(os.path.abspath(self.database_path))[0]
             self.key_path = f"{stem}_key.der"
         if not isinstance(self.token_lifetime, datetime.timedelta) or self.token_lifetime.total_seconds() <= 0:
-            raise ValueError(f"token_lifetime={self.token_lifetime!r} is not allowed: expected a positive "
-                             f"datetime.timedelta (e.g. one hour)")
+            raise ValueError(
+                f"token_lifetime={self.token_lifetime!r} is not allowed: expected a positive "
+                f"datetime.timedelta (e.g. one hour)"
+            )
         if not _positive_int(self.joins_per_minute):
-            raise ValueError(f"joins_per_minute={self.joins_per_minute!r} is not allowed: expected a positive "
-                             f"integer (a peer joins once per token lifetime; allow a few restarts)")
+            raise ValueError(
+                f"joins_per_minute={self.joins_per_minute!r} is not allowed: expected a positive "
+                f"integer (a peer joins once per token lifetime; allow a few restarts)"
+            )
         if isinstance(self.coordinator_addresses, str):
             self.coordinator_addresses = (self.coordinator_addresses,)
 
@@ -112,30 +120,48 @@ class AuthServerSettings:
         except ValueError as e:
             raise ValueError(f"coordinator_addresses: {e}") from None
         if not (isinstance(self.hub_endpoint, str) and re.match(r"^https?://[^/\s]+", self.hub_endpoint)):
-            raise ValueError(f"hub_endpoint={self.hub_endpoint!r} is not allowed: expected the Hub's URL, "
-                             f"e.g. https://huggingface.co")
+            raise ValueError(
+                f"hub_endpoint={self.hub_endpoint!r} is not allowed: expected the Hub's URL, "
+                f"e.g. https://huggingface.co"
+            )
         self.hub_endpoint = self.hub_endpoint.rstrip("/")
-        if not (isinstance(self.hub_timeout, (int, float)) and not isinstance(self.hub_timeout, bool)
-                and self.hub_timeout > 0):
+        if not (
+            isinstance(self.hub_timeout, (int, float))
+            and not isinstance(self.hub_timeout, bool)
+            and self.hub_timeout > 0
+        ):
             raise ValueError(f"hub_timeout={self.hub_timeout!r} is not allowed: expected positive seconds")
-        if not (isinstance(self.request_deadline, (int, float)) and not isinstance(self.request_deadline, bool)
-                and 0 < self.request_deadline < float("inf")):
-            raise ValueError(f"request_deadline={self.request_deadline!r} is not allowed: expected positive seconds "
-                             f"(a join's request is under a kilobyte: a few seconds are plenty)")
-        if not (isinstance(self.connections_per_client, int) and not isinstance(self.connections_per_client, bool)
-                and self.connections_per_client >= 0):
-            raise ValueError(f"connections_per_client={self.connections_per_client!r} is not allowed: expected a "
-                             f"count (0: no cap)")
+        if not (
+            isinstance(self.request_deadline, (int, float))
+            and not isinstance(self.request_deadline, bool)
+            and 0 < self.request_deadline < float("inf")
+        ):
+            raise ValueError(
+                f"request_deadline={self.request_deadline!r} is not allowed: expected positive seconds "
+                f"(a join's request is under a kilobyte: a few seconds are plenty)"
+            )
+        if not (
+            isinstance(self.connections_per_client, int)
+            and not isinstance(self.connections_per_client, bool)
+            and self.connections_per_client >= 0
+        ):
+            raise ValueError(
+                f"connections_per_client={self.connections_per_client!r} is not allowed: expected a count (0: no cap)"
+            )
         if not _positive_int(self.max_body_bytes) or self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes={self.max_body_bytes!r} is not allowed: expected at least 1024 "
-                             f"(a join's body is about 500 bytes)")
+            raise ValueError(
+                f"max_body_bytes={self.max_body_bytes!r} is not allowed: expected at least 1024 "
+                f"(a join's body is about 500 bytes)"
+            )
         self.accepted_auth_types = tuple(self.accepted_auth_types)
         if not self.accepted_auth_types:
-            raise ValueError("accepted_auth_types is empty: no token could join; the Hub's user access tokens "
-                             "are 'access_token'")
+            raise ValueError(
+                "accepted_auth_types is empty: no token could join; the Hub's user access tokens are 'access_token'"
+            )
         if not _positive_int(self.max_pending_hub_checks):
-            raise ValueError(f"max_pending_hub_checks={self.max_pending_hub_checks!r} is not allowed: expected a "
-                             f"positive integer")
+            raise ValueError(
+                f"max_pending_hub_checks={self.max_pending_hub_checks!r} is not allowed: expected a positive integer"
+            )
 
     @property
     def who_may_join(self) -> str:
@@ -161,5 +187,7 @@ def _check_name(what: str, name) -> None:
         hint = ""
         if isinstance(name, str) and "/" in name:
             hint = f" (give the name alone: {name.rstrip('/').rsplit('/', 1)[-1]!r}, not a URL)"
-        raise ValueError(f"{what}: {name!r} is not a Hugging Face user or organization name{hint}; names are "
-                         f"letters, digits, '-', '_' and '.'")
+        raise ValueError(
+            f"{what}: {name!r} is not a Hugging Face user or organization name{hint}; names are "
+            f"letters, digits, '-', '_' and '.'"
+        )

@@ -12,13 +12,13 @@ averaging and state downloads are authorized, not only the DHT.
 
 Everything here is plain data and signatures: nothing is unpickled or executed.
 """
+
 from __future__ import annotations
 
 import base64
 import binascii
 import datetime
 import os
-from typing import Optional
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -59,9 +59,13 @@ def token_payload(username: str, public_key: bytes, expiration_time: str) -> byt
     return b"\n".join([b"collab_kit access token v1", username.encode(), public_key, expiration_time.encode()])
 
 
-def issue_token(server_key: RSAPrivateKey, username: str, peer_public_key: bytes,
-                lifetime: datetime.timedelta = DEFAULT_TOKEN_LIFETIME,
-                now: Optional[datetime.datetime] = None) -> AccessToken:
+def issue_token(
+    server_key: RSAPrivateKey,
+    username: str,
+    peer_public_key: bytes,
+    lifetime: datetime.timedelta = DEFAULT_TOKEN_LIFETIME,
+    now: datetime.datetime | None = None,
+) -> AccessToken:
     """A token for ``username``'s peer key, valid for ``lifetime``, signed by the server.
 
     :param peer_public_key: the peer's RSA public key as ``RSAPublicKey.to_bytes()`` (OpenSSH format)
@@ -70,8 +74,9 @@ def issue_token(server_key: RSAPrivateKey, username: str, peer_public_key: bytes
     read_public_key(peer_public_key)
     expiration_time = format_time((now or utc_now()) + lifetime)
     signature = server_key.sign(token_payload(username, peer_public_key, expiration_time))
-    return AccessToken(username=username, public_key=peer_public_key, expiration_time=expiration_time,
-                       signature=signature)
+    return AccessToken(
+        username=username, public_key=peer_public_key, expiration_time=expiration_time, signature=signature
+    )
 
 
 def read_public_key(key: bytes) -> RSAPublicKey:
@@ -84,8 +89,9 @@ def read_public_key(key: bytes) -> RSAPublicKey:
         raise MalformedToken(f"not an RSA public key in OpenSSH format ({type(e).__name__})") from None
 
 
-def token_problem(token: AccessToken, server_public_key: RSAPublicKey,
-                  now: Optional[datetime.datetime] = None) -> Optional[str]:
+def token_problem(
+    token: AccessToken, server_public_key: RSAPublicKey, now: datetime.datetime | None = None
+) -> str | None:
     """Why ``token`` is not valid now (forged, expired, malformed), or None when it is."""
     if not token.username or not token.public_key or not token.expiration_time or not token.signature:
         return "the token misses a field"
@@ -94,15 +100,16 @@ def token_problem(token: AccessToken, server_public_key: RSAPublicKey,
         read_public_key(token.public_key)
     except MalformedToken as e:
         return str(e)
-    if not server_public_key.verify(token_payload(token.username, token.public_key, token.expiration_time),
-                                    token.signature):
+    if not server_public_key.verify(
+        token_payload(token.username, token.public_key, token.expiration_time), token.signature
+    ):
         return "the token's signature is not the authentication server's"
     if expires <= (now or utc_now()):
         return f"the token expired at {token.expiration_time}"
     return None
 
 
-def seconds_left(token: AccessToken, now: Optional[datetime.datetime] = None) -> float:
+def seconds_left(token: AccessToken, now: datetime.datetime | None = None) -> float:
     return (parse_time(token.expiration_time) - (now or utc_now())).total_seconds()
 
 
@@ -124,8 +131,12 @@ def _unb64(value, field: str) -> bytes:
 
 
 def token_to_json(token: AccessToken) -> dict:
-    return dict(username=token.username, public_key=_b64(token.public_key), expiration_time=token.expiration_time,
-                signature=token.signature.decode())
+    return dict(
+        username=token.username,
+        public_key=_b64(token.public_key),
+        expiration_time=token.expiration_time,
+        signature=token.signature.decode(),
+    )
 
 
 def token_from_json(data) -> AccessToken:
@@ -137,8 +148,12 @@ def token_from_json(data) -> AccessToken:
             raise MalformedToken(f"the token's {field!r} must be a non-empty string")
     parse_time(data["expiration_time"])
     _unb64(data["signature"], "signature")
-    return AccessToken(username=data["username"], public_key=_unb64(data["public_key"], "public_key"),
-                       expiration_time=data["expiration_time"], signature=data["signature"].encode())
+    return AccessToken(
+        username=data["username"],
+        public_key=_unb64(data["public_key"], "public_key"),
+        expiration_time=data["expiration_time"],
+        signature=data["signature"].encode(),
+    )
 
 
 def public_key_to_text(key: RSAPublicKey) -> str:
@@ -171,8 +186,10 @@ def load_or_create_private_key(path: str) -> RSAPrivateKey:
             try:
                 return private_key_from_der(f.read())
             except ValueError as e:
-                raise ValueError(f"{path} is not an RSA private key ({e}): move it away to make a new key "
-                                 f"(tokens signed with the old one stop working)") from None
+                raise ValueError(
+                    f"{path} is not an RSA private key ({e}): move it away to make a new key "
+                    f"(tokens signed with the old one stop working)"
+                ) from None
     key = RSAPrivateKey()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     staging = f"{path}.tmp-{os.getpid()}"
@@ -191,8 +208,13 @@ def sign_peer_binding(private_key: RSAPrivateKey, token: AccessToken, peer_id: b
     return private_key.sign(_BINDING_CONTEXT + peer_id + b"\n" + token.signature)
 
 
-def binding_problem(token: AccessToken, peer_id: bytes, binding_signature: bytes, server_public_key: RSAPublicKey,
-                    now: Optional[datetime.datetime] = None) -> Optional[str]:
+def binding_problem(
+    token: AccessToken,
+    peer_id: bytes,
+    binding_signature: bytes,
+    server_public_key: RSAPublicKey,
+    now: datetime.datetime | None = None,
+) -> str | None:
     """Why ``peer_id`` is not proven to hold a valid ``token``, or None when it is."""
     problem = token_problem(token, server_public_key, now)
     if problem is not None:

@@ -6,6 +6,7 @@
 - ``demo``, ``join``, ``monitor``, ``anchor``, ``reachability``, ``dashboard``, ``auth_server``, ``model_info``,
   ``preprocess``, ``toy``: one command each, ``register(commands)`` and ``run(args)``.
 """
+
 from collab_kit.cli.app import main, make_parser
 from collab_kit.cli.common import CommandError, build_config
 

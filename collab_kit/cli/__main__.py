@@ -1,4 +1,5 @@
 """``python -m collab_kit.cli``: the same as the ``collab-kit`` console script."""
+
 import sys
 
 from collab_kit.cli.app import main

@@ -17,15 +17,26 @@
 Each command is a module of this package with ``register(commands)``, which adds its options, and ``run(args)``;
 a command loads what it needs (torch, hivemind) only when it runs, so ``collab-kit --help`` answers at once.
 """
+
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, Mapping
 
-from collab_kit.cli import (anchor, auth_server, dashboard, demo, join, model_info, monitor, preprocess, reachability,
-                            toy)
+from collab_kit.cli import (
+    anchor,
+    auth_server,
+    dashboard,
+    demo,
+    join,
+    model_info,
+    monitor,
+    preprocess,
+    reachability,
+    toy,
+)
 from collab_kit.cli.common import handle_stop_signals
 from collab_kit.errors import CollabKitError
 
@@ -34,21 +45,29 @@ COMMANDS = (demo, join, monitor, anchor, reachability, dashboard, auth_server, m
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="collab-kit", description="Train transformers together over the Internet.",
+        prog="collab-kit",
+        description="Train transformers together over the Internet.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run 'collab-kit COMMAND --help' for the options of one command.")
+        epilog="Run 'collab-kit COMMAND --help' for the options of one command.",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
-    parser.add_argument("--debug-logger", action="append", default=[], metavar="NAME",
-                        help="also log this logger at DEBUG, whatever --log-level says (for instance "
-                             "hivemind.averaging.matchmaking to see why a peer found no averaging group); repeatable")
+    parser.add_argument(
+        "--debug-logger",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also log this logger at DEBUG, whatever --log-level says (for instance "
+        "hivemind.averaging.matchmaking to see why a peer found no averaging group); repeatable",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.register(commands)
     return parser
 
 
-def main(argv: Optional[List[str]] = None, handlers: Optional[Mapping[str, Callable[[argparse.Namespace], int]]] = None
-         ) -> int:
+def main(
+    argv: list[str] | None = None, handlers: Mapping[str, Callable[[argparse.Namespace], int]] | None = None
+) -> int:
     """``collab-kit``: parse ``argv`` (default: the process's arguments), set up logging and signals, run the command.
 
     :param handlers: command name -> the function that runs it, in place of the command's own ``run`` (a test peer
@@ -61,7 +80,7 @@ def main(argv: Optional[List[str]] = None, handlers: Optional[Mapping[str, Calla
     argv, script_options = list(sys.argv[1:] if argv is None else argv), []
     for i in range(len(argv) - 1):
         if argv[i] == "toy" and argv[i + 1] in ("train-vqgan", "train-clip"):
-            argv, script_options = argv[:i + 2], argv[i + 2:]
+            argv, script_options = argv[: i + 2], argv[i + 2 :]
             break
     args = parser.parse_args(argv)
     if getattr(args, "toy_command", None) in ("train-vqgan", "train-clip"):

@@ -1,5 +1,6 @@
 """What the commands share: the run configuration from the command line, the swarm options, clean stops, and the
 error a user can fix."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,13 +38,24 @@ def build_config(args: argparse.Namespace):
 def add_swarm_options(parser: argparse.ArgumentParser):
     parser.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")
     parser.add_argument("--run-id", help="peers with the same run id train together")
-    parser.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR",
-                        help="addresses of peers already in the swarm (printed by the first peer)")
-    parser.add_argument("--host", help="address to listen on (default: every interface, or 127.0.0.1 when every "
-                                       "initial peer is on this machine; 127.0.0.1 keeps the peer on this machine)")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MULTIADDR",
+        help="addresses of peers already in the swarm (printed by the first peer)",
+    )
+    parser.add_argument(
+        "--host",
+        help="address to listen on (default: every interface, or 127.0.0.1 when every "
+        "initial peer is on this machine; 127.0.0.1 keeps the peer on this machine)",
+    )
     parser.add_argument("--port", type=int, help="port to listen on (default: any free port)")
-    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
-                        help="change one configuration field, e.g. --set optimizer.target_batch_size=64")
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.FIELD=VALUE",
+        help="change one configuration field, e.g. --set optimizer.target_batch_size=64",
+    )
     parser.add_argument("--events", action="store_true", help=argparse.SUPPRESS)  # machine-readable lines
 
 
@@ -69,5 +81,6 @@ def handle_stop_signals(request_stop=None):
             raise KeyboardInterrupt
         logger.warning("stopping after the current step (press Ctrl-C again to force)")
         request_stop()
+
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

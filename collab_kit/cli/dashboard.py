@@ -1,4 +1,5 @@
 """``collab-kit dashboard``: the monitor's database as one static HTML page."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,20 +9,26 @@ import os
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``collab-kit dashboard`` to the command line."""
     board = commands.add_parser(
-        "dashboard", help="the monitor's database as one static HTML page: loss, peers, throughput, leaderboard",
+        "dashboard",
+        help="the monitor's database as one static HTML page: loss, peers, throughput, leaderboard",
         description="Draw what `collab-kit monitor --db PATH` recorded (loss, alive peers, throughput, the "
-                    "contributors' leaderboard, checkpoints) into one HTML file with its plots embedded: no "
-                    "JavaScript, no other file. Safe to run while the monitor writes the database; run it again "
-                    "(by hand or from cron) to refresh the page.")
-    board.add_argument("--db", metavar="PATH",
-                       help="the monitor's database (default: monitor/run.sqlite, else make demo's "
-                            "demo_out/monitor.sqlite)")
+        "contributors' leaderboard, checkpoints) into one HTML file with its plots embedded: no "
+        "JavaScript, no other file. Safe to run while the monitor writes the database; run it again "
+        "(by hand or from cron) to refresh the page.",
+    )
+    board.add_argument(
+        "--db",
+        metavar="PATH",
+        help="the monitor's database (default: monitor/run.sqlite, else make demo's demo_out/monitor.sqlite)",
+    )
     board.add_argument("--out", metavar="FILE.html", help="the page to write (default: dashboard.html beside --db)")
     board.add_argument("--title", default="collab_kit run", help="the page's heading (default: collab_kit run)")
-    board.add_argument("--loss-x", choices=("time", "epoch"), default="time",
-                       help="the loss curve's x axis (default: time)")
-    board.add_argument("--max-contributors", type=int, default=200, metavar="N",
-                       help="leaderboard rows shown (default: 200)")
+    board.add_argument(
+        "--loss-x", choices=("time", "epoch"), default="time", help="the loss curve's x axis (default: time)"
+    )
+    board.add_argument(
+        "--max-contributors", type=int, default=200, metavar="N", help="leaderboard rows shown (default: 200)"
+    )
     board.set_defaults(handler=run)
 
 

@@ -1,4 +1,5 @@
 """``collab-kit model-info``: the model's shape and parameter counts, built without memory."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Add ``collab-kit model-info`` to the command line."""
     info = commands.add_parser("model-info", help="the model's shape and parameter counts, built without memory")
     info.add_argument("--preset", choices=PRESETS, default="small", help="configuration preset (default: small)")
-    info.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
-                      help="change one configuration field, e.g. --set model.num_layers=32")
+    info.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.FIELD=VALUE",
+        help="change one configuration field, e.g. --set model.num_layers=32",
+    )
     info.set_defaults(handler=run)
 
 
@@ -28,9 +33,14 @@ def run(args: argparse.Namespace) -> int:
     unique, compute = info["unique_parameters"], info["compute_parameters"]
     print(f"preset: {config.preset}")
     print(f"layers: {model.num_layers} (attention: {pattern}, repeated{last})")
-    print(f"blocks: {info['unique_blocks']} stored" + (", shared by layer groups" if model.share_layer_groups else "")
-          + (", reversible" if model.reversible else ""))
-    print(f"width: hidden {model.hidden_size}, {info['heads']} heads, GEGLU inner {model.ffn_multiplier * model.hidden_size}")
+    print(
+        f"blocks: {info['unique_blocks']} stored"
+        + (", shared by layer groups" if model.share_layer_groups else "")
+        + (", reversible" if model.reversible else "")
+    )
+    print(
+        f"width: hidden {model.hidden_size}, {info['heads']} heads, GEGLU inner {model.ffn_multiplier * model.hidden_size}"
+    )
     print(f"sequence: {info['sequence']} = {model.sequence_length} positions")
     print(f"params: unique={unique} compute={compute}")
     print(f"compute / unique: {compute / unique:.1f}x ({_count(unique)} stored, {_count(compute)} of compute)")

@@ -1,4 +1,5 @@
 """``collab-kit preprocess``: images + captions -> the paper's filters -> VQGAN codes -> parquet shards (-> the Hub)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,17 +11,26 @@ from collab_kit.data.sources import SOURCE_FORMATS, PairSource
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``collab-kit preprocess`` to the command line."""
     prep = commands.add_parser(
-        "preprocess", help="images + captions -> the paper's filters -> VQGAN codes -> parquet shards (-> the Hub)",
+        "preprocess",
+        help="images + captions -> the paper's filters -> VQGAN codes -> parquet shards (-> the Hub)",
         description="Turn image-caption pairs into the shards volunteers stream: drop short captions, aspect "
-                    "ratios above 2 and NSFW labels other than UNLIKELY, encode the images with the VQGAN, write "
-                    "shard-00000.parquet, ... and, with --push-to-hub, upload them. Run it again to resume: shards "
-                    "already written are skipped.")
-    prep.add_argument("source", help="a folder of images with captions.jsonl / .tsv / .csv or NAME.txt files, a "
-                                     "WebDataset .tar (or a folder of them), parquet files, a saved dataset, or a "
-                                     "Hub dataset id")
+        "ratios above 2 and NSFW labels other than UNLIKELY, encode the images with the VQGAN, write "
+        "shard-00000.parquet, ... and, with --push-to-hub, upload them. Run it again to resume: shards "
+        "already written are skipped.",
+    )
+    prep.add_argument(
+        "source",
+        help="a folder of images with captions.jsonl / .tsv / .csv or NAME.txt files, a "
+        "WebDataset .tar (or a folder of them), parquet files, a saved dataset, or a "
+        "Hub dataset id",
+    )
     prep.add_argument("--output", required=True, help="the folder of shards (created if missing)")
-    prep.add_argument("--vqgan", required=True, metavar="LOCATION",
-                      help="the VQGAN: a checkpoint file, a folder (last.ckpt + model.yaml) or a Hub repo id")
+    prep.add_argument(
+        "--vqgan",
+        required=True,
+        metavar="LOCATION",
+        help="the VQGAN: a checkpoint file, a folder (last.ckpt + model.yaml) or a Hub repo id",
+    )
     prep.add_argument("--rows-per-shard", type=int, default=10_000, help="samples per shard (default: 10000)")
     prep.add_argument("--batch-size", type=int, default=32, help="images per VQGAN forward pass (default: 32)")
     prep.add_argument("--push-to-hub", metavar="REPO", help="also upload the shards to this Hub dataset (user/name)")
@@ -43,12 +53,28 @@ def run(args: argparse.Namespace) -> int:
     from collab_kit.data.preprocess import PushError, preprocess
 
     try:
-        source = PairSource(args.source, format=args.format, captions_file=args.captions,
-                            image_column=args.image_column, caption_column=args.caption_column,
-                            nsfw_column=args.nsfw_column, split=args.split, max_samples=args.max_samples)
-        report = preprocess(source, args.output, args.vqgan, rows_per_shard=args.rows_per_shard,
-                            batch_size=args.batch_size, push_to_hub=args.push_to_hub, private=args.private or None,
-                            device=args.device, num_workers=args.workers, progress=not args.no_progress)
+        source = PairSource(
+            args.source,
+            format=args.format,
+            captions_file=args.captions,
+            image_column=args.image_column,
+            caption_column=args.caption_column,
+            nsfw_column=args.nsfw_column,
+            split=args.split,
+            max_samples=args.max_samples,
+        )
+        report = preprocess(
+            source,
+            args.output,
+            args.vqgan,
+            rows_per_shard=args.rows_per_shard,
+            batch_size=args.batch_size,
+            push_to_hub=args.push_to_hub,
+            private=args.private or None,
+            device=args.device,
+            num_workers=args.workers,
+            progress=not args.no_progress,
+        )
     except PushError as e:
         if e.report is not None:  # the shards are written: say so before the error
             print(e.report.summary(), flush=True)

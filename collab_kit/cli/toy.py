@@ -1,4 +1,5 @@
 """``collab-kit toy``: the toy world: train its VQGAN and CLIP, make its dataset."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Add ``collab-kit toy train-vqgan | train-clip | make-dataset`` to the command line."""
     toy = commands.add_parser("toy", help="the toy world: train its VQGAN and CLIP, make its dataset")
     toy_commands = toy.add_subparsers(dest="toy_command", metavar="ACTION", required=True)
-    for action, what in (("train-vqgan", "train the toy VQGAN (the weights shipped in collab_kit/toy/assets)"),
-                         ("train-clip", "train the toy CLIP (the weights shipped in collab_kit/toy/assets)")):
+    for action, what in (
+        ("train-vqgan", "train the toy VQGAN (the weights shipped in collab_kit/toy/assets)"),
+        ("train-clip", "train the toy CLIP (the weights shipped in collab_kit/toy/assets)"),
+    ):
         # the training script parses its own options: `collab-kit toy train-vqgan --help` lists them
         trainer = toy_commands.add_parser(action, help=what, add_help=False)
         trainer.add_argument("options", nargs=argparse.REMAINDER)
@@ -28,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if args.toy_command in ("train-vqgan", "train-clip"):
         # each training script parses its own options
         return (vqgan if args.toy_command == "train-vqgan" else clip).main(args.options) or 0
-    shards = dataset.prepare_toy_dataset(args.samples, seed=args.seed, cache_dir=args.cache_dir,
-                                         progress=not args.no_progress)
+    shards = dataset.prepare_toy_dataset(
+        args.samples, seed=args.seed, cache_dir=args.cache_dir, progress=not args.no_progress
+    )
     print(f"toy dataset: {shards}", flush=True)
     return 0

@@ -12,16 +12,36 @@
 - ``synthetic``: data made from nothing: the picture world (captioned shapes, ``color_match``) and codes without a
   VQGAN (``make_synthetic_shards``).
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "codec": ["encode_codes", "decode_codes", "bits_per_code", "InvalidCodesError"],
-    "tokenizers": ["caption_tokenizer", "tokenizer_for_vocabulary", "ByteCaptionTokenizer", "ToyTokenizer",
-                   "PretrainedCaptionTokenizer"],
-    "shards": ["write_shard", "shard_metadata", "list_shards", "is_hub_dataset", "SHARD_FORMAT"],
-    "stream": ["ShardStream", "batches", "peer_stream", "peer_data_seed", "SkippedSamples", "shard_misfit"],
-    "sources": ["read_pairs", "Pair", "SOURCE_FORMATS"],
-    "preprocess": ["PreprocessReport", "PushError", "push_shards", "DROP_REASONS"],
-    "synthetic": ["make_synthetic_shards", "make_synthetic_images", "write_captioned_images", "Scene", "scenes",
-                  "draw", "pictures", "dominant_color", "prompt_color", "color_match", "world_words"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "codec": ["encode_codes", "decode_codes", "bits_per_code", "InvalidCodesError"],
+        "tokenizers": [
+            "caption_tokenizer",
+            "tokenizer_for_vocabulary",
+            "ByteCaptionTokenizer",
+            "ToyTokenizer",
+            "PretrainedCaptionTokenizer",
+        ],
+        "shards": ["write_shard", "shard_metadata", "list_shards", "is_hub_dataset", "SHARD_FORMAT"],
+        "stream": ["ShardStream", "batches", "peer_stream", "peer_data_seed", "SkippedSamples", "shard_misfit"],
+        "sources": ["read_pairs", "Pair", "SOURCE_FORMATS"],
+        "preprocess": ["PreprocessReport", "PushError", "push_shards", "DROP_REASONS"],
+        "synthetic": [
+            "make_synthetic_shards",
+            "make_synthetic_images",
+            "write_captioned_images",
+            "Scene",
+            "scenes",
+            "draw",
+            "pictures",
+            "dominant_color",
+            "prompt_color",
+            "color_match",
+            "world_words",
+        ],
+    },
+)

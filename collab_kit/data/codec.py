@@ -4,10 +4,10 @@ A shard row stores an image as its codes (the paper streams these instead of ima
 in as few bits as the codebook needs and Brotli-compressed when that is smaller. ``decode_codes`` bounds every size
 a record declares (count, Brotli window, output) before it allocates anything.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import brotli
 import numpy as np
@@ -16,8 +16,8 @@ from collab_kit.errors import CollabKitError
 
 logger = logging.getLogger(__name__)
 
-MAX_CODEBOOK_SIZE = 2 ** 16  # a code is stored in at most 16 bits
-MAX_CODES_PER_IMAGE = 2 ** 16 - 1  # the count is stored in 16 bits
+MAX_CODEBOOK_SIZE = 2**16  # a code is stored in at most 16 bits
+MAX_CODES_PER_IMAGE = 2**16 - 1  # the count is stored in 16 bits
 _BROTLI_FLAG = 0x80  # header bit: the payload is Brotli-compressed
 # the largest Brotli window a record may declare: brotli.compress's default, which the kit's first shards used. The
 # decoder allocates the window (4 MiB here) before it writes a byte; a stream declaring 16 MiB (lgwin 24) would cost
@@ -61,7 +61,7 @@ def _unpack(payload: bytes, bits: int, count: int) -> np.ndarray:
     return codes.astype(np.int64)
 
 
-def encode_codes(codes: np.ndarray, codebook_size: Optional[int] = None, quality: int = 11) -> bytes:
+def encode_codes(codes: np.ndarray, codebook_size: int | None = None, quality: int = 11) -> bytes:
     """Store one image's codes in as few bytes as this codec can.
 
     :param codes: integers in [0, codebook_size), any shape (stored flat, in C order)
@@ -75,8 +75,9 @@ def encode_codes(codes: np.ndarray, codebook_size: Optional[int] = None, quality
     if codebook_size is None:
         codebook_size = max(2, largest + 1)
     if codes.size and (codes.min() < 0 or largest >= codebook_size):
-        raise ValueError(f"codes must lie in [0, {codebook_size}) (the codebook), got values in "
-                         f"[{codes.min()}, {largest}]")
+        raise ValueError(
+            f"codes must lie in [0, {codebook_size}) (the codebook), got values in [{codes.min()}, {largest}]"
+        )
     header_count = codes.size.to_bytes(2, "little")
     candidates = []
     for bits in sorted({bits_per_code(codebook_size), 16}):
@@ -84,8 +85,9 @@ def encode_codes(codes: np.ndarray, codebook_size: Optional[int] = None, quality
         candidates.append(bytes([bits]) + header_count + packed)
         # a window just large enough for the payload: what the decoder must allocate to read it
         window = min(MAX_BROTLI_WINDOW_BITS, max(10, len(packed).bit_length()))
-        candidates.append(bytes([bits | _BROTLI_FLAG]) + header_count +
-                          brotli.compress(packed, quality=quality, lgwin=window))
+        candidates.append(
+            bytes([bits | _BROTLI_FLAG]) + header_count + brotli.compress(packed, quality=quality, lgwin=window)
+        )
     return min(candidates, key=len)
 
 
@@ -93,7 +95,7 @@ class InvalidCodesError(CollabKitError, ValueError):
     """A sample's stored codes cannot be decoded: the only error ``decode_codes`` raises, whatever the bytes."""
 
 
-def _brotli_window_bits(payload: bytes) -> Optional[int]:
+def _brotli_window_bits(payload: bytes) -> int | None:
     """The window a Brotli stream declares in its first bits (RFC 7932, 9.1); None for the large-window extension or
     a reserved value."""
     if not payload:
@@ -118,10 +120,12 @@ def _decompress_bounded(payload: bytes, size: int) -> bytes:
     """
     window = _brotli_window_bits(payload)
     if window is None or window > MAX_BROTLI_WINDOW_BITS:
-        raise InvalidCodesError(f"a sample's codes declare a Brotli window of "
-                                f"{'an unknown size' if window is None else f'{2 ** window} bytes'}, more than a "
-                                f"record of at most 131,070 bytes needs (at most {2 ** MAX_BROTLI_WINDOW_BITS}): "
-                                f"refused (a damaged record, or a decompression bomb)")
+        raise InvalidCodesError(
+            f"a sample's codes declare a Brotli window of "
+            f"{'an unknown size' if window is None else f'{2**window} bytes'}, more than a "
+            f"record of at most 131,070 bytes needs (at most {2**MAX_BROTLI_WINDOW_BITS}): "
+            f"refused (a damaged record, or a decompression bomb)"
+        )
     decompressor = brotli.Decompressor()
     try:
         # the output buffer stops growing at the limit (brotli rounds it up to its next block, some 32 KiB)
@@ -129,15 +133,19 @@ def _decompress_bounded(payload: bytes, size: int) -> bytes:
     except brotli.error as e:
         raise InvalidCodesError(f"a sample's codes are not valid Brotli data ({e}): the shard is corrupt") from None
     if len(data) > size or not decompressor.can_accept_more_data():
-        raise InvalidCodesError(f"a sample's codes decompress to more than the {size} bytes its header announces "
-                                f"(a damaged record, or a decompression bomb): refused")
+        raise InvalidCodesError(
+            f"a sample's codes decompress to more than the {size} bytes its header announces "
+            f"(a damaged record, or a decompression bomb): refused"
+        )
     if not decompressor.is_finished():
-        raise InvalidCodesError(f"a sample's codes are cut short: {len(data)} of the {size} bytes its header "
-                                f"announces, and the Brotli stream does not end")
+        raise InvalidCodesError(
+            f"a sample's codes are cut short: {len(data)} of the {size} bytes its header "
+            f"announces, and the Brotli stream does not end"
+        )
     return data
 
 
-def decode_codes(data: bytes, expected_length: Optional[int] = None) -> np.ndarray:
+def decode_codes(data: bytes, expected_length: int | None = None) -> np.ndarray:
     """The codes ``encode_codes`` stored, as a flat int64 array.
 
     Any bytes at all can be given: what is not a valid record raises InvalidCodesError (a ValueError), in time and
@@ -147,16 +155,22 @@ def decode_codes(data: bytes, expected_length: Optional[int] = None) -> np.ndarr
     :raises InvalidCodesError: the bytes are not a record of this codec, or not the expected number of codes
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidCodesError(f"a sample's codes are a {type(data).__name__}, not bytes: the shard's codes "
-                                f"column must be binary (written by collab_kit.data.shards.write_shard)")
+        raise InvalidCodesError(
+            f"a sample's codes are a {type(data).__name__}, not bytes: the shard's codes "
+            f"column must be binary (written by collab_kit.data.shards.write_shard)"
+        )
     data = bytes(data)
     if len(data) < 3 or not 1 <= (data[0] & ~_BROTLI_FLAG) <= 16:
-        raise InvalidCodesError("a sample's codes are not in collab_kit's format (a header of bits per code and a "
-                                "count): the shard is corrupt or was written by something else")
+        raise InvalidCodesError(
+            "a sample's codes are not in collab_kit's format (a header of bits per code and a "
+            "count): the shard is corrupt or was written by something else"
+        )
     bits, count, payload = data[0] & ~_BROTLI_FLAG, int.from_bytes(data[1:3], "little"), data[3:]
     if expected_length is not None and count != expected_length:
-        raise InvalidCodesError(f"a sample holds {count} image codes but the model expects {expected_length}: "
-                                f"the shards were made for another image size")
+        raise InvalidCodesError(
+            f"a sample holds {count} image codes but the model expects {expected_length}: "
+            f"the shards were made for another image size"
+        )
     size = (count * bits + 7) // 8
     if data[0] & _BROTLI_FLAG:
         payload = _decompress_bounded(payload, size)

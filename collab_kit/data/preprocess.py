@@ -27,6 +27,7 @@ run skips the shards already there (it re-reads the pairs and their image header
 ends, but encodes none of their images) and writes only the missing ones; no shard is written twice. Shards
 record the VQGAN's codebook and grid: shards of another VQGAN in the output folder are an error.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,14 +37,14 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from tqdm.auto import tqdm
 from huggingface_hub import HfApi
 from huggingface_hub.utils import validate_repo_id
+from tqdm.auto import tqdm
 
 from collab_kit.data.shards import SHARD_FORMAT, shard_metadata, write_shard
 from collab_kit.data.sources import ImageLike, Pair, PairSource, image_header_size, open_image
@@ -51,7 +52,6 @@ from collab_kit.errors import CollabKitError
 from collab_kit.model.vqgan import VQGAN, pil_to_tensor
 from collab_kit.model.vqgan_files import load_vqgan
 from collab_kit.units import format_bytes
-
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,14 @@ DROP_REASONS = (MISSING_CAPTION, SHORT_CAPTION, NSFW, MISSING_IMAGE, UNREADABLE_
 SHARD_NAME = "shard-{index:05d}.parquet"
 SHARD_GLOB = "shard-*.parquet"
 
+
 class PushError(CollabKitError, RuntimeError):
     """Uploading to the Hub failed (not logged in, no right to write, no network, ...).
 
     :param report: what had been written to the output folder (None if the failure came before any work)
     """
 
-    def __init__(self, message: str, report: Optional["PreprocessReport"] = None):
+    def __init__(self, message: str, report: PreprocessReport | None = None):
         super().__init__(message)
         self.report = report
 
@@ -87,15 +88,16 @@ class PreprocessReport:
     included), so a resumed run reports what a fresh one would; ``encoded``, ``shards_written`` and
     ``bytes_written`` are this run's work.
     """
+
     output: str
     kept: int = 0  # samples in the dataset's shards
-    dropped: Dict[str, int] = field(default_factory=dict)  # reason (DROP_REASONS) -> pairs dropped
-    shards_written: List[str] = field(default_factory=list)  # paths written by this run
-    shards_skipped: List[str] = field(default_factory=list)  # paths that were there already (not encoded again)
+    dropped: dict[str, int] = field(default_factory=dict)  # reason (DROP_REASONS) -> pairs dropped
+    shards_written: list[str] = field(default_factory=list)  # paths written by this run
+    shards_skipped: list[str] = field(default_factory=list)  # paths that were there already (not encoded again)
     bytes_written: int = 0  # the size of the shards this run wrote
     bytes_total: int = 0  # the size of all the dataset's shards
     encoded: int = 0  # images this run ran through the VQGAN
-    pushed_to: Optional[str] = None  # the Hub dataset the shards were uploaded to
+    pushed_to: str | None = None  # the Hub dataset the shards were uploaded to
 
     @property
     def pairs(self) -> int:
@@ -103,7 +105,7 @@ class PreprocessReport:
         return self.kept + sum(self.dropped.values())
 
     @property
-    def shards(self) -> List[str]:
+    def shards(self) -> list[str]:
         """All the dataset's shards, in order."""
         return sorted(self.shards_written + self.shards_skipped)
 
@@ -113,11 +115,13 @@ class PreprocessReport:
     def summary(self) -> str:
         """A few lines for people: counts, shards and where they went."""
         dropped = ", ".join(f"{reason} {self.dropped[reason]}" for reason in DROP_REASONS if self.dropped.get(reason))
-        lines = [f"preprocess: kept {self.kept} of {self.pairs} pairs" + (f" (dropped: {dropped})" if dropped else ""),
-                 f"shards: {len(self.shards)} in {self.output} ({format_bytes(self.bytes_total)}): "
-                 f"{len(self.shards_written)} written ({self.encoded} images encoded, "
-                 f"{format_bytes(self.bytes_written)}), "
-                 f"{len(self.shards_skipped)} already there"]
+        lines = [
+            f"preprocess: kept {self.kept} of {self.pairs} pairs" + (f" (dropped: {dropped})" if dropped else ""),
+            f"shards: {len(self.shards)} in {self.output} ({format_bytes(self.bytes_total)}): "
+            f"{len(self.shards_written)} written ({self.encoded} images encoded, "
+            f"{format_bytes(self.bytes_written)}), "
+            f"{len(self.shards_skipped)} already there",
+        ]
         if self.pushed_to:
             lines.append(f"pushed to the Hub dataset {self.pushed_to}")
         return "\n".join(lines)
@@ -127,8 +131,7 @@ class PreprocessReport:
 # filters
 
 
-def drop_reason(caption: Optional[str], nsfw: Optional[str] = None,
-                size: Optional[Tuple[int, int]] = None) -> Optional[str]:
+def drop_reason(caption: str | None, nsfw: str | None = None, size: tuple[int, int] | None = None) -> str | None:
     """Why the paper's filters drop a pair (one of ``DROP_REASONS``), or None if they keep it.
 
     :param caption: the caption; surrounding whitespace does not count towards its length
@@ -148,13 +151,14 @@ def drop_reason(caption: Optional[str], nsfw: Optional[str] = None,
     return None
 
 
-def _label(nsfw) -> Optional[str]:
+def _label(nsfw) -> str | None:
     if nsfw is None or (isinstance(nsfw, float) and math.isnan(nsfw)):
         return None
     label = str(nsfw).strip().upper()
     return label or None
 
-def _center_crop(image: ImageLike, side: int) -> Optional[torch.Tensor]:
+
+def _center_crop(image: ImageLike, side: int) -> torch.Tensor | None:
     """The image as the VQGAN takes it, ``[3, side, side]`` in [0, 1], or None if it does not decode."""
     try:
         opened = open_image(image)
@@ -167,6 +171,7 @@ def _center_crop(image: ImageLike, side: int) -> Optional[torch.Tensor]:
         logger.debug(f"cannot decode an image ({type(e).__name__}: {e})")
         return None
 
+
 # ---------------------------------------------------------------------------------------------
 # the pass
 
@@ -174,10 +179,11 @@ def _center_crop(image: ImageLike, side: int) -> Optional[torch.Tensor]:
 @dataclass
 class _Candidate:
     """A pair that passed the filters that need no decoding."""
+
     source_id: str
     caption: str
     image: ImageLike
-    size: Tuple[int, int]
+    size: tuple[int, int]
 
 
 class _Lookahead:
@@ -197,8 +203,7 @@ class _Lookahead:
         return item
 
 
-def _screen(pairs: Iterable[Pair], report: PreprocessReport, max_samples: Optional[int],
-            bar) -> Iterator[_Candidate]:
+def _screen(pairs: Iterable[Pair], report: PreprocessReport, max_samples: int | None, bar) -> Iterator[_Candidate]:
     """The pairs that pass every filter but decoding; the others counted in ``report.dropped``."""
     for number, pair in enumerate(pairs):
         if max_samples is not None and number >= max_samples:
@@ -227,34 +232,36 @@ def shard_path(output: str, index: int) -> str:
     return os.path.join(output, SHARD_NAME.format(index=index))
 
 
-def _existing_shards(output: str, codebook_size: int, image_side: int) -> Dict[int, str]:
+def _existing_shards(output: str, codebook_size: int, image_side: int) -> dict[int, str]:
     """{index: path} of the shards already in ``output``, all checked to come from this VQGAN."""
     shards = {}
     for path in sorted(glob.glob(os.path.join(output, SHARD_GLOB))):
-        stem = os.path.basename(path)[len("shard-"):-len(".parquet")]
+        stem = os.path.basename(path)[len("shard-") : -len(".parquet")]
         if not stem.isdigit():
             continue
         try:
             metadata = shard_metadata(path)
         except Exception as e:
-            raise ValueError(f"{path} is not a readable parquet file ({type(e).__name__}: {e}): delete it and "
-                             f"run again") from None
+            raise ValueError(
+                f"{path} is not a readable parquet file ({type(e).__name__}: {e}): delete it and run again"
+            ) from None
         found = (metadata.get("format"), metadata.get("codebook_size"), metadata.get("image_side"))
         if found != (SHARD_FORMAT, codebook_size, image_side):
             raise ValueError(
                 f"{path} holds shards of another tokenizer or format (format {found[0]}, codebook "
                 f"{found[1]}, grid {found[2]}x{found[2]}) than this VQGAN's (format {SHARD_FORMAT}, codebook "
                 f"{codebook_size}, grid {image_side}x{image_side}): write to another --output folder, or delete "
-                f"the old shards there")
+                f"the old shards there"
+            )
         shards[int(stem)] = path
     return shards
 
 
-def _source_ids(path: str) -> List[str]:
+def _source_ids(path: str) -> list[str]:
     return pq.read_table(path, columns=["source_id"]).column(0).to_pylist()
 
 
-def _skip_shard(stream: _Lookahead, path: str, ids: List[str], report: PreprocessReport, crop_side: int):
+def _skip_shard(stream: _Lookahead, path: str, ids: list[str], report: PreprocessReport, crop_side: int):
     """Consume the candidates that ``path`` (already written) holds; nothing is decoded but the ones it lacks.
 
     The pairs between its samples were dropped, when it was written, because their images did not decode:
@@ -265,20 +272,32 @@ def _skip_shard(stream: _Lookahead, path: str, ids: List[str], report: Preproces
     while expected:
         candidate = stream.pop()
         if candidate is None:
-            raise ValueError(f"{path} holds samples that the input no longer has (e.g. {expected[0]!r}): the input "
-                             f"changed since the shards were written; write to a new --output folder")
+            raise ValueError(
+                f"{path} holds samples that the input no longer has (e.g. {expected[0]!r}): the input "
+                f"changed since the shards were written; write to a new --output folder"
+            )
         if candidate.source_id == expected[0]:
             expected.popleft()
         elif _center_crop(candidate.image, crop_side) is None:
             report.drop(UNREADABLE_IMAGE)
         else:
-            raise ValueError(f"{path} was written from other input: {candidate.source_id!r} is not in it although "
-                             f"it comes before {expected[0]!r}; the input changed since the shards were written: "
-                             f"write to a new --output folder, or delete the shards from {os.path.basename(path)} on")
+            raise ValueError(
+                f"{path} was written from other input: {candidate.source_id!r} is not in it although "
+                f"it comes before {expected[0]!r}; the input changed since the shards were written: "
+                f"write to a new --output folder, or delete the shards from {os.path.basename(path)} on"
+            )
 
 
-def _encode_shard(stream: _Lookahead, vqgan, rows_per_shard: int, batch_size: int, stop_at: Optional[str],
-                  pool: concurrent.futures.Executor, report: PreprocessReport, device) -> Tuple[list, list, list, list]:
+def _encode_shard(
+    stream: _Lookahead,
+    vqgan,
+    rows_per_shard: int,
+    batch_size: int,
+    stop_at: str | None,
+    pool: concurrent.futures.Executor,
+    report: PreprocessReport,
+    device,
+) -> tuple[list, list, list, list]:
     """Up to ``rows_per_shard`` samples, encoded in batches: (captions, codes, sizes, source ids)."""
     captions, codes, sizes, ids = [], [], [], []
     while len(ids) < rows_per_shard:
@@ -307,11 +326,22 @@ def _encode_shard(stream: _Lookahead, vqgan, rows_per_shard: int, batch_size: in
     return captions, codes, sizes, ids
 
 
-def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batch_size: int = 32,
-               push_to_hub: Optional[str] = None, private: Optional[bool] = None, token: Optional[str] = None,
-               device=None, num_workers: Optional[int] = None, progress: bool = True,
-               on_shard_written: Optional[Callable[[str], None]] = None,
-               tokenizer: Optional[str] = None) -> PreprocessReport:
+def preprocess(
+    source,
+    output: str,
+    vqgan,
+    *,
+    rows_per_shard: int = 10_000,
+    batch_size: int = 32,
+    push_to_hub: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    device=None,
+    num_workers: int | None = None,
+    progress: bool = True,
+    on_shard_written: Callable[[str], None] | None = None,
+    tokenizer: str | None = None,
+) -> PreprocessReport:
     """Filter ``source``'s image-caption pairs, encode the images with ``vqgan`` and write parquet shards.
 
     See the module's docstring for the sources, the filters and how a second run resumes.
@@ -354,37 +384,62 @@ def preprocess(source, output: str, vqgan, *, rows_per_shard: int = 10_000, batc
         total = min(total, source.max_samples)
     bar = tqdm(total=total, unit="pair", desc="preprocess", disable=not progress, dynamic_ncols=True)
     stream = _Lookahead(_screen(pairs, report, source.max_samples, bar))
-    pool = concurrent.futures.ThreadPoolExecutor(num_workers or min(8, os.cpu_count() or 1),
-                                                 thread_name_prefix="preprocess-decode")
+    pool = concurrent.futures.ThreadPoolExecutor(
+        num_workers or min(8, os.cpu_count() or 1), thread_name_prefix="preprocess-decode"
+    )
     try:
-        shards_seen = _write_shards(stream, existing, output, vqgan, rows_per_shard, batch_size, pool, report, device,
-                                    bar, on_shard_written, tokenizer)
+        shards_seen = _write_shards(
+            stream,
+            existing,
+            output,
+            vqgan,
+            rows_per_shard,
+            batch_size,
+            pool,
+            report,
+            device,
+            bar,
+            on_shard_written,
+            tokenizer,
+        )
     finally:
         pool.shutdown(wait=True)
         bar.close()
     stale = sorted(path for shard_index, path in existing.items() if shard_index >= shards_seen)
     if stale:
-        logger.warning(f"{output} holds {len(stale)} shard(s) past the end of this input (from {stale[0]} on): "
-                       f"delete them if they are not part of this dataset")
+        logger.warning(
+            f"{output} holds {len(stale)} shard(s) past the end of this input (from {stale[0]} on): "
+            f"delete them if they are not part of this dataset"
+        )
     report.bytes_total = sum(os.path.getsize(path) for path in report.shards)
     if report.kept == 0:
         dropped = ", ".join(f"{reason} {count}" for reason, count in report.dropped.items()) or "none"
-        raise ValueError(f"no pair of {source.describe()} passed the filters ({report.pairs} read; dropped: "
-                         f"{dropped}): nothing to write")
+        raise ValueError(
+            f"no pair of {source.describe()} passed the filters ({report.pairs} read; dropped: "
+            f"{dropped}): nothing to write"
+        )
     logger.info(report.summary())
     if push_to_hub:
         try:
-            push_shards(output, push_to_hub, private=private, token=token,
-                        commit_message=f"collab_kit preprocess: {len(report.shards)} shards, {report.kept} samples")
+            push_shards(
+                output,
+                push_to_hub,
+                private=private,
+                token=token,
+                commit_message=f"collab_kit preprocess: {len(report.shards)} shards, {report.kept} samples",
+            )
         except Exception as e:
-            raise PushError(f"uploading the shards to the Hub dataset {push_to_hub} failed ({_first_line(e)}); they "
-                            f"are in {output}: run again to retry the upload (the shards there are not encoded "
-                            f"again)", report) from e
+            raise PushError(
+                f"uploading the shards to the Hub dataset {push_to_hub} failed ({_first_line(e)}); they "
+                f"are in {output}: run again to retry the upload (the shards there are not encoded "
+                f"again)",
+                report,
+            ) from e
         report.pushed_to = push_to_hub
     return report
 
 
-def _ready_vqgan(vqgan, device) -> Tuple[VQGAN, torch.device]:
+def _ready_vqgan(vqgan, device) -> tuple[VQGAN, torch.device]:
     """The VQGAN in eval mode on its device: a built one (moved to ``device`` if given), or one loaded there."""
     if isinstance(vqgan, VQGAN):
         if device is not None:
@@ -396,9 +451,20 @@ def _ready_vqgan(vqgan, device) -> Tuple[VQGAN, torch.device]:
     return vqgan.eval(), device
 
 
-def _write_shards(stream: _Lookahead, existing: Dict[int, str], output: str, vqgan: VQGAN, rows_per_shard: int,
-                  batch_size: int, pool, report: PreprocessReport, device, bar,
-                  on_shard_written: Optional[Callable[[str], None]], tokenizer: Optional[str] = None) -> int:
+def _write_shards(
+    stream: _Lookahead,
+    existing: dict[int, str],
+    output: str,
+    vqgan: VQGAN,
+    rows_per_shard: int,
+    batch_size: int,
+    pool,
+    report: PreprocessReport,
+    device,
+    bar,
+    on_shard_written: Callable[[str], None] | None,
+    tokenizer: str | None = None,
+) -> int:
     """Shard after shard until the stream ends: a shard already written is skipped (its pairs read, not encoded), a
     missing one encoded and written. Returns how many shard places the input took."""
     index = 0
@@ -408,20 +474,31 @@ def _write_shards(stream: _Lookahead, existing: Dict[int, str], output: str, vqg
             ids = _source_ids(path)
             _skip_shard(stream, path, ids, report, vqgan.image_size)
             if len(ids) != rows_per_shard and stream.peek() is not None:
-                logger.warning(f"{path} holds {len(ids)} samples where rows_per_shard={rows_per_shard}: it was "
-                               f"written with another --rows-per-shard (the shards still hold every sample once)")
+                logger.warning(
+                    f"{path} holds {len(ids)} samples where rows_per_shard={rows_per_shard}: it was "
+                    f"written with another --rows-per-shard (the shards still hold every sample once)"
+                )
             report.shards_skipped.append(path)
             report.kept += len(ids)
         else:
             # a shard written earlier further on: this one must end where that one starts
             stop_at = _source_ids(existing[index + 1])[0] if index + 1 in existing else None
-            captions, codes, sizes, ids = _encode_shard(stream, vqgan, rows_per_shard, batch_size, stop_at, pool,
-                                                        report, device)
+            captions, codes, sizes, ids = _encode_shard(
+                stream, vqgan, rows_per_shard, batch_size, stop_at, pool, report, device
+            )
             if not ids:
                 index += 1
                 continue
-            write_shard(path, captions, codes, codebook_size=vqgan.codebook_size, image_side=vqgan.grid_size,
-                        sizes=sizes, source_ids=ids, tokenizer=tokenizer)
+            write_shard(
+                path,
+                captions,
+                codes,
+                codebook_size=vqgan.codebook_size,
+                image_side=vqgan.grid_size,
+                sizes=sizes,
+                source_ids=ids,
+                tokenizer=tokenizer,
+            )
             report.shards_written.append(path)
             report.bytes_written += os.path.getsize(path)
             report.kept += len(ids)
@@ -437,18 +514,26 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def _create_dataset_repo(repo_id: str, private: Optional[bool], token: Optional[str]):
+def _create_dataset_repo(repo_id: str, private: bool | None, token: str | None):
 
     validate_repo_id(repo_id)  # a ValueError that names what is wrong with it
     try:
         HfApi(token=token).create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
     except Exception as e:
-        raise PushError(f"cannot create or reach the Hub dataset {repo_id} ({_first_line(e)}): log in with "
-                        f"`hf auth login` (a token that may write), or leave out --push-to-hub") from e
+        raise PushError(
+            f"cannot create or reach the Hub dataset {repo_id} ({_first_line(e)}): log in with "
+            f"`hf auth login` (a token that may write), or leave out --push-to-hub"
+        ) from e
 
 
-def push_shards(folder: str, repo_id: str, *, private: Optional[bool] = None, token: Optional[str] = None,
-                commit_message: str = "collab_kit preprocess: shards") -> str:
+def push_shards(
+    folder: str,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "collab_kit preprocess: shards",
+) -> str:
     """Upload the shards of ``folder`` (``shard-*.parquet``) to the Hub dataset ``repo_id``; returns its URL.
 
     The repository is created if missing. Shards the repository holds already with the same content are not
@@ -464,7 +549,12 @@ def push_shards(folder: str, repo_id: str, *, private: Optional[bool] = None, to
         raise FileNotFoundError(f"no shards ({SHARD_GLOB}) in {folder!r} to push")
     api = HfApi(token=token)
     url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, repo_type="dataset", folder_path=folder, allow_patterns=[SHARD_GLOB],
-                      commit_message=commit_message)
+    api.upload_folder(
+        repo_id=repo_id,
+        repo_type="dataset",
+        folder_path=folder,
+        allow_patterns=[SHARD_GLOB],
+        commit_message=commit_message,
+    )
     logger.info(f"pushed the shards of {folder} to {url}")
     return str(url)

@@ -19,6 +19,7 @@ filters, encodes and shards them. Sources (``read_pairs``; the kind is found fro
   streamed with ``datasets.load_dataset(..., streaming=True)``; the Python API also takes a ``datasets``
   ``Dataset`` or ``IterableDataset``. Columns as for parquet.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,12 +29,11 @@ import os
 import posixpath
 import tarfile
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, Sequence, Union
 
+import fsspec
 import pyarrow.parquet as pq
 from PIL import Image
-import fsspec
-
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
 CAPTION_FILES = ("captions.jsonl", "captions.tsv", "captions.csv")
@@ -55,10 +55,12 @@ class Pair:
     :param image: a local path, encoded bytes, ``{"bytes": ..., "path": ...}``, a PIL image, or None
     :param nsfw: the NSFW label (LAION's ``UNLIKELY`` / ``UNSURE`` / ``NSFW``), None where there is none
     """
+
     source_id: str
-    caption: Optional[str]
+    caption: str | None
     image: ImageLike
-    nsfw: Optional[str] = None
+    nsfw: str | None = None
+
 
 def open_image(image: ImageLike) -> Image.Image:
     """A PIL image (lazily loaded: the header only, until its pixels are asked for) from what a source yields."""
@@ -70,20 +72,20 @@ def open_image(image: ImageLike) -> Image.Image:
         return Image.open(io.BytesIO(bytes(image)))
     if isinstance(image, (str, os.PathLike)):
         if "://" in os.fspath(image):  # an image file in a remote dataset (hf://...)
-
             with fsspec.open(os.fspath(image), "rb") as f:
                 return Image.open(io.BytesIO(f.read()))
         return Image.open(image)
     raise TypeError(f"cannot read an image from {type(image).__name__}")
 
 
-def image_header_size(image: ImageLike) -> Tuple[int, int]:
+def image_header_size(image: ImageLike) -> tuple[int, int]:
     opened = open_image(image)
     try:
         return opened.size
     finally:
         if opened is not image:
             opened.close()
+
 
 # ---------------------------------------------------------------------------------------------
 # sources
@@ -105,13 +107,13 @@ class PairSource:
     """
 
     location: object
-    format: Optional[str] = None
-    captions_file: Optional[str] = None
-    image_column: Optional[str] = None
-    caption_column: Optional[str] = None
-    nsfw_column: Optional[str] = None
+    format: str | None = None
+    captions_file: str | None = None
+    image_column: str | None = None
+    caption_column: str | None = None
+    nsfw_column: str | None = None
     split: str = "train"
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
 
     def __post_init__(self):
         if self.format is not None and self.format not in SOURCE_FORMATS:
@@ -122,7 +124,7 @@ class PairSource:
     def describe(self) -> str:
         return repr(self.location) if isinstance(self.location, (str, os.PathLike)) else type(self.location).__name__
 
-    def open(self) -> Tuple[Iterator[Pair], Optional[int]]:
+    def open(self) -> tuple[Iterator[Pair], int | None]:
         """(the pairs, how many there are if known without reading them all); checked as ``read_pairs`` says."""
         return open_source(self)
 
@@ -142,10 +144,14 @@ def read_pairs(source, **options) -> Iterator[Pair]:
     return pairs
 
 
-def open_source(source: PairSource) -> Tuple[Iterator[Pair], Optional[int]]:
+def open_source(source: PairSource) -> tuple[Iterator[Pair], int | None]:
     """(the pairs of ``source``, how many there are if known without reading them all)."""
-    source_format, captions_file, nsfw_column, split = source.format, source.captions_file, source.nsfw_column, \
-        source.split
+    source_format, captions_file, nsfw_column, split = (
+        source.format,
+        source.captions_file,
+        source.nsfw_column,
+        source.split,
+    )
     columns = dict(image_column=source.image_column, caption_column=source.caption_column, nsfw_column=nsfw_column)
     source = source.location
     if not isinstance(source, (str, os.PathLike)):  # a datasets Dataset / IterableDataset
@@ -179,12 +185,14 @@ def open_source(source: PairSource) -> Tuple[Iterator[Pair], Optional[int]]:
     try:
         dataset = datasets.load_dataset(source, split=split, streaming=True)
     except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError, ConnectionError) as e:
-        raise FileNotFoundError(f"no local folder or file {source!r}, and no Hub dataset of that name could be "
-                                f"opened ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise FileNotFoundError(
+            f"no local folder or file {source!r}, and no Hub dataset of that name could be "
+            f"opened ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return _dataset_pairs(dataset, **columns), None
 
 
-def _length(dataset) -> Optional[int]:
+def _length(dataset) -> int | None:
     try:
         return len(dataset)
     except TypeError:  # an IterableDataset
@@ -197,8 +205,10 @@ def _detect_format(source: str) -> str:
             return "webdataset"
         if source.endswith(".parquet"):
             return "parquet"
-        raise ValueError(f"cannot tell how to read {source!r}: expected a folder of images, a WebDataset .tar, "
-                         f"a .parquet file, a saved dataset or a Hub dataset id")
+        raise ValueError(
+            f"cannot tell how to read {source!r}: expected a folder of images, a WebDataset .tar, "
+            f"a .parquet file, a saved dataset or a Hub dataset id"
+        )
     if os.path.isdir(source):
         if any(os.path.isfile(os.path.join(source, name)) for name in ("state.json", "dataset_dict.json")):
             return "disk"
@@ -212,18 +222,21 @@ def _detect_format(source: str) -> str:
             return "webdataset"
         if has_parquet:
             return "parquet"
-        raise ValueError(f"{source!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}), WebDataset .tar files, "
-                         f"parquet files or saved dataset: put the image files there, or pass another source")
+        raise ValueError(
+            f"{source!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}), WebDataset .tar files, "
+            f"parquet files or saved dataset: put the image files there, or pass another source"
+        )
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):
         return "hub"
     raise FileNotFoundError(f"no such folder or file: {source!r}")
 
 
-def _files(source: str, suffixes: Tuple[str, ...], what: str) -> List[str]:
+def _files(source: str, suffixes: tuple[str, ...], what: str) -> list[str]:
     if os.path.isfile(source):
         return [source]
-    files = sorted(os.path.join(parent, name) for parent, _, names in os.walk(source) for name in names
-                   if name.endswith(suffixes))
+    files = sorted(
+        os.path.join(parent, name) for parent, _, names in os.walk(source) for name in names if name.endswith(suffixes)
+    )
     if not files:
         raise ValueError(f"no {what} files in {source!r}")
     return files
@@ -236,41 +249,51 @@ def _is_image_file(name: str) -> bool:
 # folders of images
 
 
-def _folder_pairs(folder: str, captions_file: Optional[str]) -> Tuple[Iterator[Pair], int]:
+def _folder_pairs(folder: str, captions_file: str | None) -> tuple[Iterator[Pair], int]:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no such folder: {folder!r}")
     images = []
     for parent, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        images += [os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
-                   for name in names if _is_image_file(name)]
+        images += [
+            os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
+            for name in names
+            if _is_image_file(name)
+        ]
     images.sort()
     if not images:
         raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {folder!r}")
     if captions_file is None:
         found = [name for name in CAPTION_FILES if os.path.isfile(os.path.join(folder, name))]
         if len(found) > 1:
-            raise ValueError(f"{folder!r} holds {' and '.join(found)}: keep one captions file, or name it with "
-                             f"--captions")
+            raise ValueError(
+                f"{folder!r} holds {' and '.join(found)}: keep one captions file, or name it with --captions"
+            )
         captions_file = os.path.join(folder, found[0]) if found else None
     if captions_file is not None:
         captions = _read_captions_file(captions_file)
         known = set(images)
         missing = [name for name in captions if name not in known]
         if missing:
-            raise ValueError(f"{captions_file} names {len(missing)} image(s) that {folder!r} does not hold, "
-                             f"e.g. {missing[0]!r}: fix the file names in it (paths relative to the folder)")
+            raise ValueError(
+                f"{captions_file} names {len(missing)} image(s) that {folder!r} does not hold, "
+                f"e.g. {missing[0]!r}: fix the file names in it (paths relative to the folder)"
+            )
 
         def pairs() -> Iterator[Pair]:
             for name in images:
                 yield Pair(name, captions.get(name), os.path.join(folder, name))
+
         return pairs(), len(images)
 
     def sidecar(name: str) -> str:
         return os.path.join(folder, os.path.splitext(name)[0] + ".txt")
+
     if not any(os.path.isfile(sidecar(name)) for name in images):
-        raise ValueError(f"{folder!r} holds images but no captions: add {' / '.join(CAPTION_FILES)} "
-                         f"or a NAME.txt beside each NAME.jpg")
+        raise ValueError(
+            f"{folder!r} holds images but no captions: add {' / '.join(CAPTION_FILES)} "
+            f"or a NAME.txt beside each NAME.jpg"
+        )
 
     def sidecar_pairs() -> Iterator[Pair]:
         for name in images:
@@ -279,14 +302,15 @@ def _folder_pairs(folder: str, captions_file: Optional[str]) -> Tuple[Iterator[P
                 with open(sidecar(name), encoding="utf-8", errors="replace") as f:
                     caption = f.read()
             yield Pair(name, caption, os.path.join(folder, name))
+
     return sidecar_pairs(), len(images)
 
 
-def _read_captions_file(path: str) -> Dict[str, str]:
+def _read_captions_file(path: str) -> dict[str, str]:
     """{image path relative to the folder: caption} from a captions.jsonl / .tsv / .csv file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such captions file: {path!r}")
-    rows: List[Tuple[int, str, str]] = []  # (line, file, caption)
+    rows: list[tuple[int, str, str]] = []  # (line, file, caption)
     with open(path, encoding="utf-8", newline="") as f:
         if path.endswith(".jsonl"):
             for line_number, line in enumerate(f, 1):
@@ -297,11 +321,15 @@ def _read_captions_file(path: str) -> Dict[str, str]:
                     rows.append((line_number, entry["file"], entry["caption"]))
                 except (ValueError, KeyError, TypeError):
                     example = json.dumps({"file": "cats/1.jpg", "caption": "a cat"})
-                    raise ValueError(f"{path}, line {line_number}: expected a JSON object with \"file\" and "
-                                     f"\"caption\", e.g. {example}") from None
+                    raise ValueError(
+                        f'{path}, line {line_number}: expected a JSON object with "file" and "caption", e.g. {example}'
+                    ) from None
         elif path.endswith((".tsv", ".csv")):
-            reader = csv.reader(f, delimiter="\t" if path.endswith(".tsv") else ",",
-                                quoting=csv.QUOTE_NONE if path.endswith(".tsv") else csv.QUOTE_MINIMAL)
+            reader = csv.reader(
+                f,
+                delimiter="\t" if path.endswith(".tsv") else ",",
+                quoting=csv.QUOTE_NONE if path.endswith(".tsv") else csv.QUOTE_MINIMAL,
+            )
             for row in reader:
                 if not row or not "".join(row).strip():
                     continue
@@ -314,13 +342,14 @@ def _read_captions_file(path: str) -> Dict[str, str]:
                 rows.append((reader.line_num, row[0], separator.join(row[1:])))
         else:
             raise ValueError(f"{path!r}: a captions file is .jsonl, .tsv or .csv")
-    captions: Dict[str, str] = {}
-    lines: Dict[str, int] = {}
+    captions: dict[str, str] = {}
+    lines: dict[str, int] = {}
     for line_number, name, caption in rows:
         name = posixpath.normpath(str(name).strip().replace("\\", "/"))
         if name in captions:
-            raise ValueError(f"{path} names {name!r} twice (lines {lines[name]} and {line_number}): "
-                             f"one caption per image")
+            raise ValueError(
+                f"{path} names {name!r} twice (lines {lines[name]} and {line_number}): one caption per image"
+            )
         captions[name], lines[name] = (str(caption) if caption is not None else None), line_number
     return captions
 
@@ -355,7 +384,7 @@ def _tar_pairs(paths: Sequence[str], nsfw_key: str) -> Iterator[Pair]:
             raise ValueError(f"{path!r} is not a readable tar file ({e}): is the download complete?") from None
 
 
-def _tar_pair(key: str, parts: Dict[str, bytes], nsfw_key: str) -> Pair:
+def _tar_pair(key: str, parts: dict[str, bytes], nsfw_key: str) -> Pair:
     image = next((parts[extension] for extension in IMAGE_EXTENSIONS if extension in parts), None)
     caption = nsfw = None
     if "json" in parts:
@@ -374,8 +403,9 @@ def _tar_pair(key: str, parts: Dict[str, bytes], nsfw_key: str) -> Pair:
 # parquet files and datasets
 
 
-def _pick_column(names: Sequence[str], requested: Optional[str], candidates: Sequence[str], what: str,
-                 required: bool) -> Optional[str]:
+def _pick_column(
+    names: Sequence[str], requested: str | None, candidates: Sequence[str], what: str, required: bool
+) -> str | None:
     if requested is not None:
         if requested not in names:
             raise ValueError(f"no {what} column {requested!r}: the columns are {', '.join(names)}")
@@ -384,13 +414,15 @@ def _pick_column(names: Sequence[str], requested: Optional[str], candidates: Seq
         if candidate in names:
             return candidate
     if required:
-        raise ValueError(f"found no {what} column ({' / '.join(candidates)}) among {', '.join(names)}: "
-                         f"name it with --{what}-column")
+        raise ValueError(
+            f"found no {what} column ({' / '.join(candidates)}) among {', '.join(names)}: name it with --{what}-column"
+        )
     return None
 
 
-def _parquet_pairs(files: Sequence[str], source: str, image_column, caption_column,
-                   nsfw_column) -> Tuple[Iterator[Pair], int]:
+def _parquet_pairs(
+    files: Sequence[str], source: str, image_column, caption_column, nsfw_column
+) -> tuple[Iterator[Pair], int]:
     names = pq.read_schema(files[0]).names
     image = _pick_column(names, image_column, IMAGE_COLUMNS, "image", required=True)
     caption = _pick_column(names, caption_column, CAPTION_COLUMNS, "caption", required=True)
@@ -400,23 +432,31 @@ def _parquet_pairs(files: Sequence[str], source: str, image_column, caption_colu
     for path in files:
         missing = [column for column in (image, caption) if column not in pq.read_schema(path).names]
         if missing:
-            raise ValueError(f"{path} has no column {', '.join(missing)} (the first file has): "
-                             f"all parquet files must have the same columns")
+            raise ValueError(
+                f"{path} has no column {', '.join(missing)} (the first file has): "
+                f"all parquet files must have the same columns"
+            )
         total += pq.ParquetFile(path).metadata.num_rows
 
     def pairs() -> Iterator[Pair]:
         for path in files:
-            name = (os.path.basename(path) if os.path.isfile(source)
-                    else os.path.relpath(path, source).replace(os.sep, "/"))
+            name = (
+                os.path.basename(path) if os.path.isfile(source) else os.path.relpath(path, source).replace(os.sep, "/")
+            )
             parquet_file = pq.ParquetFile(path)
             present = [column for column in columns if column in parquet_file.schema_arrow.names]
             row = 0
             for batch in parquet_file.iter_batches(batch_size=64, columns=present):
                 values = {column: batch.column(column).to_pylist() for column in present}
                 for i in range(batch.num_rows):
-                    yield Pair(f"{name}:{row}", values[caption][i], values[image][i],
-                               values[nsfw][i] if nsfw in values else None)
+                    yield Pair(
+                        f"{name}:{row}",
+                        values[caption][i],
+                        values[image][i],
+                        values[nsfw][i] if nsfw in values else None,
+                    )
                     row += 1
+
     return pairs(), total
 
 
@@ -439,6 +479,6 @@ def _dataset_pairs(dataset, image_column, caption_column, nsfw_column) -> Iterat
     def pairs() -> Iterator[Pair]:
         for index, row in enumerate(dataset):
             text = row.get(caption)
-            yield Pair(str(index), None if text is None else str(text), row.get(image),
-                       row.get(nsfw) if nsfw else None)
+            yield Pair(str(index), None if text is None else str(text), row.get(image), row.get(nsfw) if nsfw else None)
+
     return pairs()

@@ -4,13 +4,14 @@ Peers contribute different samples because each one's order comes from its ident
 or shard that cannot be used (wrong grid, codes out of the codebook, a hostile record) is skipped and counted in
 ``SkippedSamples``, never fed to the model.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
 import zlib
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator
 
 import datasets
 import pyarrow as pa
@@ -32,7 +33,7 @@ def peer_data_seed(peer_id: bytes, seed: int = 0) -> int:
     :param peer_id: the peer's identity (``dht.peer_id.to_bytes()``)
     :param seed: the run's data seed (``config.data.seed``), shifting every peer's order at once
     """
-    return (zlib.crc32(peer_id) + seed) % 2 ** 32
+    return (zlib.crc32(peer_id) + seed) % 2**32
 
 
 class SkippedSamples:
@@ -41,12 +42,17 @@ class SkippedSamples:
     Samples are counted each time a pass meets them; a shard that does not fit is counted once.
     """
 
-    REASONS = ("invalid codes", "wrong number of codes", "codes outside the codebook", "empty caption",
-               "invalid caption")
+    REASONS = (
+        "invalid codes",
+        "wrong number of codes",
+        "codes outside the codebook",
+        "empty caption",
+        "invalid caption",
+    )
 
     def __init__(self, log_every: int = 1000):
-        self.counts: Dict[str, int] = {reason: 0 for reason in self.REASONS}
-        self.shards: Dict[str, str] = {}  # path -> why it was skipped whole
+        self.counts: dict[str, int] = dict.fromkeys(self.REASONS, 0)
+        self.shards: dict[str, str] = {}  # path -> why it was skipped whole
         self.log_every = log_every
 
     def add(self, reason: str, source: str, detail: str) -> None:
@@ -65,14 +71,14 @@ class SkippedSamples:
         self.shard_skipped(path, "unreadable", f"{type(error).__name__}: {error}")
 
     @property
-    def unreadable_shards(self) -> List[str]:
+    def unreadable_shards(self) -> list[str]:
         """Every shard skipped whole, whatever the reason."""
         return list(self.shards)
 
     @property
-    def shard_counts(self) -> Dict[str, int]:
+    def shard_counts(self) -> dict[str, int]:
         """Shards skipped whole, by reason."""
-        counts: Dict[str, int] = {}
+        counts: dict[str, int] = {}
         for reason in self.shards.values():
             counts[reason] = counts.get(reason, 0) + 1
         return counts
@@ -82,8 +88,9 @@ class SkippedSamples:
         return sum(self.counts.values())
 
 
-def shard_misfit(schema: pa.Schema, image_length: Optional[int] = None,
-                 codebook_size: Optional[int] = None) -> Optional[Tuple[str, str]]:
+def shard_misfit(
+    schema: pa.Schema, image_length: int | None = None, codebook_size: int | None = None
+) -> tuple[str, str] | None:
     """Why a shard cannot feed the model, read from its schema alone (None: it fits).
 
     :returns: (reason, detail): "wrong columns" (no caption or codes column, or one of the wrong type), "newer
@@ -93,16 +100,19 @@ def shard_misfit(schema: pa.Schema, image_length: Optional[int] = None,
     fields = {field.name: field.type for field in schema}
     missing = [name for name in ("caption", "codes") if name not in fields]
     if missing:
-        return "wrong columns", (f"no {' or '.join(missing)} column (it has {', '.join(fields) or 'none'}); "
-                                 f"shards are made by `collab-kit preprocess`")
+        return "wrong columns", (
+            f"no {' or '.join(missing)} column (it has {', '.join(fields) or 'none'}); "
+            f"shards are made by `collab-kit preprocess`"
+        )
     caption, codes = fields["caption"], fields["codes"]
     if not (pa.types.is_string(caption) or pa.types.is_large_string(caption)):
         return "wrong columns", f"its captions are {caption}, not strings"
     if not (pa.types.is_binary(codes) or pa.types.is_large_binary(codes) or pa.types.is_fixed_size_binary(codes)):
         return "wrong columns", f"its codes are {codes}, not binary records of collab_kit's codec"
     source_id = fields.get("source_id")
-    if source_id is not None and not (pa.types.is_string(source_id) or pa.types.is_large_string(source_id)
-                                      or pa.types.is_integer(source_id)):
+    if source_id is not None and not (
+        pa.types.is_string(source_id) or pa.types.is_large_string(source_id) or pa.types.is_integer(source_id)
+    ):
         return "wrong columns", f"its source ids are {source_id}, not strings"
     raw = (schema.metadata or {}).get(b"collab_kit")
     if not raw:
@@ -111,31 +121,36 @@ def shard_misfit(schema: pa.Schema, image_length: Optional[int] = None,
         metadata = json.loads(raw)
         if not isinstance(metadata, dict):
             raise ValueError(f"a {type(metadata).__name__}, not an object")
-        recorded_format, recorded_codebook, side = (metadata.get(key) for key in ("format", "codebook_size",
-                                                                                   "image_side"))
+        recorded_format, recorded_codebook, side = (
+            metadata.get(key) for key in ("format", "codebook_size", "image_side")
+        )
         for key, value in (("format", recorded_format), ("codebook_size", recorded_codebook), ("image_side", side)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{key} is {value!r}, not a count")
     except ValueError as e:
         return "unreadable metadata", f"its collab_kit metadata is not what write_shard records: {e}"
     if recorded_format is not None and recorded_format > SHARD_FORMAT:
-        return "newer format", (f"written in shard format {recorded_format}, this collab_kit reads up to "
-                                f"{SHARD_FORMAT}: upgrade collab_kit")
+        return "newer format", (
+            f"written in shard format {recorded_format}, this collab_kit reads up to {SHARD_FORMAT}: upgrade collab_kit"
+        )
     if codebook_size is not None and recorded_codebook is not None and recorded_codebook > codebook_size:
-        return "other codebook", (f"its codes come from a codebook of {recorded_codebook}, the model's holds "
-                                  f"{codebook_size}")
+        return "other codebook", (
+            f"its codes come from a codebook of {recorded_codebook}, the model's holds {codebook_size}"
+        )
     if image_length is not None and side is not None and side * side != image_length:
         return "other image size", f"its images are {side}x{side} codes, the model takes {image_length} codes"
     return None
 
 
 # what _shard_rows yields, declared: datasets would otherwise infer it from the first rows
-_ROW_FEATURES = datasets.Features(dict(caption=datasets.Value("string"), codes=datasets.Value("binary"),
-                                       source=datasets.Value("string")))
+_ROW_FEATURES = datasets.Features(
+    dict(caption=datasets.Value("string"), codes=datasets.Value("binary"), source=datasets.Value("string"))
+)
 
 
-def _shard_rows(shards: List[str], skipped: SkippedSamples, image_length: Optional[int] = None,
-                codebook_size: Optional[int] = None) -> Iterator[dict]:
+def _shard_rows(
+    shards: list[str], skipped: SkippedSamples, image_length: int | None = None, codebook_size: int | None = None
+) -> Iterator[dict]:
     """The rows of each shard in ``shards`` that fits the model (a generator for IterableDataset.from_generator):
     caption (str, or None when the shard holds none), codes (bytes or None) and source."""
     for path in shards:
@@ -143,7 +158,7 @@ def _shard_rows(shards: List[str], skipped: SkippedSamples, image_length: Option
             continue  # said once, skipped in every pass
         try:
             if path.startswith("hf://"):
-                source = HfFileSystem().open(path[len("hf://"):], "rb")
+                source = HfFileSystem().open(path[len("hf://") :], "rb")
             else:
                 source = path
             parquet = pq.ParquetFile(source)
@@ -157,8 +172,7 @@ def _shard_rows(shards: List[str], skipped: SkippedSamples, image_length: Option
                 # captions as bytes: one that is not UTF-8 is one bad sample, not a shard that stops reading
                 captions = batch.column("caption").cast(pa.large_binary()).to_pylist()
                 codes = batch.column("codes").to_pylist()
-                ids = (batch.column("source_id").to_pylist() if "source_id" in columns else
-                       [None] * batch.num_rows)
+                ids = batch.column("source_id").to_pylist() if "source_id" in columns else [None] * batch.num_rows
                 for row, (caption, record, source_id) in enumerate(zip(captions, codes, ids)):
                     source = f"{name}:{source_id if source_id is not None else row}"
                     if caption is not None:
@@ -198,9 +212,17 @@ class ShardStream(torch.utils.data.IterableDataset):
     :param log_every: log a skipped reason on its first occurrence and then every this many
     """
 
-    def __init__(self, shards: str, text_length: int, image_length: int, tokenizer=None,
-                 shuffle_buffer: int = 1024, seed: int = 0, codebook_size: Optional[int] = None,
-                 log_every: int = 1000):
+    def __init__(
+        self,
+        shards: str,
+        text_length: int,
+        image_length: int,
+        tokenizer=None,
+        shuffle_buffer: int = 1024,
+        seed: int = 0,
+        codebook_size: int | None = None,
+        log_every: int = 1000,
+    ):
         super().__init__()
         self.paths = list_shards(shards)
         self.text_length, self.image_length, self.codebook_size = text_length, image_length, codebook_size
@@ -214,13 +236,19 @@ class ShardStream(torch.utils.data.IterableDataset):
         # datasets waits 5 s for its reader threads at the end of each shuffled pass; ours has none
         datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.0
         rows = datasets.IterableDataset.from_generator(
-            _shard_rows, features=_ROW_FEATURES,
-            gen_kwargs=dict(shards=self.paths, skipped=self.skipped, image_length=self.image_length,
-                            codebook_size=self.codebook_size))
+            _shard_rows,
+            features=_ROW_FEATURES,
+            gen_kwargs=dict(
+                shards=self.paths,
+                skipped=self.skipped,
+                image_length=self.image_length,
+                codebook_size=self.codebook_size,
+            ),
+        )
         # seeds above 2**32 are folded: numpy's generators take 32-bit seeds here
-        return rows.shuffle(seed=self.seed % 2 ** 32, buffer_size=self.shuffle_buffer)
+        return rows.shuffle(seed=self.seed % 2**32, buffer_size=self.shuffle_buffer)
 
-    def _sample(self, row: dict) -> Optional[Dict[str, torch.Tensor]]:
+    def _sample(self, row: dict) -> dict[str, torch.Tensor] | None:
         """A training sample, or None (counted) if the row is unusable."""
         caption, source = row["caption"], row["source"]
         if not isinstance(caption, str) or not caption.strip():
@@ -232,11 +260,14 @@ class ShardStream(torch.utils.data.IterableDataset):
             self.skipped.add("invalid codes", source, str(e))
             return None
         if codes.size != self.image_length:
-            self.skipped.add("wrong number of codes", source, f"{codes.size} codes, the model takes {self.image_length}")
+            self.skipped.add(
+                "wrong number of codes", source, f"{codes.size} codes, the model takes {self.image_length}"
+            )
             return None
         if self.codebook_size is not None and codes.size and codes.max() >= self.codebook_size:
-            self.skipped.add("codes outside the codebook", source,
-                             f"code {codes.max()} in a codebook of {self.codebook_size}")
+            self.skipped.add(
+                "codes outside the codebook", source, f"code {codes.max()} in a codebook of {self.codebook_size}"
+            )
             return None
         try:
             tokens = torch.tensor(self.tokenizer.encode(caption, self.text_length), dtype=torch.long)
@@ -247,7 +278,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             return None
         return dict(text_tokens=tokens, image_codes=torch.from_numpy(codes))
 
-    def one_pass(self) -> Iterator[Dict[str, torch.Tensor]]:
+    def one_pass(self) -> Iterator[dict[str, torch.Tensor]]:
         """The usable samples of the next pass over every shard, each once, in this pass's order."""
         if self._rows is None:
             self._rows = self._dataset()
@@ -261,18 +292,20 @@ class ShardStream(torch.utils.data.IterableDataset):
                 yield sample
         logger.debug(f"finished pass {self.passes} over {len(self.paths)} shards ({usable} samples)")
         if usable == 0:
-            raise RuntimeError(f"no usable sample in {len(self.paths)} shard(s): skipped samples {self.skipped.counts}, "
-                               f"skipped shards {self.skipped.shards}; check that the shards were made for this "
-                               f"model (image codes, codebook)")
+            raise RuntimeError(
+                f"no usable sample in {len(self.paths)} shard(s): skipped samples {self.skipped.counts}, "
+                f"skipped shards {self.skipped.shards}; check that the shards were made for this "
+                f"model (image codes, codebook)"
+            )
 
-    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             yield from self.one_pass()
 
 
-def batches(stream: ShardStream, batch_size: int) -> Iterator[Dict[str, torch.Tensor]]:
+def batches(stream: ShardStream, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
     """Stack consecutive samples of ``stream`` into batches of ``batch_size``."""
-    pending: List[Dict[str, torch.Tensor]] = []
+    pending: list[dict[str, torch.Tensor]] = []
     for sample in stream:
         pending.append(sample)
         if len(pending) == batch_size:
@@ -280,18 +313,27 @@ def batches(stream: ShardStream, batch_size: int) -> Iterator[Dict[str, torch.Te
             pending = []
 
 
-def peer_stream(config: RunConfig, data_shards: Optional[str] = None, data_seed: int = 0) -> ShardStream:
+def peer_stream(config: RunConfig, data_shards: str | None = None, data_seed: int = 0) -> ShardStream:
     """The stream of samples a peer trains on: the run's shards in this peer's order, tokenized as the run says.
 
     :raises SettingProblem: no data named, or the caption tokenizer has more tokens than the model reads
     """
     if not (data_shards or config.data.shards):
-        raise SettingProblem("no data to stream: set data.shards (--data) to a folder of parquet shards, a glob or a "
-                             "Hub dataset id")
+        raise SettingProblem(
+            "no data to stream: set data.shards (--data) to a folder of parquet shards, a glob or a Hub dataset id"
+        )
     tokenizer = caption_tokenizer(config.data.tokenizer, config.model.pad_token_id)
     if tokenizer.vocab_size > config.model.text_vocab_size:
-        raise SettingProblem(f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
-                             f"the model reads {config.model.text_vocab_size}: set model.text_vocab_size")
-    return ShardStream(data_shards or config.data.shards, config.model.text_length, config.model.image_length,
-                       tokenizer=tokenizer, shuffle_buffer=config.data.shuffle_buffer, seed=data_seed,
-                       codebook_size=config.model.codebook_size)
+        raise SettingProblem(
+            f"the caption tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+            f"the model reads {config.model.text_vocab_size}: set model.text_vocab_size"
+        )
+    return ShardStream(
+        data_shards or config.data.shards,
+        config.model.text_length,
+        config.model.image_length,
+        tokenizer=tokenizer,
+        shuffle_buffer=config.data.shuffle_buffer,
+        seed=data_seed,
+        codebook_size=config.model.codebook_size,
+    )

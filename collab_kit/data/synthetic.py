@@ -11,6 +11,7 @@ them with an untrained VQGAN (``make_synthetic_images``).
 ``make_synthetic_shards`` writes codes directly, with no VQGAN at all, for the tiny and small presets: a shape of one
 colour's band of codes on another's, captioned "a red cross on blue".
 """
+
 from __future__ import annotations
 
 import atexit
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -30,17 +31,28 @@ from collab_kit.data.shards import write_shard
 IMAGE_SIZE = 64
 
 # the 8 named colours a caption can ask for; they are far from each other and from the backgrounds
-COLORS: Dict[str, tuple] = {
-    "red": (220, 40, 40), "orange": (245, 140, 30), "yellow": (235, 215, 40), "green": (40, 170, 70),
-    "cyan": (40, 200, 210), "blue": (50, 80, 220), "purple": (140, 60, 170), "pink": (240, 130, 190),
+COLORS: dict[str, tuple] = {
+    "red": (220, 40, 40),
+    "orange": (245, 140, 30),
+    "yellow": (235, 215, 40),
+    "green": (40, 170, 70),
+    "cyan": (40, 200, 210),
+    "blue": (50, 80, 220),
+    "purple": (140, 60, 170),
+    "pink": (240, 130, 190),
 }
 # plain backgrounds, never named in captions: a light and a dark grey, and a sand
-BACKGROUNDS: Dict[str, tuple] = {"light grey": (200, 200, 200), "dark grey": (70, 70, 70), "sand": (225, 210, 175)}
+BACKGROUNDS: dict[str, tuple] = {"light grey": (200, 200, 200), "dark grey": (70, 70, 70), "sand": (225, 210, 175)}
 SHAPES = ("circle", "square", "triangle", "diamond", "cross")
 SIZES = {"small": 9, "large": 17}  # half the shape's width, in pixels
 # where a shape's centre lies (x, y), as a caption says it
-POSITIONS = {"top left": (17, 17), "top right": (47, 17), "bottom left": (17, 47), "bottom right": (47, 47),
-             "center": (32, 32)}
+POSITIONS = {
+    "top left": (17, 17),
+    "top right": (47, 17),
+    "bottom left": (17, 47),
+    "bottom right": (47, 47),
+    "center": (32, 32),
+}
 JITTER = 3  # pixels a centre may move, so no two pictures of one caption are quite alike
 
 
@@ -63,12 +75,17 @@ class Scene:
 
 def random_scene(rng: np.random.Generator) -> Scene:
     pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
-    return Scene(shape=pick(SHAPES), color=pick(list(COLORS)), size=pick(list(SIZES)),
-                 position=pick(list(POSITIONS)), background=pick(list(BACKGROUNDS)),
-                 offset=tuple(int(v) for v in rng.integers(-JITTER, JITTER + 1, size=2)))
+    return Scene(
+        shape=pick(SHAPES),
+        color=pick(list(COLORS)),
+        size=pick(list(SIZES)),
+        position=pick(list(POSITIONS)),
+        background=pick(list(BACKGROUNDS)),
+        offset=tuple(int(v) for v in rng.integers(-JITTER, JITTER + 1, size=2)),
+    )
 
 
-def scenes(count: int, seed: int = 0) -> List[Scene]:
+def scenes(count: int, seed: int = 0) -> list[Scene]:
     """``count`` random scenes; the same seed gives the same scenes."""
     rng = np.random.default_rng(seed)
     return [random_scene(rng) for _ in range(count)]
@@ -108,7 +125,7 @@ def pictures(count: int, seed: int = 0) -> Iterator[tuple]:
 # what a picture shows, measured on its pixels (no model)
 
 
-def dominant_color(image, background_share: float = 0.0) -> Optional[str]:
+def dominant_color(image, background_share: float = 0.0) -> str | None:
     """The named colour covering most of ``image`` besides its background, or None if there is none.
 
     Every pixel is assigned to the nearest of the named colours and the backgrounds (in RGB); the
@@ -116,8 +133,11 @@ def dominant_color(image, background_share: float = 0.0) -> Optional[str]:
 
     :param image: a PIL image or an array ``[H, W, 3]`` of 0..255
     """
-    pixels = np.asarray(image, dtype=np.float32).reshape(-1, 3) if not isinstance(image, np.ndarray) else \
-        image.astype(np.float32).reshape(-1, 3)
+    pixels = (
+        np.asarray(image, dtype=np.float32).reshape(-1, 3)
+        if not isinstance(image, np.ndarray)
+        else image.astype(np.float32).reshape(-1, 3)
+    )
     names = list(COLORS) + list(BACKGROUNDS)
     palette = np.array([*COLORS.values(), *BACKGROUNDS.values()], dtype=np.float32)
     nearest = ((pixels[:, None, :] - palette[None]) ** 2).sum(-1).argmin(1)
@@ -133,7 +153,7 @@ def dominant_color(image, background_share: float = 0.0) -> Optional[str]:
     return names[int(counts.argmax())]
 
 
-def prompt_color(prompt: str) -> Optional[str]:
+def prompt_color(prompt: str) -> str | None:
     """The named colour a caption asks for ("a small red circle ..." -> "red"), or None if it names none."""
     words = prompt.lower().replace(",", " ").split()
     named = [word for word in words if word in COLORS]
@@ -146,15 +166,16 @@ def color_match(images: Sequence, prompts: Sequence[str]) -> float:
     Chance is 1/8 for a drawing that ignores the prompt. :param images: PIL images (or arrays), one per prompt
     """
     if len(images) != len(prompts) or not images:
-        raise ValueError(f"expected one prompt per image and at least one image, got {len(images)} images and "
-                         f"{len(prompts)} prompts")
+        raise ValueError(
+            f"expected one prompt per image and at least one image, got {len(images)} images and {len(prompts)} prompts"
+        )
     wanted = [prompt_color(prompt) for prompt in prompts]
     if None in wanted:
         raise ValueError(f"the prompt {prompts[wanted.index(None)]!r} names none of the colours {list(COLORS)}")
     return sum(dominant_color(image) == color for image, color in zip(images, wanted)) / len(images)
 
 
-def world_words() -> List[str]:
+def world_words() -> list[str]:
     """Every word a toy caption can use."""
     words = {"a", "at", "the", "in", *SHAPES, *COLORS, *SIZES}
     for position in POSITIONS:
@@ -197,8 +218,9 @@ CODE_COLORS = tuple(COLORS)
 CODE_SHAPES = ("square", "cross", "stripe", "frame")
 
 
-def _synthetic_image(color: int, shape: int, background: int, side: int, codebook_size: int,
-                     rng: np.random.Generator) -> np.ndarray:
+def _synthetic_image(
+    color: int, shape: int, background: int, side: int, codebook_size: int, rng: np.random.Generator
+) -> np.ndarray:
     """Codes of a made-up image: a shape of one color on a background of another.
 
     Each color owns a band of codes; the shape decides which cells take the shape's color. A few
@@ -221,8 +243,9 @@ def _synthetic_image(color: int, shape: int, background: int, side: int, codeboo
     return codes.astype(np.int16) % codebook_size
 
 
-def make_synthetic_shards(folder: str, num_samples: int, image_side: int, codebook_size: int,
-                          num_shards: int = 4, seed: int = 0) -> List[str]:
+def make_synthetic_shards(
+    folder: str, num_samples: int, image_side: int, codebook_size: int, num_shards: int = 4, seed: int = 0
+) -> list[str]:
     """Write ``num_samples`` captioned synthetic images as parquet shards; returns their paths.
 
     Captions read like "a red cross on blue"; the codes follow the caption, so a model that reads
@@ -238,16 +261,23 @@ def make_synthetic_shards(folder: str, num_samples: int, image_side: int, codebo
             shape = int(rng.integers(len(CODE_SHAPES)))
             captions.append(f"a {CODE_COLORS[color]} {CODE_SHAPES[shape]} on {CODE_COLORS[background]}")
             codes.append(_synthetic_image(int(color), shape, int(background), image_side, codebook_size, rng))
-        paths.append(write_shard(os.path.join(folder, f"shard-{shard_index:05d}.parquet"), captions, codes,
-                                 codebook_size=codebook_size, image_side=image_side,
-                                 source_ids=[f"synthetic-{shard_index}-{i}" for i in range(count)]))
+        paths.append(
+            write_shard(
+                os.path.join(folder, f"shard-{shard_index:05d}.parquet"),
+                captions,
+                codes,
+                codebook_size=codebook_size,
+                image_side=image_side,
+                source_ids=[f"synthetic-{shard_index}-{i}" for i in range(count)],
+            )
+        )
     return paths
 
 
 # the data source that names these shards, in a run's settings and on the command line (``--data synthetic``)
 SYNTHETIC = "synthetic"
 SYNTHETIC_SAMPLES = 4096  # what each peer of a synthetic run makes
-_made: Dict[tuple, str] = {}
+_made: dict[tuple, str] = {}
 _made_lock = threading.Lock()
 
 

@@ -7,9 +7,10 @@
 ``caption_tokenizer`` makes the one a run configuration names; ``tokenizer_for_vocabulary`` guesses it for a model
 whose configuration is unknown, from its text vocabulary's size.
 """
+
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -18,6 +19,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from collab_kit.config import SettingProblem
 from collab_kit.data.synthetic import world_words
+
 
 class ByteCaptionTokenizer:
     """Captions as UTF-8 bytes: a tokenizer that needs no download, for the CPU presets.
@@ -29,7 +31,7 @@ class ByteCaptionTokenizer:
     pad_token_id, eos_token_id, offset = 0, 1, 3
     vocab_size = 256 + offset
 
-    def encode(self, caption: str, length: int) -> List[int]:
+    def encode(self, caption: str, length: int) -> list[int]:
         ids = [b + self.offset for b in caption.encode("utf-8")][: length - 1] + [self.eos_token_id]
         return ids + [self.pad_token_id] * (length - len(ids))
 
@@ -44,7 +46,7 @@ class PretrainedCaptionTokenizer:
     The paper pads with eos (pad = eos = 1 for t5-small), so the model sees one token for "nothing more".
     """
 
-    def __init__(self, name: str, pad_token_id: Optional[int] = None):
+    def __init__(self, name: str, pad_token_id: int | None = None):
         # lazy: transformers takes seconds to import, and the CPU presets never need it
         from transformers import AutoTokenizer
 
@@ -53,7 +55,7 @@ class PretrainedCaptionTokenizer:
         self.pad_token_id = pad_token_id if pad_token_id is not None else self.tokenizer.pad_token_id
         self.vocab_size = len(self.tokenizer)
 
-    def encode(self, caption: str, length: int) -> List[int]:
+    def encode(self, caption: str, length: int) -> list[int]:
         ids = list(self.tokenizer(caption, truncation=True, max_length=length)["input_ids"])
         return ids + [self.pad_token_id] * (length - len(ids))
 
@@ -72,7 +74,7 @@ class ToyTokenizer:
     pad_token, eos_token, unk_token = "[PAD]", "[EOS]", "[UNK]"
     pad_token_id, eos_token_id, unk_token_id = 0, 1, 2
 
-    def __init__(self, words: Optional[Sequence[str]] = None):
+    def __init__(self, words: Sequence[str] | None = None):
         words = sorted(set(words if words is not None else world_words()))
         vocab = {self.pad_token: 0, self.eos_token: 1, self.unk_token: 2}
         vocab.update({word: index + 3 for index, word in enumerate(words)})
@@ -84,7 +86,7 @@ class ToyTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode(self, caption: str, length: int) -> List[int]:
+    def encode(self, caption: str, length: int) -> list[int]:
         ids = self.tokenizer.encode(caption).ids[: length - 1] + [self.eos_token_id]
         return ids + [self.pad_token_id] * (length - len(ids))
 
@@ -102,13 +104,13 @@ class ToyTokenizer:
         return path
 
     @classmethod
-    def load(cls, path: str) -> "ToyTokenizer":
+    def load(cls, path: str) -> ToyTokenizer:
         tokenizer = cls.__new__(cls)
         tokenizer.tokenizer = Tokenizer.from_file(path)
         return tokenizer
 
 
-def caption_tokenizer(name: str, pad_token_id: Optional[int] = None):
+def caption_tokenizer(name: str, pad_token_id: int | None = None):
     """The caption tokenizer a configuration names (``config.data.tokenizer``).
 
     :param name: "bytes" (ByteCaptionTokenizer), "toy" (ToyTokenizer) or a Hugging Face
@@ -122,11 +124,13 @@ def caption_tokenizer(name: str, pad_token_id: Optional[int] = None):
     try:
         return PretrainedCaptionTokenizer(name, pad_token_id)
     except OSError as e:
-        raise SettingProblem(f"data.tokenizer={name!r} could not be loaded ({e}); use 'bytes', 'toy' or a Hugging Face "
-                         f"tokenizer name or folder") from None
+        raise SettingProblem(
+            f"data.tokenizer={name!r} could not be loaded ({e}); use 'bytes', 'toy' or a Hugging Face "
+            f"tokenizer name or folder"
+        ) from None
 
 
-def tokenizer_for_vocabulary(text_vocab_size: int, pad_token_id: Optional[int] = None):
+def tokenizer_for_vocabulary(text_vocab_size: int, pad_token_id: int | None = None):
     """The caption tokenizer of a model whose run configuration is unknown, guessed from its text vocabulary's size:
     UTF-8 bytes (259), the picture world's words, or t5-small's (32,100, downloaded once)."""
     if text_vocab_size == ByteCaptionTokenizer.vocab_size:

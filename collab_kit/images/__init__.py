@@ -5,9 +5,20 @@
 - ``inference``: ``load_for_inference``, a checkpoint with the VQGAN and CLIP it goes with (the toy world's shipped
   ones for a toy run), and ``draw_prompts``, what the inference notebook and the demo show.
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "generate": ["generate_images", "draw_images", "prompt_sheet", "image_grid", "encode_prompt", "check_vqgan_fits"],
-    "inference": ["load_for_inference", "draw_prompts", "InferencePieces", "InferenceResult", "resolve_device"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "generate": [
+            "generate_images",
+            "draw_images",
+            "prompt_sheet",
+            "image_grid",
+            "encode_prompt",
+            "check_vqgan_fits",
+        ],
+        "inference": ["load_for_inference", "draw_prompts", "InferencePieces", "InferenceResult", "resolve_device"],
+    },
+)

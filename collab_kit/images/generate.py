@@ -9,11 +9,12 @@ shows the 4 that CLIP ViT-B/32 finds closest to the prompt (section 3.4)::
 Each piece can be passed built (a model, a VQGAN, a ClipRanker) or as a location to load it from
 (a local folder or a Hub repository id).
 """
+
 from __future__ import annotations
 
 import logging
 import math
-from typing import List, Optional, Sequence, Union
+from typing import Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -29,7 +30,7 @@ from collab_kit.model.vqgan_files import load_vqgan
 logger = logging.getLogger(__name__)
 
 
-def encode_prompt(prompt: str, tokenizer, config) -> List[int]:
+def encode_prompt(prompt: str, tokenizer, config) -> list[int]:
     """A caption's token ids, cut or padded to ``config.text_length``.
 
     :param tokenizer: a caption tokenizer with ``encode(caption, length)``
@@ -40,8 +41,10 @@ def encode_prompt(prompt: str, tokenizer, config) -> List[int]:
         raise ValueError(f"expected a prompt: a non-empty string, got {prompt!r}")
     ids = tokenizer.encode(prompt, config.text_length)
     if max(ids) >= config.text_vocab_size:
-        raise ValueError(f"the tokenizer gave token {max(ids)}, beyond the model's text vocabulary of "
-                         f"{config.text_vocab_size}: pass the tokenizer the model was trained with")
+        raise ValueError(
+            f"the tokenizer gave token {max(ids)}, beyond the model's text vocabulary of "
+            f"{config.text_vocab_size}: pass the tokenizer the model was trained with"
+        )
     return ids
 
 
@@ -61,15 +64,28 @@ def check_vqgan_fits(model_config, vqgan) -> None:
     """The VQGAN must decode the code grid the model draws (``model_config``: a ModelConfig)."""
     side, codebook = model_config.image_side, model_config.codebook_size
     if vqgan.codebook_size != codebook or vqgan.grid_size != side:
-        raise ValueError(f"the model draws {side}x{side} codes from {codebook}, but the VQGAN decodes "
-                         f"{vqgan.grid_size}x{vqgan.grid_size} codes from {vqgan.codebook_size}: "
-                         f"pass the VQGAN the model's dataset was encoded with")
+        raise ValueError(
+            f"the model draws {side}x{side} codes from {codebook}, but the VQGAN decodes "
+            f"{vqgan.grid_size}x{vqgan.grid_size} codes from {vqgan.codebook_size}: "
+            f"pass the VQGAN the model's dataset was encoded with"
+        )
 
 
 @torch.no_grad()
-def draw_images(prompt: str, n: int, *, model, vqgan, tokenizer=None, temperature: float = 1.0,
-                top_k: Optional[int] = PAPER_TOP_K, top_p: Optional[float] = None, batch_size: int = 32,
-                seed: Optional[int] = None, progress: bool = True) -> torch.Tensor:
+def draw_images(
+    prompt: str,
+    n: int,
+    *,
+    model,
+    vqgan,
+    tokenizer=None,
+    temperature: float = 1.0,
+    top_k: int | None = PAPER_TOP_K,
+    top_p: float | None = None,
+    batch_size: int = 32,
+    seed: int | None = None,
+    progress: bool = True,
+) -> torch.Tensor:
     """Sample ``n`` images of one prompt: float ``[n, 3, H, W]`` in [0, 1] (no ranking).
 
     Arguments as in ``generate_images``.
@@ -80,25 +96,40 @@ def draw_images(prompt: str, n: int, *, model, vqgan, tokenizer=None, temperatur
     config = model.config
     if tokenizer is None:
         name = getattr(model, "caption_tokenizer_name", None)
-        tokenizer = (caption_tokenizer(name, config.pad_token_id) if name
-                     else tokenizer_for_vocabulary(config.text_vocab_size, config.pad_token_id))
+        tokenizer = (
+            caption_tokenizer(name, config.pad_token_id)
+            if name
+            else tokenizer_for_vocabulary(config.text_vocab_size, config.pad_token_id)
+        )
     device = next(model.parameters()).device
     caption = torch.tensor(encode_prompt(prompt, tokenizer, config), device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if seed is not None else torch.seed())
 
     images = []
-    with tqdm(total=n * config.image_length, unit="code", unit_scale=True, disable=not progress,
-              desc=f"drawing {n} image{'s' if n > 1 else ''}") as bar:
+    with tqdm(
+        total=n * config.image_length,
+        unit="code",
+        unit_scale=True,
+        disable=not progress,
+        desc=f"drawing {n} image{'s' if n > 1 else ''}",
+    ) as bar:
         for start in range(0, n, batch_size):
             count = min(batch_size, n - start)
-            codes = generate_image_codes(model, caption.expand(count, -1), temperature=temperature, top_k=top_k,
-                                         top_p=top_p, generator=generator, progress=lambda _: bar.update(count))
+            codes = generate_image_codes(
+                model,
+                caption.expand(count, -1),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=generator,
+                progress=lambda _: bar.update(count),
+            )
             images.append(vqgan.decode(codes).cpu())
     return torch.cat(images)
 
 
-def image_grid(images: Sequence[Image.Image], columns: Optional[int] = None) -> Image.Image:
+def image_grid(images: Sequence[Image.Image], columns: int | None = None) -> Image.Image:
     """Paste equally sized images into a grid, row by row (``columns`` default: as square as possible)."""
     if not images:
         raise ValueError("no images to put in a grid")
@@ -111,11 +142,23 @@ def image_grid(images: Sequence[Image.Image], columns: Optional[int] = None) -> 
     return grid
 
 
-def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
-                    ranker: Union[None, str, object] = "openai/clip-vit-base-patch32", tokenizer=None,
-                    temperature: float = 1.0, top_k: Optional[int] = PAPER_TOP_K, top_p: Optional[float] = None,
-                    batch_size: int = 32, seed: Optional[int] = None, columns: Optional[int] = None,
-                    progress: bool = True) -> Image.Image:
+def generate_images(
+    prompt: str,
+    n: int = 128,
+    keep: int = 4,
+    *,
+    model,
+    vqgan,
+    ranker: None | str | object = "openai/clip-vit-base-patch32",
+    tokenizer=None,
+    temperature: float = 1.0,
+    top_k: int | None = PAPER_TOP_K,
+    top_p: float | None = None,
+    batch_size: int = 32,
+    seed: int | None = None,
+    columns: int | None = None,
+    progress: bool = True,
+) -> Image.Image:
     """Draw ``n`` images of ``prompt`` and return the ``keep`` best as one PIL grid.
 
     :param prompt: what to draw
@@ -139,8 +182,19 @@ def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
     if not isinstance(keep, int) or not 1 <= keep <= n:
         raise ValueError(f"keep={keep!r} is not allowed: expected a number of images between 1 and n={n}")
     model, vqgan, ranker = _load_pieces(model, vqgan, ranker)
-    images = draw_images(prompt, n, model=model, vqgan=vqgan, tokenizer=tokenizer, temperature=temperature,
-                         top_k=top_k, top_p=top_p, batch_size=batch_size, seed=seed, progress=progress)
+    images = draw_images(
+        prompt,
+        n,
+        model=model,
+        vqgan=vqgan,
+        tokenizer=tokenizer,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
     if ranker is None:
         kept, scores, candidate_scores = images[:keep], None, None
     else:
@@ -159,8 +213,9 @@ def generate_images(prompt: str, n: int = 128, keep: int = 4, *, model, vqgan,
     return grid
 
 
-def prompt_sheet(grids: Sequence[Image.Image], prompts: Optional[Sequence[str]] = None, scale: int = 2,
-                 font_size: int = 14) -> Image.Image:
+def prompt_sheet(
+    grids: Sequence[Image.Image], prompts: Sequence[str] | None = None, scale: int = 2, font_size: int = 14
+) -> Image.Image:
     """Stack image grids into one picture, each below its prompt (what ``make demo`` saves as samples.png).
 
     :param grids: one grid per prompt (from ``generate_images``)
@@ -175,8 +230,7 @@ def prompt_sheet(grids: Sequence[Image.Image], prompts: Optional[Sequence[str]] 
     font = ImageFont.load_default(size=font_size)
     line = font_size + 8
     grids = [grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST) for grid in grids]
-    width = max(max(grid.width for grid in grids),
-                max(int(font.getlength(prompt)) for prompt in prompts) + 8)
+    width = max(max(grid.width for grid in grids), max(int(font.getlength(prompt)) for prompt in prompts) + 8)
     sheet = Image.new("RGB", (width, sum(line + grid.height + 6 for grid in grids)), "white")
     pen, top = ImageDraw.Draw(sheet), 0
     for prompt, grid in zip(prompts, grids):

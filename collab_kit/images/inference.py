@@ -19,13 +19,14 @@ Which VQGAN and CLIP go with a checkpoint follows from its run configuration:
   (``clip=`` to use another). A run on the kit's synthetic data (``tiny`` / ``small`` presets), which no
   VQGAN encoded, is drawn with an untrained VQGAN of its code grid: the pictures then show codes, not images.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
 import os
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Sequence
 
 import torch
 from PIL import Image
@@ -48,7 +49,7 @@ NO_CLIP = "none"  # clip="none" (or False): keep the first pictures drawn, unran
 SHEET_TILE_PIXELS = 128  # small pictures are enlarged on the sheet to about this size (nearest neighbour)
 
 
-def resolve_device(device: Union[str, torch.device, None] = "auto") -> torch.device:
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """``"auto"`` (or None): the GPU if there is one, else the CPU; anything else as ``torch.device`` reads it."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,13 +69,13 @@ class InferencePieces:
     model: torch.nn.Module  # collab_kit.model.transformer.TextToImageTransformer, in eval mode
     vqgan: torch.nn.Module  # collab_kit.model.vqgan.VQGAN: codes -> pixels
     tokenizer: object  # the caption tokenizer the model was trained with: encode(caption, length)
-    ranker: Optional[object]  # collab_kit.model.clip_rank.ClipRanker, or None to keep pictures unranked
+    ranker: object | None  # collab_kit.model.clip_rank.ClipRanker, or None to keep pictures unranked
     config: RunConfig  # the run's configuration, as saved in the checkpoint
     metadata: dict  # what the checkpoint's writer recorded (global epoch, loss, ...)
     location: str
-    revision: Optional[str]
+    revision: str | None
     device: torch.device
-    suggested_top_k: Optional[int]  # what top_k="auto" means for this model
+    suggested_top_k: int | None  # what top_k="auto" means for this model
 
     @property
     def toy_world(self) -> bool:
@@ -83,15 +84,18 @@ class InferencePieces:
     def describe(self) -> str:
         """One line: what was loaded, from where, and onto which device."""
         parameters = sum(p.numel() for p in self.model.parameters())
-        facts = ", ".join(f"{key} {value}" for key, value in self.metadata.items()
-                          if isinstance(value, (int, float, str)))
+        facts = ", ".join(
+            f"{key} {value}" for key, value in self.metadata.items() if isinstance(value, (int, float, str))
+        )
         side, codes = self.config.model.image_side, self.config.model.codebook_size
         toy = "toy " if self.toy_world else ""
         clip = "no CLIP (unranked)" if self.ranker is None else f"{toy}CLIP"
-        return (f"{self.location}{'@' + self.revision if self.revision else ''}: preset {self.config.preset}, "
-                f"{parameters / 1e6:.1f}M parameters, {side}x{side} codes of {codes}"
-                f"{' (' + facts + ')' if facts else ''}; {toy}VQGAN of {self.vqgan.image_size}px pictures, "
-                f"{clip}; on {self.device}")
+        return (
+            f"{self.location}{'@' + self.revision if self.revision else ''}: preset {self.config.preset}, "
+            f"{parameters / 1e6:.1f}M parameters, {side}x{side} codes of {codes}"
+            f"{' (' + facts + ')' if facts else ''}; {toy}VQGAN of {self.vqgan.image_size}px pictures, "
+            f"{clip}; on {self.device}"
+        )
 
 
 def _checkpoint_error(location: str, error: Exception) -> SettingFileMissing:
@@ -100,11 +104,13 @@ def _checkpoint_error(location: str, error: Exception) -> SettingFileMissing:
         f"could not load the checkpoint {location!r}: {error}\nPass CHECKPOINT = a checkpoint folder holding "
         f"model.safetensors and config.json{where}, such as demo_out/model that `make demo` writes; a monitor's "
         f"folder of epoch-NNNNNN checkpoints; or a Hub model repository id such as 'user/dalle-run' (with REVISION "
-        f"for a branch, tag or commit)")
+        f"for a branch, tag or commit)"
+    )
 
 
-def load_for_inference(location: str, revision: Optional[str] = None, *, vqgan=None, clip=None,
-                       device: Union[str, torch.device, None] = "auto") -> InferencePieces:
+def load_for_inference(
+    location: str, revision: str | None = None, *, vqgan=None, clip=None, device: str | torch.device | None = "auto"
+) -> InferencePieces:
     """Load a checkpoint and the VQGAN, caption tokenizer and CLIP that go with it.
 
     :param location: a checkpoint folder (``save_checkpoint``'s), a monitor's folder of ``epoch-NNNNNN``
@@ -119,8 +125,10 @@ def load_for_inference(location: str, revision: Optional[str] = None, *, vqgan=N
     """
 
     if not isinstance(location, (str, os.PathLike)) or not os.fspath(location).strip():
-        raise SettingProblem(f"no checkpoint given (CHECKPOINT={location!r}): pass a checkpoint folder such as "
-                         f"demo_out/model (`make demo` writes it) or a Hub model repository id such as 'user/dalle-run'")
+        raise SettingProblem(
+            f"no checkpoint given (CHECKPOINT={location!r}): pass a checkpoint folder such as "
+            f"demo_out/model (`make demo` writes it) or a Hub model repository id such as 'user/dalle-run'"
+        )
     location = os.fspath(location).strip()
     device = resolve_device(device)
     try:
@@ -136,9 +144,18 @@ def load_for_inference(location: str, revision: Optional[str] = None, *, vqgan=N
     ranker = _load_clip(clip, toy_world, device)
     check_vqgan_fits(config.model, vqgan)
     suggested_top_k = min(TOY_TOP_K if toy_world else PAPER_TOP_K, codebook)
-    pieces = InferencePieces(model=model, vqgan=vqgan, tokenizer=tokenizer, ranker=ranker, config=config,
-                             metadata=metadata, location=location, revision=revision, device=device,
-                             suggested_top_k=suggested_top_k)
+    pieces = InferencePieces(
+        model=model,
+        vqgan=vqgan,
+        tokenizer=tokenizer,
+        ranker=ranker,
+        config=config,
+        metadata=metadata,
+        location=location,
+        revision=revision,
+        device=device,
+        suggested_top_k=suggested_top_k,
+    )
     logger.info(f"loaded {pieces.describe()}")
     return pieces
 
@@ -152,11 +169,15 @@ def _load_vqgan(vqgan, toy_world: bool, side: int, codebook: int, device: torch.
         return load_toy_vqgan(map_location=device)
     paper = PAPER_VQGAN_CONFIG["params"]
     if codebook == paper["n_embed"]:
-        raise ValueError(f"this checkpoint draws {side}x{side} codes of {codebook}, as the paper's run: pass VQGAN "
-                         f"(vqgan=) the VQGAN its data was encoded with, taming's vqgan_gumbel_f8 (a folder, file or "
-                         f"Hub repo id; see collab_kit.model.vqgan_files.load_vqgan)")
-    logger.warning(f"no VQGAN given for a model of {side}x{side} codes of {codebook}: decoding with an untrained "
-                   f"VQGAN of that grid (the kit's synthetic data was encoded by none); pass vqgan= for real pictures")
+        raise ValueError(
+            f"this checkpoint draws {side}x{side} codes of {codebook}, as the paper's run: pass VQGAN "
+            f"(vqgan=) the VQGAN its data was encoded with, taming's vqgan_gumbel_f8 (a folder, file or "
+            f"Hub repo id; see collab_kit.model.vqgan_files.load_vqgan)"
+        )
+    logger.warning(
+        f"no VQGAN given for a model of {side}x{side} codes of {codebook}: decoding with an untrained "
+        f"VQGAN of that grid (the kit's synthetic data was encoded by none); pass vqgan= for real pictures"
+    )
     return untrained_vqgan(side, codebook).to(device)
 
 
@@ -177,18 +198,23 @@ def _load_clip(clip, toy_world: bool, device: torch.device):
 class InferenceResult:
     """What :func:`draw_prompts` drew: one grid per prompt (best first), the sheet of them all, and the settings."""
 
-    prompts: List[str]
-    grids: List[Image.Image]  # each: generate_images' grid, with info["clip_scores"] and info["candidate_scores"]
+    prompts: list[str]
+    grids: list[Image.Image]  # each: generate_images' grid, with info["clip_scores"] and info["candidate_scores"]
     sheet: Image.Image  # every grid below its prompt
-    settings: Dict[str, object]  # n, keep, top_k, top_p, temperature, seed, scale, tile size, checkpoint
+    settings: dict[str, object]  # n, keep, top_k, top_p, temperature, seed, scale, tile size, checkpoint
 
     def summary(self) -> dict:
         """A JSON-serializable account: the settings, the sheet's size, each prompt's seed and CLIP scores."""
-        per_prompt = [dict(prompt=prompt, seed=self.settings["seed"] + index,
-                           kept_scores=grid.info["clip_scores"], candidate_scores=grid.info["candidate_scores"])
-                      for index, (prompt, grid) in enumerate(zip(self.prompts, self.grids))]
-        return dict(self.settings, prompts=list(self.prompts), sheet_size=list(self.sheet.size),
-                    per_prompt=per_prompt)
+        per_prompt = [
+            dict(
+                prompt=prompt,
+                seed=self.settings["seed"] + index,
+                kept_scores=grid.info["clip_scores"],
+                candidate_scores=grid.info["candidate_scores"],
+            )
+            for index, (prompt, grid) in enumerate(zip(self.prompts, self.grids))
+        ]
+        return dict(self.settings, prompts=list(self.prompts), sheet_size=list(self.sheet.size), per_prompt=per_prompt)
 
     def save_sheet(self, path: str) -> str:
         """Write the sheet as a PNG (folders are made); returns the path."""
@@ -205,7 +231,7 @@ class InferenceResult:
             json.dump(dict(self.summary(), **extra), f, indent=2)
         return path
 
-    def score_lines(self) -> List[str]:
+    def score_lines(self) -> list[str]:
         """One line per prompt: the kept pictures' CLIP scores, beside the best, median and worst of all drawn."""
         lines = []
         for prompt, grid in zip(self.prompts, self.grids):
@@ -214,15 +240,27 @@ class InferenceResult:
                 lines.append(f"{prompt!r}: the first {len(grid.info['images'])} pictures drawn (not ranked)")
                 continue
             ordered = sorted(candidates)
-            lines.append(f"{prompt!r}: kept {' '.join(f'{s:.3f}' for s in kept)} | all {len(candidates)}: best "
-                         f"{ordered[-1]:.3f}, median {ordered[len(ordered) // 2]:.3f}, worst {ordered[0]:.3f}")
+            lines.append(
+                f"{prompt!r}: kept {' '.join(f'{s:.3f}' for s in kept)} | all {len(candidates)}: best "
+                f"{ordered[-1]:.3f}, median {ordered[len(ordered) // 2]:.3f}, worst {ordered[0]:.3f}"
+            )
         return lines
 
 
-def draw_prompts(pieces: InferencePieces, prompts: Sequence[str], n: int = 32, keep: int = 4, *,
-                 top_k: Union[str, int, None] = "auto", top_p: Optional[float] = None, temperature: float = 1.0,
-                 seed: int = 0, batch_size: int = 32, scale: Optional[int] = None,
-                 progress: bool = True) -> InferenceResult:
+def draw_prompts(
+    pieces: InferencePieces,
+    prompts: Sequence[str],
+    n: int = 32,
+    keep: int = 4,
+    *,
+    top_k: str | int | None = "auto",
+    top_p: float | None = None,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 32,
+    scale: int | None = None,
+    progress: bool = True,
+) -> InferenceResult:
     """Draw ``n`` pictures per prompt, keep CLIP's best ``keep`` (best first), and lay them out on one sheet.
 
     Prompt ``i`` is drawn with seed ``seed + i``: the same settings and seed give the same sheet.
@@ -246,8 +284,9 @@ def draw_prompts(pieces: InferencePieces, prompts: Sequence[str], n: int = 32, k
         prompts = [prompts]
     prompts = list(prompts)
     if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
-        raise SettingProblem(f"PROMPTS={prompts!r}: expected a list of non-empty strings, such as "
-                         f"['a large red circle in the center']")
+        raise SettingProblem(
+            f"PROMPTS={prompts!r}: expected a list of non-empty strings, such as ['a large red circle in the center']"
+        )
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise SettingProblem(f"CANDIDATES={n!r}: expected the number of pictures to draw per prompt, at least 1")
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= n:
@@ -264,12 +303,38 @@ def draw_prompts(pieces: InferencePieces, prompts: Sequence[str], n: int = 32, k
     scale = scale if scale is not None else max(1, SHEET_TILE_PIXELS // tile)
     grids = []
     for index, prompt in enumerate(tqdm(prompts, desc="drawing", unit="prompt", disable=not progress)):
-        grids.append(generate_images(prompt, n=n, keep=keep, model=pieces.model, vqgan=pieces.vqgan,
-                                     ranker=pieces.ranker, tokenizer=pieces.tokenizer, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, batch_size=batch_size, seed=seed + index,
-                                     columns=keep, progress=False))
-    settings = dict(checkpoint=pieces.location, revision=pieces.revision, preset=pieces.config.preset,
-                    candidates=n, keep=keep, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
-                    ranked=pieces.ranker is not None, tile_size=[tile, tile], scale=scale)
-    return InferenceResult(prompts=prompts, grids=grids, sheet=prompt_sheet(grids, prompts, scale=scale),
-                           settings=settings)
+        grids.append(
+            generate_images(
+                prompt,
+                n=n,
+                keep=keep,
+                model=pieces.model,
+                vqgan=pieces.vqgan,
+                ranker=pieces.ranker,
+                tokenizer=pieces.tokenizer,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                batch_size=batch_size,
+                seed=seed + index,
+                columns=keep,
+                progress=False,
+            )
+        )
+    settings = dict(
+        checkpoint=pieces.location,
+        revision=pieces.revision,
+        preset=pieces.config.preset,
+        candidates=n,
+        keep=keep,
+        top_k=top_k,
+        top_p=top_p,
+        temperature=temperature,
+        seed=seed,
+        ranked=pieces.ranker is not None,
+        tile_size=[tile, tile],
+        scale=scale,
+    )
+    return InferenceResult(
+        prompts=prompts, grids=grids, sheet=prompt_sheet(grids, prompts, scale=scale), settings=settings
+    )

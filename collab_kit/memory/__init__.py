@@ -13,16 +13,34 @@
 - ``measured``: the bytes torch and bitsandbytes really allocated, to check the estimate against.
 - ``widgets``: the stacked bar chart and the notebook's interactive calculator.
 """
+
 from collab_kit.lazy import lazy_exports
 from collab_kit.units import GiB, MiB, format_bytes
 
-__getattr__, _lazy_names = lazy_exports(__name__, {
-    "catalogue": ["CATALOGUE", "ModelShape", "known_models"],
-    "estimator": ["estimate", "compare", "MemoryEstimate", "optimizer_bytes_for", "OPTIMIZERS", "OPTIMIZER_NAMES",
-                  "PRECISIONS", "BNB_MIN_8BIT_SIZE"],
-    "recommend": ["recommend_settings", "Recommendation", "MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING", "fit_to_device",
-                  "DeviceFit", "recommend_for_plan"],
-    "measured": ["parameter_bytes", "gradient_bytes", "optimizer_state_bytes"],
-    "widgets": ["plot_estimates", "figure_png", "calculator_widget", "MemoryCalculator", "summary"],
-})
+__getattr__, _lazy_names = lazy_exports(
+    __name__,
+    {
+        "catalogue": ["CATALOGUE", "ModelShape", "known_models"],
+        "estimator": [
+            "estimate",
+            "compare",
+            "MemoryEstimate",
+            "optimizer_bytes_for",
+            "OPTIMIZERS",
+            "OPTIMIZER_NAMES",
+            "PRECISIONS",
+            "BNB_MIN_8BIT_SIZE",
+        ],
+        "recommend": [
+            "recommend_settings",
+            "Recommendation",
+            "MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING",
+            "fit_to_device",
+            "DeviceFit",
+            "recommend_for_plan",
+        ],
+        "measured": ["parameter_bytes", "gradient_bytes", "optimizer_state_bytes"],
+        "widgets": ["plot_estimates", "figure_png", "calculator_widget", "MemoryCalculator", "summary"],
+    },
+)
 __all__ = ["GiB", "MiB", "format_bytes", *_lazy_names]

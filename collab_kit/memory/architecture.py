@@ -2,20 +2,20 @@
 depend on, from a catalogue name, a ModelShape, a kit preset or config (the real model, built on the meta device) or
 any torch module (counted tensor by tensor). collab_kit.memory.estimator turns it into bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
 from collab_kit.config import PRESETS, ModelConfig, RunConfig, get_preset
 from collab_kit.memory.catalogue import CATALOGUE, ModelShape, known_models
 from collab_kit.model.transformer import TextToImageTransformer
-
 
 # ---------------------------------------------------------------------------------------------
 # what a model is made of, whatever it was given as
@@ -26,24 +26,24 @@ class Architecture:
     """The parameter tensors of a model and the dimensions its activations depend on (None: unknown)."""
 
     label: str
-    tensors: List[Tuple[Tuple[int, ...], Optional[str]]]  # trainable: (shape, block it belongs to or None)
+    tensors: list[tuple[tuple[int, ...], str | None]]  # trainable: (shape, block it belongs to or None)
     frozen: int = 0  # parameters without gradients
-    layers: Optional[int] = None
-    hidden: Optional[int] = None
-    heads: Optional[int] = None
-    attention_width: Optional[int] = None
-    ffn: Optional[int] = None
-    vocab: Optional[int] = None
-    seq_len: Optional[int] = None  # the default sequence length
-    max_seq_len: Optional[int] = None  # learned positions: no longer sequence possible
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    attention_width: int | None = None
+    ffn: int | None = None
+    vocab: int | None = None
+    seq_len: int | None = None  # the default sequence length
+    max_seq_len: int | None = None  # learned positions: no longer sequence possible
     fixed_seq_len: bool = False  # the kit's model: the sequence is its caption and image, nothing else
-    logits_per_sample: Optional[int] = None  # overrides seq_len * vocab (the kit's two vocabularies)
+    logits_per_sample: int | None = None  # overrides seq_len * vocab (the kit's two vocabularies)
     cross_attention_layers: int = 0  # decoder layers of an encoder-decoder model attend twice
     activation: str = "gelu"  # a key of FEED_FORWARD_TENSORS
     dropout: bool = True  # dropout masks (1 byte per element) are kept for backward
     reversible: bool = False  # activations are rebuilt in backward whatever `checkpointing` says
     shareable: bool = False  # shared_groups can be applied (a ModelShape)
-    shape: Optional[ModelShape] = None
+    shape: ModelShape | None = None
 
     @property
     def knows_activations(self) -> bool:
@@ -54,13 +54,23 @@ def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _from_shape(shape: ModelShape, label: str, shared_groups: Optional[int]) -> Architecture:
+def _from_shape(shape: ModelShape, label: str, shared_groups: int | None) -> Architecture:
     return Architecture(
-        label=label, tensors=shape._tensors(shared_groups), layers=shape.layers, hidden=shape.hidden,
-        heads=shape.heads, attention_width=shape.attention_width, ffn=shape.ffn, vocab=shape.vocab,
-        seq_len=shape.seq_len, max_seq_len=shape.seq_len if shape.learned_positions else None,
+        label=label,
+        tensors=shape._tensors(shared_groups),
+        layers=shape.layers,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        attention_width=shape.attention_width,
+        ffn=shape.ffn,
+        vocab=shape.vocab,
+        seq_len=shape.seq_len,
+        max_seq_len=shape.seq_len if shape.learned_positions else None,
         cross_attention_layers=shape.layers // 2 if shape.kind == "encoder-decoder" else 0,
-        activation=shape.activation, shareable=True, shape=shape)
+        activation=shape.activation,
+        shareable=True,
+        shape=shape,
+    )
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"
@@ -79,8 +89,9 @@ def _from_module(module: torch.nn.Module, label: str) -> Architecture:
     config = getattr(module, "config", None)
     if isinstance(module, TextToImageTransformer):
         _describe_kit(arch, module.config)
-    elif config is not None and all(hasattr(config, k) for k in ("num_hidden_layers", "hidden_size",
-                                                                  "num_attention_heads", "vocab_size")):
+    elif config is not None and all(
+        hasattr(config, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+    ):
         # a transformers model (GPT-2, BERT, ...): its config names the dimensions
         h = config.hidden_size
         positions = getattr(config, "max_position_embeddings", None)
@@ -90,8 +101,9 @@ def _from_module(module: torch.nn.Module, label: str) -> Architecture:
         arch.seq_len = arch.max_seq_len = positions
         name = getattr(config, "activation_function", None) or getattr(config, "hidden_act", None)
         arch.activation = name if name in ("gelu_new", "relu") else "gelu"
-        arch.dropout = any((getattr(config, k, 0) or 0) > 0
-                           for k in ("resid_pdrop", "hidden_dropout_prob", "dropout", "dropout_rate"))
+        arch.dropout = any(
+            (getattr(config, k, 0) or 0) > 0 for k in ("resid_pdrop", "hidden_dropout_prob", "dropout", "dropout_rate")
+        )
     return arch
 
 
@@ -104,12 +116,13 @@ def _describe_kit(arch: Architecture, config) -> None:
     arch.vocab = config.text_vocab_size + config.codebook_size
     # caption positions predict caption tokens, image positions predict codes
     # (collab_kit.model.transformer.TextToImageTransformer.forward)
-    arch.logits_per_sample = ((config.text_length - 1) * config.text_vocab_size
-                              + config.image_length * config.codebook_size)
+    arch.logits_per_sample = (
+        config.text_length - 1
+    ) * config.text_vocab_size + config.image_length * config.codebook_size
     arch.activation, arch.dropout, arch.reversible = "geglu", False, config.reversible
 
 
-_KIT_CACHE: Dict[str, Architecture] = {}
+_KIT_CACHE: dict[str, Architecture] = {}
 
 
 def _from_kit_config(config, label: str) -> Architecture:
@@ -122,15 +135,18 @@ def _from_kit_config(config, label: str) -> Architecture:
     return dataclasses.replace(_KIT_CACHE[key], label=label)
 
 
-def resolve_model(model, shared_groups: Optional[int]) -> Tuple[Architecture, dict]:
+def resolve_model(model, shared_groups: int | None) -> tuple[Architecture, dict]:
     """``model`` as an Architecture, plus defaults it implies (a RunConfig's offload and min_8bit_size)."""
     defaults: dict = {}
     label = None
     if isinstance(model, RunConfig):
-        defaults = dict(offload=model.optimizer.offload_optimizer, min_8bit_size=model.optimizer.min_8bit_size,
-                        local_updates=model.optimizer.local_updates,
-                        overlap_rounds=model.optimizer.overlap_rounds,
-                        error_feedback=model.optimizer.pseudo_gradient_bits == 4)
+        defaults = dict(
+            offload=model.optimizer.offload_optimizer,
+            min_8bit_size=model.optimizer.min_8bit_size,
+            local_updates=model.optimizer.local_updates,
+            overlap_rounds=model.optimizer.overlap_rounds,
+            error_feedback=model.optimizer.pseudo_gradient_bits == 4,
+        )
         label, model = f"{model.preset} preset", model.model
     if isinstance(model, str):
         if model in CATALOGUE:
@@ -138,8 +154,10 @@ def resolve_model(model, shared_groups: Optional[int]) -> Tuple[Architecture, di
         elif model in PRESETS:
             arch = _from_kit_config(get_preset(model).model, f"{model} preset")
         else:
-            raise ValueError(f"unknown model {model!r}: choose one of {', '.join(known_models())}, "
-                             f"or pass a ModelShape, a RunConfig or a torch module")
+            raise ValueError(
+                f"unknown model {model!r}: choose one of {', '.join(known_models())}, "
+                f"or pass a ModelShape, a RunConfig or a torch module"
+            )
     elif isinstance(model, ModelShape):
         arch = _from_shape(model, "custom shape", shared_groups)
     elif isinstance(model, ModelConfig):
@@ -147,10 +165,14 @@ def resolve_model(model, shared_groups: Optional[int]) -> Tuple[Architecture, di
     elif isinstance(model, torch.nn.Module):
         arch = _from_module(model, type(model).__name__)
     else:
-        raise TypeError(f"model={model!r}: expected a name ({', '.join(known_models())}), a ModelShape, "
-                        f"a ModelConfig, a RunConfig or a torch.nn.Module")
+        raise TypeError(
+            f"model={model!r}: expected a name ({', '.join(known_models())}), a ModelShape, "
+            f"a ModelConfig, a RunConfig or a torch.nn.Module"
+        )
     if shared_groups is not None and not arch.shareable:
-        raise ValueError(f"shared_groups applies to catalogue names and ModelShapes; {arch.label} already has "
-                         f"the parameters it has (the kit's model shares layers when its ModelConfig sets "
-                         f"share_layer_groups=True)")
+        raise ValueError(
+            f"shared_groups applies to catalogue names and ModelShapes; {arch.label} already has "
+            f"the parameters it has (the kit's model shares layers when its ModelConfig sets "
+            f"share_layer_groups=True)"
+        )
     return arch, defaults

@@ -4,19 +4,19 @@
 layers, widths and vocabulary; ``known_models`` adds the kit's presets, which collab_kit.memory.estimator counts on
 the real model built on the meta device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 from collab_kit.config import PRESETS
-
 
 # what the feed-forward keeps between its two projections, in tensors as wide as its inner layer: a fused GeLU
 # its input and output; GPT-2's "gelu_new" (transformers' NewGELUActivation, written as Python tensor operations)
 # also the intermediate results of its pow, tanh and products (5 in all); ReLU its output, which is also the
 # second projection's input; GEGLU (the kit's model) the value, the gate, gelu(gate) and their product
 FEED_FORWARD_TENSORS = {"gelu": 2, "gelu_new": 5, "relu": 1, "geglu": 4}
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -44,7 +44,7 @@ class ModelShape:
     vocab: int
     seq_len: int
     kind: str = "decoder"
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     learned_positions: bool = True
     tied_output: bool = True
     biases: bool = True
@@ -52,8 +52,9 @@ class ModelShape:
 
     def __post_init__(self):
         if self.activation not in FEED_FORWARD_TENSORS:
-            raise ValueError(f"activation={self.activation!r} is not allowed: choose one of "
-                             f"{', '.join(FEED_FORWARD_TENSORS)}")
+            raise ValueError(
+                f"activation={self.activation!r} is not allowed: choose one of {', '.join(FEED_FORWARD_TENSORS)}"
+            )
         if self.kind not in ("encoder", "decoder", "encoder-decoder"):
             raise ValueError(f"kind={self.kind!r} is not allowed: choose encoder, decoder or encoder-decoder")
 
@@ -78,7 +79,7 @@ class ModelShape:
         final_norm = h * (1 + bias) * (2 if self.kind == "encoder-decoder" else 1)
         return block_total + embeddings + output + final_norm
 
-    def tensor_shapes(self, shared_groups: Optional[int] = None) -> List[Tuple[int, ...]]:
+    def tensor_shapes(self, shared_groups: int | None = None) -> list[tuple[int, ...]]:
         """Every parameter tensor's shape, in the layout GPT-2 stores them (q, k and v in one matrix).
 
         What bitsandbytes allocates depends on each tensor's size (``min_8bit_size``, blocks of 256),
@@ -90,15 +91,15 @@ class ModelShape:
         """
         return [shape for shape, _ in self._tensors(shared_groups)]
 
-    def _tensors(self, shared_groups: Optional[int] = None) -> List[Tuple[Tuple[int, ...], Optional[str]]]:
+    def _tensors(self, shared_groups: int | None = None) -> list[tuple[tuple[int, ...], str | None]]:
         """``(shape, block)`` of every tensor; ``block`` names the transformer block it belongs to (or None)."""
         h, a, f = self.hidden, self.attention_width, self.ffn
         bias = self.biases
 
-        def linear(n_in: int, n_out: int) -> List[Tuple[int, ...]]:
+        def linear(n_in: int, n_out: int) -> list[tuple[int, ...]]:
             return [(n_in, n_out)] + ([(n_out,)] if bias else [])
 
-        def norm() -> List[Tuple[int, ...]]:
+        def norm() -> list[tuple[int, ...]]:
             return [(h,)] + ([(h,)] if bias else [])
 
         attention = linear(h, 3 * a) + linear(a, h)
@@ -108,7 +109,7 @@ class ModelShape:
             stacks = [("encoder", self.layers - self.layers // 2, block), ("decoder", self.layers // 2, block + cross)]
         else:
             stacks = [("block", self.layers, block)]
-        tensors: List[Tuple[Tuple[int, ...], Optional[str]]] = [((self.vocab, h), None)]
+        tensors: list[tuple[tuple[int, ...], str | None]] = [((self.vocab, h), None)]
         if self.learned_positions:
             tensors.append(((self.seq_len, h), None))
         for name, count, shapes in stacks:
@@ -122,20 +123,44 @@ class ModelShape:
 
 def _check_groups(groups, layers: int, what: str) -> int:
     if not isinstance(groups, int) or isinstance(groups, bool) or not 1 <= groups <= layers:
-        raise ValueError(f"shared_groups={groups!r} is not allowed: expected an integer from 1 to the {layers} "
-                         f"layers of the {what} stack (or None: no sharing)")
+        raise ValueError(
+            f"shared_groups={groups!r} is not allowed: expected an integer from 1 to the {layers} "
+            f"layers of the {what} stack (or None: no sharing)"
+        )
     return groups
 
 
 # Published shapes. GPT-3: Brown et al. (2020), table 2.1; DALL-E: Ramesh et al. (2021): 64 layers of width
 # 3968 with 62 heads over 256 text + 1024 image tokens (text vocab 16384, image vocab 8192).
-CATALOGUE: Dict[str, ModelShape] = {
+CATALOGUE: dict[str, ModelShape] = {
     "bert-base": ModelShape(12, 768, 12, 3072, 30522, 512, kind="encoder"),
     "bert-large": ModelShape(24, 1024, 16, 4096, 30522, 512, kind="encoder"),
-    "t5-3b": ModelShape(48, 1024, 32, 16384, 32128, 512, kind="encoder-decoder", head_dim=128,
-                        learned_positions=False, biases=False, activation="relu"),
-    "t5-11b": ModelShape(48, 1024, 128, 65536, 32128, 512, kind="encoder-decoder", head_dim=128,
-                         learned_positions=False, biases=False, activation="relu"),
+    "t5-3b": ModelShape(
+        48,
+        1024,
+        32,
+        16384,
+        32128,
+        512,
+        kind="encoder-decoder",
+        head_dim=128,
+        learned_positions=False,
+        biases=False,
+        activation="relu",
+    ),
+    "t5-11b": ModelShape(
+        48,
+        1024,
+        128,
+        65536,
+        32128,
+        512,
+        kind="encoder-decoder",
+        head_dim=128,
+        learned_positions=False,
+        biases=False,
+        activation="relu",
+    ),
     "gpt2-small": ModelShape(12, 768, 12, 3072, 50257, 1024, activation="gelu_new"),
     "gpt2-medium": ModelShape(24, 1024, 16, 4096, 50257, 1024, activation="gelu_new"),
     "gpt2-large": ModelShape(36, 1280, 20, 5120, 50257, 1024, activation="gelu_new"),
@@ -148,12 +173,13 @@ CATALOGUE: Dict[str, ModelShape] = {
     "gpt3-6.7b": ModelShape(32, 4096, 32, 16384, 50257, 2048),
     "gpt3-13b": ModelShape(40, 5140, 40, 20560, 50257, 2048),
     "gpt3-175b": ModelShape(96, 12288, 96, 49152, 50257, 2048),
-    "gpt-j-6b": ModelShape(28, 4096, 16, 16384, 50400, 2048, learned_positions=False, tied_output=False,
-                           activation="gelu_new"),
+    "gpt-j-6b": ModelShape(
+        28, 4096, 16, 16384, 50400, 2048, learned_positions=False, tied_output=False, activation="gelu_new"
+    ),
     "dalle-12b": ModelShape(64, 3968, 62, 4 * 3968, 16384 + 8192, 1280),
 }
 
 
-def known_models() -> List[str]:
+def known_models() -> list[str]:
     """Every name ``estimate`` accepts: the catalogue's shapes, then the kit's presets."""
     return [*CATALOGUE, *PRESETS]

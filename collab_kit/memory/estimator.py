@@ -28,21 +28,24 @@ Measured counterparts: ``parameter_bytes``, ``gradient_bytes``, ``optimizer_stat
 Recommended settings for a GPU are in collab_kit.memory.recommend; the chart and the notebook's calculator in
 collab_kit.memory.widgets.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
-
+from typing import Sequence
 
 from collab_kit.memory.architecture import Architecture, numel, resolve_model
 from collab_kit.memory.catalogue import FEED_FORWARD_TENSORS
 from collab_kit.units import format_bytes
 
-
 OPTIMIZERS = ("32bit", "16bit", "8bit", "factorized")
-OPTIMIZER_NAMES = {"32bit": "32-bit Adam", "16bit": "16-bit Adam", "8bit": "8-bit Adam",
-                   "factorized": "factorized (Adafactor)"}
+OPTIMIZER_NAMES = {
+    "32bit": "32-bit Adam",
+    "16bit": "16-bit Adam",
+    "8bit": "8-bit Adam",
+    "factorized": "factorized (Adafactor)",
+}
 PRECISIONS = ("mixed", "fp32", "16bit", "bf16", "fp16")  # bf16 and fp16 are names for "16bit"
 ATTENTIONS = ("sdpa", "eager")
 
@@ -73,10 +76,10 @@ class MemoryEstimate:
     optimizer: str
     precision: str
     micro_batch: int
-    seq_len: Optional[int]
+    seq_len: int | None
     checkpointing: bool
     offload: bool
-    shared_groups: Optional[int]
+    shared_groups: int | None
     parameters: int  # stored parameters (a shared tensor counts once)
     trainable_parameters: int
     weights_bytes: int
@@ -88,50 +91,72 @@ class MemoryEstimate:
     cpu_bytes: int
     transfer_bytes: int  # over PCIe per optimizer step when offloaded
     transfer_seconds: float
-    notes: Tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
     # local-update mode (collab_kit.swarm.local_updates): the optimizer state above is the inner optimizer's, kept
     # beside the model; the CPU holds the swarm's last global parameters and the outer momentum (outer_bytes) and the
     # pseudo-gradient buffer
     local_updates: bool = False
     outer_bytes: int = 0
-    cpu_extras: Tuple[str, ...] = ()  # the buffers of the mode's options on the CPU besides (4 bytes a parameter each)
+    cpu_extras: tuple[str, ...] = ()  # the buffers of the mode's options on the CPU besides (4 bytes a parameter each)
 
-    def parts(self) -> Dict[str, int]:
+    def parts(self) -> dict[str, int]:
         """What the GPU holds, part by part (the optimizer state is 0 when offloaded): the bars of a chart."""
-        return {"weights": self.weights_bytes, "gradients": self.gradients_bytes,
-                "optimizer state": 0 if self.offload and not self.local_updates else self.optimizer_bytes,
-                "activations": self.activations_bytes}
+        return {
+            "weights": self.weights_bytes,
+            "gradients": self.gradients_bytes,
+            "optimizer state": 0 if self.offload and not self.local_updates else self.optimizer_bytes,
+            "activations": self.activations_bytes,
+        }
 
     def describe(self) -> str:
         """One line: the model and the settings."""
         tokens = f" x {self.seq_len} tokens" if self.seq_len else ""
-        tricks = [name for name, on in (("checkpointing", self.checkpointing), ("offload", self.offload),
-                                         ("local updates", self.local_updates)) if on]
+        tricks = [
+            name
+            for name, on in (
+                ("checkpointing", self.checkpointing),
+                ("offload", self.offload),
+                ("local updates", self.local_updates),
+            )
+            if on
+        ]
         if self.shared_groups:
             tricks.append(f"{self.shared_groups} shared layer groups")
-        return (f"{self.model}: {OPTIMIZER_NAMES[self.optimizer]}, {self.precision} precision, "
-                f"micro-batch {self.micro_batch}{tokens}" + (", " + ", ".join(tricks) if tricks else ""))
+        return (
+            f"{self.model}: {OPTIMIZER_NAMES[self.optimizer]}, {self.precision} precision, "
+            f"micro-batch {self.micro_batch}{tokens}" + (", " + ", ".join(tricks) if tricks else "")
+        )
 
     def table(self) -> str:
         """The estimate as a small table in GiB (MiB or KiB for small models)."""
         where_state = "CPU" if self.offload and not self.local_updates else "GPU"
-        count = (f"{self.parameters / 1e6:,.1f} M" if self.parameters >= 1e5 else f"{self.parameters:,}")
-        rows = [("parameters", count, ""),
-                ("weights", format_bytes(self.weights_bytes), "GPU"),
-                ("gradients", format_bytes(self.gradients_bytes), "GPU"),
-                ("optimizer state", format_bytes(self.optimizer_bytes), where_state),
-                ("activations", format_bytes(self.activations_bytes), "GPU"),
-                ("total on the GPU", format_bytes(self.gpu_bytes), "")]
+        count = f"{self.parameters / 1e6:,.1f} M" if self.parameters >= 1e5 else f"{self.parameters:,}"
+        rows = [
+            ("parameters", count, ""),
+            ("weights", format_bytes(self.weights_bytes), "GPU"),
+            ("gradients", format_bytes(self.gradients_bytes), "GPU"),
+            ("optimizer state", format_bytes(self.optimizer_bytes), where_state),
+            ("activations", format_bytes(self.activations_bytes), "GPU"),
+            ("total on the GPU", format_bytes(self.gpu_bytes), ""),
+        ]
         if self.local_updates:
-            rows += [("in CPU memory", format_bytes(self.cpu_bytes),
-                      ", ".join(("fp32 global weights, outer momentum, pseudo-gradient",) + self.cpu_extras)),
-                     ("PCIe per round", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
+            rows += [
+                (
+                    "in CPU memory",
+                    format_bytes(self.cpu_bytes),
+                    ", ".join(("fp32 global weights, outer momentum, pseudo-gradient",) + self.cpu_extras),
+                ),
+                ("PCIe per round", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s"),
+            ]
         elif self.offload:
-            rows += [("in CPU memory", format_bytes(self.cpu_bytes), "state + fp32 master weights and gradients"),
-                     ("PCIe per step", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s")]
+            rows += [
+                ("in CPU memory", format_bytes(self.cpu_bytes), "state + fp32 master weights and gradients"),
+                ("PCIe per step", format_bytes(self.transfer_bytes), f"{self.transfer_seconds:.2f} s"),
+            ]
         width = max(len(name) for name, _, _ in rows)
-        lines = [self.describe()] + [f"  {name.ljust(width)}  {value:>12}  {where}".rstrip()
-                                     for name, value, where in rows]
+        lines = [self.describe()] + [
+            f"  {name.ljust(width)}  {value:>12}  {where}".rstrip() for name, value, where in rows
+        ]
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
     def __str__(self) -> str:
@@ -154,8 +179,9 @@ def normalize_precision(precision: str) -> str:
     return "16bit" if precision in ("bf16", "fp16") else precision
 
 
-def optimizer_bytes_for(shapes: Sequence[Tuple[int, ...]], optimizer: str,
-                        min_8bit_size: int = BNB_MIN_8BIT_SIZE) -> int:
+def optimizer_bytes_for(
+    shapes: Sequence[tuple[int, ...]], optimizer: str, min_8bit_size: int = BNB_MIN_8BIT_SIZE
+) -> int:
     """Bytes of the state ``optimizer`` keeps for parameter tensors of these shapes (see ``estimate``)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not allowed: choose one of {', '.join(OPTIMIZERS)}")
@@ -183,8 +209,9 @@ def optimizer_bytes_for(shapes: Sequence[Tuple[int, ...]], optimizer: str,
     return total
 
 
-def _activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, checkpointing: bool,
-                      precision: str, attention: str) -> Tuple[int, int]:
+def _activation_bytes(
+    arch: Architecture, micro_batch: int, seq_len: int, checkpointing: bool, precision: str, attention: str
+) -> tuple[int, int]:
     """(activations, the part of them that is autocast's weight copies) for one micro-batch; see ``estimate``."""
     s, b = seq_len, micro_batch
     h, aw, f, heads = arch.hidden, arch.attention_width or arch.hidden, arch.ffn, arch.heads
@@ -228,10 +255,21 @@ def _activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, checkp
     return stored + ends + copies, copies
 
 
-def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None, checkpointing: bool = True,
-             shared_groups: Optional[int] = None, micro_batch: int = 1, seq_len: Optional[int] = None,
-             precision: str = "mixed", attention: str = "sdpa", min_8bit_size: Optional[int] = None,
-             pcie_gb_per_s: float = DEFAULT_PCIE_GB_PER_S, local_updates: Optional[bool] = None) -> MemoryEstimate:
+def estimate(
+    model,
+    *,
+    optimizer: str = "32bit",
+    offload: bool | None = None,
+    checkpointing: bool = True,
+    shared_groups: int | None = None,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    precision: str = "mixed",
+    attention: str = "sdpa",
+    min_8bit_size: int | None = None,
+    pcie_gb_per_s: float = DEFAULT_PCIE_GB_PER_S,
+    local_updates: bool | None = None,
+) -> MemoryEstimate:
     """The memory of one training step of ``model``, part by part.
 
     :param model: a catalogue name ("gpt2-large", see ``known_models()``), a kit preset ("tiny", "small",
@@ -309,12 +347,22 @@ def estimate(model, *, optimizer: str = "32bit", offload: Optional[bool] = None,
         local_updates = defaults.get("local_updates", False)
     if not isinstance(local_updates, bool):
         raise ValueError(f"local_updates={local_updates!r} is not allowed: expected True, False or None")
-    return _estimate(arch, optimizer=optimizer, offload=offload, checkpointing=bool(checkpointing),
-                     shared_groups=shared_groups, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                     attention=attention, min_8bit_size=min_8bit_size, pcie_gb_per_s=pcie_gb_per_s,
-                     local_updates=local_updates,
-                     overlap_rounds=local_updates and defaults.get("overlap_rounds", False),
-                     error_feedback=local_updates and defaults.get("error_feedback", False))
+    return _estimate(
+        arch,
+        optimizer=optimizer,
+        offload=offload,
+        checkpointing=bool(checkpointing),
+        shared_groups=shared_groups,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        precision=precision,
+        attention=attention,
+        min_8bit_size=min_8bit_size,
+        pcie_gb_per_s=pcie_gb_per_s,
+        local_updates=local_updates,
+        overlap_rounds=local_updates and defaults.get("overlap_rounds", False),
+        error_feedback=local_updates and defaults.get("error_feedback", False),
+    )
 
 
 def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_gb_per_s, offload) -> str:
@@ -334,18 +382,36 @@ def _check_options(optimizer, precision, attention, micro_batch, seq_len, pcie_g
     return normalize_precision(precision)
 
 
-def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_groups, micro_batch, seq_len,
-              precision, attention, min_8bit_size, pcie_gb_per_s, local_updates=False,
-              overlap_rounds=False, error_feedback=False) -> MemoryEstimate:
-    notes: List[str] = []
+def _estimate(
+    arch: Architecture,
+    *,
+    optimizer,
+    offload,
+    checkpointing,
+    shared_groups,
+    micro_batch,
+    seq_len,
+    precision,
+    attention,
+    min_8bit_size,
+    pcie_gb_per_s,
+    local_updates=False,
+    overlap_rounds=False,
+    error_feedback=False,
+) -> MemoryEstimate:
+    notes: list[str] = []
     if seq_len is None:
         seq_len = arch.seq_len
     elif arch.fixed_seq_len and seq_len != arch.seq_len:
-        raise ValueError(f"seq_len={seq_len} is not allowed for {arch.label}: its samples are always "
-                         f"{arch.seq_len} tokens (caption and image codes); pass seq_len=None")
+        raise ValueError(
+            f"seq_len={seq_len} is not allowed for {arch.label}: its samples are always "
+            f"{arch.seq_len} tokens (caption and image codes); pass seq_len=None"
+        )
     elif arch.max_seq_len is not None and seq_len > arch.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is not allowed: {arch.label} learns {arch.max_seq_len} positions, "
-                         f"so its sequences have at most {arch.max_seq_len} tokens")
+        raise ValueError(
+            f"seq_len={seq_len} is not allowed: {arch.label} learns {arch.max_seq_len} positions, "
+            f"so its sequences have at most {arch.max_seq_len} tokens"
+        )
     shapes = [shape for shape, _ in arch.tensors]
     trainable = sum(numel(shape) for shape in shapes)
     parameters = trainable + arch.frozen
@@ -368,8 +434,9 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
         cpu = outer + 4 * trainable  # + the fp32 pseudo-gradient buffer
         # + the model's parameters when the round in flight was sent (the progress since is kept), and what 4-bit
         # rounding dropped from the last pseudo-gradient (collab_kit.swarm.four_bit)
-        extras = [name for name, used in (("parameters sent", overlap_rounds), ("error feedback", error_feedback))
-                  if used]
+        extras = [
+            name for name, used in (("parameters sent", overlap_rounds), ("error feedback", error_feedback)) if used
+        ]
         cpu += 4 * trainable * len(extras)
         transfer = per_parameter * trainable + per_parameter * trainable  # local weights out, global weights back
     elif offload:
@@ -377,26 +444,51 @@ def _estimate(arch: Architecture, *, optimizer, offload, checkpointing, shared_g
         transfer = gradients + per_parameter * trainable  # gradients out, updated weights back
     gpu = weights + gradients + (state if local_updates or not offload else 0) + activations
     return MemoryEstimate(
-        model=arch.label, optimizer=optimizer, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-        checkpointing=checkpointing, offload=offload, shared_groups=shared_groups, parameters=parameters,
-        trainable_parameters=trainable, weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=state,
-        activations_bytes=activations, weight_copies_bytes=copies, gpu_bytes=gpu, cpu_bytes=cpu,
-        transfer_bytes=transfer, transfer_seconds=transfer / (pcie_gb_per_s * 1e9), notes=tuple(notes),
-        local_updates=local_updates, outer_bytes=outer, cpu_extras=tuple(extras))
+        model=arch.label,
+        optimizer=optimizer,
+        precision=precision,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        checkpointing=checkpointing,
+        offload=offload,
+        shared_groups=shared_groups,
+        parameters=parameters,
+        trainable_parameters=trainable,
+        weights_bytes=weights,
+        gradients_bytes=gradients,
+        optimizer_bytes=state,
+        activations_bytes=activations,
+        weight_copies_bytes=copies,
+        gpu_bytes=gpu,
+        cpu_bytes=cpu,
+        transfer_bytes=transfer,
+        transfer_seconds=transfer / (pcie_gb_per_s * 1e9),
+        notes=tuple(notes),
+        local_updates=local_updates,
+        outer_bytes=outer,
+        cpu_extras=tuple(extras),
+    )
 
 
-def compare(model, *, micro_batch: int = 1, seq_len: Optional[int] = None, shared_groups: Optional[int] = None,
-            precision: str = "mixed", **kwargs) -> Dict[str, MemoryEstimate]:
+def compare(
+    model,
+    *,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    shared_groups: int | None = None,
+    precision: str = "mixed",
+    **kwargs,
+) -> dict[str, MemoryEstimate]:
     """The paper's tricks one after the other: 32-bit Adam, 8-bit, + checkpointing, + offloading.
 
     :param kwargs: more arguments of ``estimate`` (attention, pcie_gb_per_s, min_8bit_size)
     """
-    common = dict(micro_batch=micro_batch, seq_len=seq_len, shared_groups=shared_groups, precision=precision,
-                  **kwargs)
+    common = dict(micro_batch=micro_batch, seq_len=seq_len, shared_groups=shared_groups, precision=precision, **kwargs)
     return {
         "32-bit Adam": estimate(model, optimizer="32bit", checkpointing=False, offload=False, **common),
         "8-bit Adam": estimate(model, optimizer="8bit", checkpointing=False, offload=False, **common),
         "8-bit + checkpointing": estimate(model, optimizer="8bit", checkpointing=True, offload=False, **common),
-        "8-bit + checkpointing + offload": estimate(model, optimizer="8bit", checkpointing=True, offload=True,
-                                                    **common),
+        "8-bit + checkpointing + offload": estimate(
+            model, optimizer="8bit", checkpointing=True, offload=True, **common
+        ),
     }

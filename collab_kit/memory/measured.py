@@ -1,10 +1,8 @@
-"""Measured bytes, to check the estimate against: what torch and bitsandbytes really allocated.
-"""
+"""Measured bytes, to check the estimate against: what torch and bitsandbytes really allocated."""
+
 from __future__ import annotations
 
-
 import torch
-
 
 # ---------------------------------------------------------------------------------------------
 # measured bytes, to check the estimate against
@@ -15,8 +13,7 @@ def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for value in tensors:
         if torch.is_tensor(value):
-            key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), value.numel(),
-                   value.dtype)
+            key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), value.numel(), value.dtype)
             if key not in seen:
                 seen.add(key)
                 total += value.numel() * value.element_size()

@@ -4,16 +4,16 @@
 chose, what it left out and, when nothing fits, which setting would make it fit. ``fit_to_device`` applies it to a
 peer's device plan: the preflight and ``Volunteer.from_config`` decide the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from collab_kit.memory.estimator import MemoryEstimate, check_positive_int, estimate
 from collab_kit.model.device import DeviceFacts, DevicePlan, choose_device
 from collab_kit.units import format_bytes
-
 
 # without checkpointing, a micro-batch this large keeps a GPU busy: recommend_settings prefers it to a larger
 # micro-batch with checkpointing, which costs a second forward pass (about a third more compute per sample)
@@ -39,11 +39,21 @@ class Recommendation:
         return self.reason
 
 
-def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit", seq_len: Optional[int] = None,
-                       headroom: float = 0.85, max_micro_batch: int = 64, offload: Optional[bool] = None,
-                       precision: str = "mixed", shared_groups: Optional[int] = None,
-                       checkpointing: Optional[bool] = None,
-                       min_micro_batch: int = MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING, **kwargs) -> Recommendation:
+def recommend_settings(
+    model,
+    gpu_memory_bytes: int,
+    *,
+    optimizer: str = "8bit",
+    seq_len: int | None = None,
+    headroom: float = 0.85,
+    max_micro_batch: int = 64,
+    offload: bool | None = None,
+    precision: str = "mixed",
+    shared_groups: int | None = None,
+    checkpointing: bool | None = None,
+    min_micro_batch: int = MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING,
+    **kwargs,
+) -> Recommendation:
     """The largest micro-batch that fits ``headroom`` of the GPU's memory, and whether to checkpoint.
 
     Without checkpointing a step is about a third faster (no second forward pass), so it is chosen when
@@ -60,15 +70,22 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
     :param kwargs: more arguments of ``estimate`` (attention, pcie_gb_per_s, min_8bit_size)
     """
     if not isinstance(gpu_memory_bytes, (int, float)) or isinstance(gpu_memory_bytes, bool) or gpu_memory_bytes <= 0:
-        raise ValueError(f"gpu_memory_bytes={gpu_memory_bytes!r} is not allowed: expected the GPU's memory in bytes, "
-                         f"e.g. 16 * 2**30")
+        raise ValueError(
+            f"gpu_memory_bytes={gpu_memory_bytes!r} is not allowed: expected the GPU's memory in bytes, e.g. 16 * 2**30"
+        )
     if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
         raise ValueError(f"headroom={headroom!r} is not allowed: expected a fraction in (0, 1], e.g. 0.85")
     check_positive_int("max_micro_batch", max_micro_batch)
     check_positive_int("min_micro_batch", min_micro_batch)
     budget = int(headroom * gpu_memory_bytes)
-    settings = dict(optimizer=optimizer, seq_len=seq_len, offload=offload, precision=precision,
-                    shared_groups=shared_groups, **kwargs)
+    settings = dict(
+        optimizer=optimizer,
+        seq_len=seq_len,
+        offload=offload,
+        precision=precision,
+        shared_groups=shared_groups,
+        **kwargs,
+    )
     estimate(model, **settings)  # checks the arguments once, with clear errors
 
     def at(micro_batch: int, checkpointing: bool, **changes) -> MemoryEstimate:
@@ -89,21 +106,25 @@ def recommend_settings(model, gpu_memory_bytes: int, *, optimizer: str = "8bit",
         return Recommendation(plain, False, chosen, True, reason, int(gpu_memory_bytes), budget)
     if checkpointed:
         chosen = at(checkpointed, True)
-        reason = (f"micro-batch {checkpointed} with gradient checkpointing: {format_bytes(chosen.gpu_bytes)} of the "
-                  f"{where}")
+        reason = (
+            f"micro-batch {checkpointed} with gradient checkpointing: {format_bytes(chosen.gpu_bytes)} of the {where}"
+        )
         if checkpointing is None:
             reason += f" (without it, only {plain} would fit)" if plain else " (without it, not one sample fits)"
         return Recommendation(checkpointed, True, chosen, True, reason, int(gpu_memory_bytes), budget)
 
     smallest = at(1, checkpointing is not False)
     how = "with" if smallest.checkpointing else "without"
-    reason = (f"does not fit: micro-batch 1 {how} checkpointing needs {format_bytes(smallest.gpu_bytes)} on the GPU, "
-              f"more than the {where}; {_what_would_fit(at, smallest, budget)}")
+    reason = (
+        f"does not fit: micro-batch 1 {how} checkpointing needs {format_bytes(smallest.gpu_bytes)} on the GPU, "
+        f"more than the {where}; {_what_would_fit(at, smallest, budget)}"
+    )
     return Recommendation(1, smallest.checkpointing, smallest, False, reason, int(gpu_memory_bytes), budget)
 
 
-def _largest_that_fits(at: Callable[..., MemoryEstimate], checkpointing: bool, budget: int,
-                       max_micro_batch: int) -> int:
+def _largest_that_fits(
+    at: Callable[..., MemoryEstimate], checkpointing: bool, budget: int, max_micro_batch: int
+) -> int:
     """The largest micro-batch in [1, max_micro_batch] whose estimate ``at(micro_batch, checkpointing)`` fits the
     budget (memory grows with it: a binary search), 0 if none."""
     low, high = 0, max_micro_batch
@@ -121,18 +142,21 @@ def _what_would_fit(at: Callable[..., MemoryEstimate], smallest: MemoryEstimate,
     with what it takes, then what else to try."""
     current = dict(optimizer=smallest.optimizer, offload=smallest.offload)
     fixes, tried = [], [current]
-    for name, changes in (("the 8-bit optimizer (optimizer='8bit')", dict(optimizer="8bit")),
-                          ("offloading the optimizer to the CPU (offload=True)", dict(offload=True)),
-                          ("the 8-bit optimizer and offloading", dict(optimizer="8bit", offload=True))):
+    for name, changes in (
+        ("the 8-bit optimizer (optimizer='8bit')", dict(optimizer="8bit")),
+        ("offloading the optimizer to the CPU (offload=True)", dict(offload=True)),
+        ("the 8-bit optimizer and offloading", dict(optimizer="8bit", offload=True)),
+    ):
         if {**current, **changes} in tried:
             continue  # already so, or already suggested
         tried.append({**current, **changes})
         option = at(1, smallest.checkpointing, **changes)
         if option.gpu_bytes <= budget:
             fixes.append(f"{name}: {format_bytes(option.gpu_bytes)}")
-    advice = ("it would fit with " + "; or ".join(fixes) + ". Otherwise try " if fixes else "try ")
-    return advice + ("a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more "
-                     "memory")
+    advice = "it would fit with " + "; or ".join(fixes) + ". Otherwise try " if fixes else "try "
+    return advice + (
+        "a smaller model (preset 'small', a smaller catalogue size), shared layers, or a GPU with more memory"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +174,7 @@ class DeviceFit:
 
     plan: DevicePlan
     recommendation: Recommendation
-    note: Optional[str] = None
+    note: str | None = None
 
     def apply(self, config):
         """``config`` (a RunConfig) with the micro-batch and reversible layers chosen for a GPU. On the CPU the
@@ -161,14 +185,19 @@ class DeviceFit:
         """
         if self.plan.device.type == "cpu":
             recommendation = self.recommendation
-            if (not config.model.reversible or not recommendation.fits or recommendation.checkpointing
-                    or recommendation.micro_batch < config.optimizer.batch_size_per_step):
+            if (
+                not config.model.reversible
+                or not recommendation.fits
+                or recommendation.checkpointing
+                or recommendation.micro_batch < config.optimizer.batch_size_per_step
+            ):
                 return config
             return dataclasses.replace(config, model=dataclasses.replace(config.model, reversible=False))
         return dataclasses.replace(
-            config, model=dataclasses.replace(config.model, reversible=bool(self.recommendation.checkpointing)),
-            optimizer=dataclasses.replace(config.optimizer,
-                                          batch_size_per_step=int(self.recommendation.micro_batch)))
+            config,
+            model=dataclasses.replace(config.model, reversible=bool(self.recommendation.checkpointing)),
+            optimizer=dataclasses.replace(config.optimizer, batch_size_per_step=int(self.recommendation.micro_batch)),
+        )
 
 
 def recommend_for_plan(config, plan: DevicePlan, ram_available_bytes: int) -> Recommendation:
@@ -184,20 +213,28 @@ def recommend_for_plan(config, plan: DevicePlan, ram_available_bytes: int) -> Re
     # a GPU computes a larger micro-batch in about the time of a small one, so it takes the largest that fits;
     # a CPU does not, so there the preset's micro-batch is kept unless memory is short
     largest = 64 if on_gpu else config.optimizer.batch_size_per_step
-    return recommend_settings(config, budget, optimizer="8bit", max_micro_batch=largest,
-                              offload=config.optimizer.offload_optimizer,
-                              precision="fp32" if plan.precision == "fp32" else "mixed")
+    return recommend_settings(
+        config,
+        budget,
+        optimizer="8bit",
+        max_micro_batch=largest,
+        offload=config.optimizer.offload_optimizer,
+        precision="fp32" if plan.precision == "fp32" else "mixed",
+    )
 
 
-def fit_to_device(config, plan: DevicePlan, facts: DeviceFacts, ram_available_bytes: int,
-                  device_asked: str = "auto") -> DeviceFit:
+def fit_to_device(
+    config, plan: DevicePlan, facts: DeviceFacts, ram_available_bytes: int, device_asked: str = "auto"
+) -> DeviceFit:
     """``plan`` with the settings that fit its device; a GPU that "auto" chose and that cannot hold one sample of the
     model (with checkpointing) is given up for the CPU, and the note says so. A GPU asked for by name is kept: the
     caller asked, and the out-of-memory error will say the rest (tests/memory/test_recommend.py)."""
     recommendation = recommend_for_plan(config, plan, ram_available_bytes)
     if plan.device.type == "cuda" and not recommendation.fits and str(device_asked).strip().lower() == "auto":
-        note = (f"the {plan.name}'s {format_bytes(plan.memory_bytes)} cannot hold this model "
-                f"({recommendation.reason}): training on the CPU")
+        note = (
+            f"the {plan.name}'s {format_bytes(plan.memory_bytes)} cannot hold this model "
+            f"({recommendation.reason}): training on the CPU"
+        )
         cpu = dataclasses.replace(choose_device("cpu", "auto", facts), reason="the GPU cannot hold the model")
         return DeviceFit(cpu, recommend_for_plan(config, cpu, ram_available_bytes), note)
     return DeviceFit(plan, recommendation)

@@ -1,27 +1,26 @@
-"""Pictures of the estimate: a stacked bar chart of where the memory goes, and the notebook's interactive calculator.
-"""
+"""Pictures of the estimate: a stacked bar chart of where the memory goes, and the notebook's interactive calculator."""
+
 from __future__ import annotations
 
 import html
 import io
-from typing import Mapping, Optional
+from typing import Mapping
 
 from collab_kit.memory.architecture import resolve_model
 from collab_kit.memory.catalogue import known_models
-from collab_kit.memory.estimator import MemoryEstimate, OPTIMIZERS, normalize_precision, compare, estimate
+from collab_kit.memory.estimator import OPTIMIZERS, MemoryEstimate, compare, estimate, normalize_precision
 from collab_kit.memory.recommend import Recommendation, recommend_settings
 from collab_kit.units import GiB
-
 
 # ---------------------------------------------------------------------------------------------
 # pictures: a stacked bar chart and the interactive calculator
 
-PART_COLOURS = {"weights": "#4c72b0", "gradients": "#55a868", "optimizer state": "#c44e52",
-                "activations": "#dd8452"}
+PART_COLOURS = {"weights": "#4c72b0", "gradients": "#55a868", "optimizer state": "#c44e52", "activations": "#dd8452"}
 
 
-def plot_estimates(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: Optional[int] = None, ax=None,
-                   title: Optional[str] = None):
+def plot_estimates(
+    estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: int | None = None, ax=None, title: str | None = None
+):
     """Stacked bars of what each estimate puts on the GPU (GiB), a line at the GPU's memory; returns the axes.
 
     Offloaded optimizer state is written above its bar (it is in CPU memory, not in the bar).
@@ -48,22 +47,36 @@ def plot_estimates(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: Op
         text = f"{item.gpu_bytes / GiB:.1f}"
         if item.offload:
             text += f"\n(+{item.cpu_bytes / GiB:.1f} in RAM)"
-        ax.annotate(text, (index, bottoms[index]), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+        ax.annotate(
+            text,
+            (index, bottoms[index]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
     if gpu_memory_bytes:
-        ax.axhline(gpu_memory_bytes / GiB, color="black", linestyle="--", linewidth=1,
-                   label=f"GPU memory ({gpu_memory_bytes / GiB:.0f} GiB)")
+        ax.axhline(
+            gpu_memory_bytes / GiB,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"GPU memory ({gpu_memory_bytes / GiB:.0f} GiB)",
+        )
     ax.set_ylabel("GPU memory (GiB)")
     ax.set_ylim(0, max(max(bottoms), (gpu_memory_bytes or 0) / GiB) * 1.2)
     first = next(iter(estimates.values()))
-    ax.set_title(title or f"{first.model}, micro-batch {first.micro_batch}"
-                 + (f" x {first.seq_len} tokens" if first.seq_len else ""))
+    ax.set_title(
+        title
+        or f"{first.model}, micro-batch {first.micro_batch}" + (f" x {first.seq_len} tokens" if first.seq_len else "")
+    )
     ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     ax.legend(fontsize=8, loc="upper right")
     return ax
 
 
-def figure_png(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: Optional[int] = None, **kwargs) -> bytes:
+def figure_png(estimates: Mapping[str, MemoryEstimate], gpu_memory_bytes: int | None = None, **kwargs) -> bytes:
     """``plot_estimates`` rendered to PNG bytes, without pyplot (for widgets and pages)."""
     # lazy: matplotlib takes a second to import; only a plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -84,45 +97,78 @@ class MemoryCalculator:
     Display it in a notebook (it shows ``panel``); ``estimate`` and ``recommendation`` follow the controls.
     """
 
-    def __init__(self, model: str = "gpt2-large", optimizer: str = "8bit", micro_batch: int = 1,
-                 seq_len: Optional[int] = None, checkpointing: bool = True, offload: bool = False,
-                 shared_groups: Optional[int] = None, precision: str = "mixed", gpu_memory_gib: float = 16):
+    def __init__(
+        self,
+        model: str = "gpt2-large",
+        optimizer: str = "8bit",
+        micro_batch: int = 1,
+        seq_len: int | None = None,
+        checkpointing: bool = True,
+        offload: bool = False,
+        shared_groups: int | None = None,
+        precision: str = "mixed",
+        gpu_memory_gib: float = 16,
+    ):
         # lazy: ipywidgets is needed by the widget only
         import ipywidgets as widgets
 
         if model not in known_models():
             raise ValueError(f"unknown model {model!r}: the calculator offers {', '.join(known_models())}")
-        self.estimate: Optional[MemoryEstimate] = None
-        self.recommendation: Optional[Recommendation] = None
-        self.error: Optional[str] = None
+        self.estimate: MemoryEstimate | None = None
+        self.recommendation: Recommendation | None = None
+        self.error: str | None = None
         style = {"description_width": "110px"}
         self.model = widgets.Dropdown(options=known_models(), value=model, description="model", style=style)
-        self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer",
-                                          style=style)
-        self.precision = widgets.Dropdown(options=["mixed", "fp32", "16bit"], value=normalize_precision(precision),
-                                          description="precision", style=style)
+        self.optimizer = widgets.Dropdown(
+            options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=style
+        )
+        self.precision = widgets.Dropdown(
+            options=["mixed", "fp32", "16bit"],
+            value=normalize_precision(precision),
+            description="precision",
+            style=style,
+        )
         self.micro_batch = widgets.IntSlider(value=micro_batch, min=1, max=64, description="micro-batch", style=style)
         self.seq_len = widgets.IntSlider(value=1, min=1, max=2, description="sequence", style=style)
         self.checkpointing = widgets.Checkbox(value=checkpointing, description="checkpointing")
         self.offload = widgets.Checkbox(value=offload, description="offload to CPU")
-        self.shared_groups = widgets.IntSlider(value=shared_groups or 0, min=0, max=2, style=style,
-                                               description="shared groups", tooltip="0: no sharing")
-        self.gpu_memory_gib = widgets.FloatSlider(value=gpu_memory_gib, min=2, max=80, step=1, style=style,
-                                                  description="GPU memory GiB")
+        self.shared_groups = widgets.IntSlider(
+            value=shared_groups or 0, min=0, max=2, style=style, description="shared groups", tooltip="0: no sharing"
+        )
+        self.gpu_memory_gib = widgets.FloatSlider(
+            value=gpu_memory_gib, min=2, max=80, step=1, style=style, description="GPU memory GiB"
+        )
         self.text = widgets.HTML()
         self.chart = widgets.Image(format="png")
         self._fit_sliders(seq_len)
-        controls = widgets.VBox([self.model, self.optimizer, self.precision, self.micro_batch, self.seq_len,
-                                 self.shared_groups, self.gpu_memory_gib,
-                                 widgets.HBox([self.checkpointing, self.offload])])
+        controls = widgets.VBox(
+            [
+                self.model,
+                self.optimizer,
+                self.precision,
+                self.micro_batch,
+                self.seq_len,
+                self.shared_groups,
+                self.gpu_memory_gib,
+                widgets.HBox([self.checkpointing, self.offload]),
+            ]
+        )
         self.panel = widgets.VBox([widgets.HBox([controls, self.chart]), self.text])
         self.model.observe(self._model_changed, names="value")
-        for control in (self.optimizer, self.precision, self.micro_batch, self.seq_len, self.checkpointing,
-                        self.offload, self.shared_groups, self.gpu_memory_gib):
+        for control in (
+            self.optimizer,
+            self.precision,
+            self.micro_batch,
+            self.seq_len,
+            self.checkpointing,
+            self.offload,
+            self.shared_groups,
+            self.gpu_memory_gib,
+        ):
             control.observe(lambda change: self.update(), names="value")
         self.update()
 
-    def _fit_sliders(self, seq_len: Optional[int] = None) -> None:
+    def _fit_sliders(self, seq_len: int | None = None) -> None:
         """Set the sequence and sharing sliders' ranges to the model's."""
         arch, _ = resolve_model(self.model.value, None)
         top = arch.max_seq_len or max(arch.seq_len or 1, 2 * (arch.seq_len or 1))
@@ -147,13 +193,21 @@ class MemoryCalculator:
         if getattr(self, "_updating", False):
             return
 
-        settings = dict(optimizer=self.optimizer.value, precision=self.precision.value,
-                        seq_len=None if self.seq_len.disabled else self.seq_len.value,
-                        shared_groups=self.shared_groups.value or None)
+        settings = dict(
+            optimizer=self.optimizer.value,
+            precision=self.precision.value,
+            seq_len=None if self.seq_len.disabled else self.seq_len.value,
+            shared_groups=self.shared_groups.value or None,
+        )
         gpu = int(self.gpu_memory_gib.value * GiB)
         try:
-            self.estimate = estimate(self.model.value, micro_batch=self.micro_batch.value,
-                                     checkpointing=self.checkpointing.value, offload=self.offload.value, **settings)
+            self.estimate = estimate(
+                self.model.value,
+                micro_batch=self.micro_batch.value,
+                checkpointing=self.checkpointing.value,
+                offload=self.offload.value,
+                **settings,
+            )
             self.recommendation = recommend_settings(self.model.value, gpu, offload=self.offload.value, **settings)
             self.error = None
         except ValueError as e:
@@ -161,12 +215,19 @@ class MemoryCalculator:
             self.text.value = f"<pre>{html.escape(self.error)}</pre>"
             return
         verdict = "fit" if self.estimate.gpu_bytes <= gpu else "do NOT fit"
-        self.text.value = (f"<pre>{html.escape(self.estimate.table())}\n\n"
-                           f"These settings {verdict} in {self.gpu_memory_gib.value:.0f} GiB.\n"
-                           f"Recommended: {html.escape(self.recommendation.reason)}</pre>")
+        self.text.value = (
+            f"<pre>{html.escape(self.estimate.table())}\n\n"
+            f"These settings {verdict} in {self.gpu_memory_gib.value:.0f} GiB.\n"
+            f"Recommended: {html.escape(self.recommendation.reason)}</pre>"
+        )
         others = {k: v for k, v in settings.items() if k != "optimizer"}
-        self.chart.value = figure_png({"these settings": self.estimate, **compare(
-            self.model.value, micro_batch=self.micro_batch.value, **others)}, gpu)
+        self.chart.value = figure_png(
+            {
+                "these settings": self.estimate,
+                **compare(self.model.value, micro_batch=self.micro_batch.value, **others),
+            },
+            gpu,
+        )
 
     def _repr_mimebundle_(self, **kwargs):
         return self.panel._repr_mimebundle_(**kwargs)
@@ -177,12 +238,24 @@ def calculator_widget(**settings) -> MemoryCalculator:
     return MemoryCalculator(**settings)
 
 
-def summary(chosen: MemoryEstimate, comparison: Mapping[str, MemoryEstimate], recommendation: Recommendation,
-            gpu_memory_bytes: int) -> dict:
+def summary(
+    chosen: MemoryEstimate,
+    comparison: Mapping[str, MemoryEstimate],
+    recommendation: Recommendation,
+    gpu_memory_bytes: int,
+) -> dict:
     """What the memory calculator notebook found, as JSON-able values (its SUMMARY_PATH file)."""
-    return dict(model=chosen.model, gpu_memory_bytes=int(gpu_memory_bytes),
-                fits=chosen.gpu_bytes <= gpu_memory_bytes, chosen=chosen.to_dict(),
-                comparison={label: item.to_dict() for label, item in comparison.items()},
-                recommendation=dict(micro_batch=recommendation.micro_batch,
-                                    checkpointing=recommendation.checkpointing, fits=recommendation.fits,
-                                    reason=recommendation.reason, gpu_bytes=recommendation.estimate.gpu_bytes))
+    return dict(
+        model=chosen.model,
+        gpu_memory_bytes=int(gpu_memory_bytes),
+        fits=chosen.gpu_bytes <= gpu_memory_bytes,
+        chosen=chosen.to_dict(),
+        comparison={label: item.to_dict() for label, item in comparison.items()},
+        recommendation=dict(
+            micro_batch=recommendation.micro_batch,
+            checkpointing=recommendation.checkpointing,
+            fits=recommendation.fits,
+            reason=recommendation.reason,
+            gpu_bytes=recommendation.estimate.gpu_bytes,
+        ),
+    )

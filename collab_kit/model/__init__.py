@@ -12,17 +12,32 @@
   folder, a file or the Hub, and saving it.
 - ``clip_rank``: ranking drawn images by CLIP's similarity to the prompt.
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "transformer": ["TextToImageTransformer", "count_parameters", "describe", "model_seed", "initial_model",
-                    "non_finite_parameters"],
-    "device": ["DevicePlan", "choose_device", "read_device_facts", "LossScaler"],
-    "attention": ["Layout"],
-    "sampling": ["generate_image_codes", "PAPER_TOP_K", "PAPER_TOP_P", "TOY_TOP_K"],
-    "checkpoint": ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "list_checkpoints",
-                   "rotate_checkpoints"],
-    "vqgan": ["VQGAN", "build_vqgan", "untrained_vqgan", "images_to_pil", "pil_to_tensor"],
-    "vqgan_files": ["load_vqgan", "save_vqgan"],
-    "clip_rank": ["ClipRanker", "DEFAULT_CLIP"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "transformer": [
+            "TextToImageTransformer",
+            "count_parameters",
+            "describe",
+            "model_seed",
+            "initial_model",
+            "non_finite_parameters",
+        ],
+        "device": ["DevicePlan", "choose_device", "read_device_facts", "LossScaler"],
+        "attention": ["Layout"],
+        "sampling": ["generate_image_codes", "PAPER_TOP_K", "PAPER_TOP_P", "TOY_TOP_K"],
+        "checkpoint": [
+            "save_checkpoint",
+            "load_checkpoint",
+            "load_latest_checkpoint",
+            "list_checkpoints",
+            "rotate_checkpoints",
+        ],
+        "vqgan": ["VQGAN", "build_vqgan", "untrained_vqgan", "images_to_pil", "pil_to_tensor"],
+        "vqgan_files": ["load_vqgan", "save_vqgan"],
+        "clip_rank": ["ClipRanker", "DEFAULT_CLIP"],
+    },
+)

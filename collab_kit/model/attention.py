@@ -16,6 +16,7 @@ the ``n x n`` matrix: the image is reshaped into rows (or columns, or bands of r
 each group of queries attends only to the caption plus its own group, so a layer costs
 ``O(n * (T + S))`` instead of ``O(n^2)`` (``O(n * (T + k * S / 2))`` for conv).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class Layout:
 
     @property
     def length(self) -> int:
-        return self.text_length + self.image_side ** 2
+        return self.text_length + self.image_side**2
 
     def dense_mask(self, kind: str, device=None) -> torch.Tensor:
         """``allowed[i, j]``: may position ``i`` attend to position ``j``? (bool ``[n, n]``)"""

@@ -17,6 +17,7 @@ The monitor keeps a series of them, one folder per global epoch, and only the la
 one that is whole: a checkpoint that does not load (a truncated file, a garbled configuration) is skipped
 with a warning naming it, and the one before is tried.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,6 @@ import os
 import re
 import shutil
 import tempfile
-from typing import List, Optional, Tuple
 
 import safetensors.torch
 import torch
@@ -42,7 +42,7 @@ SERIES_PATTERN = re.compile(r"^epoch-(\d+)$")  # the folders of a series of chec
 STAGING_PREFIX = ".checkpoint-"  # save_checkpoint's staging folders; one left behind means a crash mid-save
 
 
-def save_checkpoint(model: torch.nn.Module, config: RunConfig, folder: str, metadata: Optional[dict] = None) -> str:
+def save_checkpoint(model: torch.nn.Module, config: RunConfig, folder: str, metadata: dict | None = None) -> str:
     """Write the model and its configuration to ``folder`` (replaced as a whole, so a crash never leaves half).
 
     :param model: the model to save
@@ -72,7 +72,7 @@ def save_checkpoint(model: torch.nn.Module, config: RunConfig, folder: str, meta
     return folder
 
 
-def resolve_checkpoint(location: str, revision: Optional[str] = None) -> str:
+def resolve_checkpoint(location: str, revision: str | None = None) -> str:
     """A local folder holding a checkpoint: ``location`` itself, or a Hub repository downloaded to the cache.
 
     :param location: a local folder, or a Hub model repository id such as ``user/model``
@@ -83,31 +83,35 @@ def resolve_checkpoint(location: str, revision: Optional[str] = None) -> str:
     elif os.path.exists(location):
         raise ValueError(f"{location!r} is a file: pass the folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}")
     elif location.count("/") == 1 and not location.startswith((".", "/")):
-
         try:
             folder = snapshot_download(location, revision=revision, allow_patterns=[WEIGHTS_NAME, CONFIG_NAME])
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
             raise FileNotFoundError(
                 f"no checkpoint at {location!r}: there is no local folder of that name, and the Hub has no model "
                 f"repository {location!r} at revision {revision or 'main'!r} (or it is private: log in with "
-                f"`hf auth login`)") from e
+                f"`hf auth login`)"
+            ) from e
     else:
-        raise FileNotFoundError(f"no checkpoint at {location!r}: pass a local folder or a Hub repository id "
-                                f"such as 'user/model'")
+        raise FileNotFoundError(
+            f"no checkpoint at {location!r}: pass a local folder or a Hub repository id such as 'user/model'"
+        )
     missing = [name for name in (WEIGHTS_NAME, CONFIG_NAME) if not os.path.exists(os.path.join(folder, name))]
     if missing:
         raise FileNotFoundError(f"{location!r} is not a collab_kit checkpoint: {', '.join(missing)} missing")
     return folder
 
 
-def load_checkpoint(location: str, revision: Optional[str] = None) -> Tuple[TextToImageTransformer, RunConfig, dict]:
+def load_checkpoint(location: str, revision: str | None = None) -> tuple[TextToImageTransformer, RunConfig, dict]:
     """Rebuild the model from a checkpoint folder or Hub repository; returns (model, config, metadata).
 
     :param location: a checkpoint folder, a Hub repository id, or a folder of ``epoch-NNNNNN`` checkpoints (the
       monitor's): then the newest one that loads (see ``load_latest_checkpoint``)
     """
-    if os.path.isdir(location) and not os.path.exists(os.path.join(location, WEIGHTS_NAME)) and \
-            list_checkpoints(location):
+    if (
+        os.path.isdir(location)
+        and not os.path.exists(os.path.join(location, WEIGHTS_NAME))
+        and list_checkpoints(location)
+    ):
         model, config, metadata, _ = load_latest_checkpoint(location)
         return model, config, metadata
     folder = resolve_checkpoint(location, revision)
@@ -120,8 +124,10 @@ def load_checkpoint(location: str, revision: Optional[str] = None) -> Tuple[Text
     except RuntimeError as e:  # tensors of other shapes than the configuration's
         raise ValueError(f"the checkpoint at {location!r} does not fit its own configuration: {e}") from None
     if missing or unexpected:
-        raise ValueError(f"the checkpoint at {location!r} does not fit its own configuration "
-                         f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+        raise ValueError(
+            f"the checkpoint at {location!r} does not fit its own configuration "
+            f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
+        )
     return model.eval(), config, saved.get("metadata", {})
 
 
@@ -134,7 +140,7 @@ def checkpoint_name(epoch: int) -> str:
     return f"epoch-{epoch:06d}"
 
 
-def list_checkpoints(folder: str) -> List[Tuple[int, str]]:
+def list_checkpoints(folder: str) -> list[tuple[int, str]]:
     """The checkpoints of a series, ``[(epoch, path), ...]``, oldest first (an empty list for a missing folder)."""
     if not os.path.isdir(folder):
         return []
@@ -146,7 +152,7 @@ def list_checkpoints(folder: str) -> List[Tuple[int, str]]:
     return sorted(found)
 
 
-def rotate_checkpoints(folder: str, keep: int) -> List[str]:
+def rotate_checkpoints(folder: str, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` checkpoints of a series; returns the removed paths.
 
     Also removes staging folders a crash left behind (``save_checkpoint`` renames a staging folder into
@@ -157,14 +163,17 @@ def rotate_checkpoints(folder: str, keep: int) -> List[str]:
     removed = [path for _, path in list_checkpoints(folder)[:-keep]]
     if os.path.isdir(folder):
         # save_checkpoint's leftovers: staging folders, and a replaced folder's ".old" copy
-        removed += [os.path.join(folder, name) for name in os.listdir(folder) if name.startswith(STAGING_PREFIX)
-                    or (name.endswith(".old") and SERIES_PATTERN.match(name[:-len(".old")]))]
+        removed += [
+            os.path.join(folder, name)
+            for name in os.listdir(folder)
+            if name.startswith(STAGING_PREFIX) or (name.endswith(".old") and SERIES_PATTERN.match(name[: -len(".old")]))
+        ]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
-def load_latest_checkpoint(folder: str) -> Tuple[TextToImageTransformer, RunConfig, dict, str]:
+def load_latest_checkpoint(folder: str) -> tuple[TextToImageTransformer, RunConfig, dict, str]:
     """Load the newest checkpoint of a series that loads whole; returns (model, config, metadata, its path).
 
     A checkpoint that fails to load (a truncated or missing weights file, a missing or garbled
@@ -176,8 +185,10 @@ def load_latest_checkpoint(folder: str) -> Tuple[TextToImageTransformer, RunConf
     """
     series = list_checkpoints(folder)
     if not series:
-        raise FileNotFoundError(f"no checkpoint in {folder!r}: expected folders named like {checkpoint_name(0)!r} "
-                                f"(the monitor writes them there with `collab-kit monitor --checkpoints {folder}`)")
+        raise FileNotFoundError(
+            f"no checkpoint in {folder!r}: expected folders named like {checkpoint_name(0)!r} "
+            f"(the monitor writes them there with `collab-kit monitor --checkpoints {folder}`)"
+        )
     problems = []
     for epoch, path in reversed(series):
         try:

@@ -14,17 +14,18 @@ batches, and needs neither torchvision nor PIL (PIL images are accepted too, whe
 Without the Internet, ``tiny_random_clip()`` builds a CLIP of the same architecture with tiny sizes
 and random weights, and a tokenizer made in memory: tests and the CPU demo use it.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence, Tuple, Union
+from typing import Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer
-import numpy as np
 from PIL import Image
 from tokenizers import pre_tokenizers
+from transformers import AutoTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,12 @@ class ClipRanker:
         self.max_text_length = model.config.text_config.max_position_embeddings
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = DEFAULT_CLIP, device: Optional[Union[str, torch.device]] = None,
-                        dtype: Optional[torch.dtype] = None) -> "ClipRanker":
+    def from_pretrained(
+        cls,
+        name_or_path: str = DEFAULT_CLIP,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ClipRanker:
         """Load a CLIP model and its tokenizer from the Hugging Face Hub or a local folder.
 
         :param name_or_path: a Hub repository id (default: the paper's CLIP ViT-B/32) or a folder written by
@@ -62,9 +67,11 @@ class ClipRanker:
             model = CLIPModel.from_pretrained(name_or_path, dtype=dtype if dtype is not None else torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         except OSError as e:  # transformers' way of saying "not found" / "not reachable"
-            raise OSError(f"could not load CLIP from {name_or_path!r} ({e}). Pass a Hub repository id such as "
-                          f"{DEFAULT_CLIP!r} (needs the Internet or a filled cache) or a local folder written by "
-                          f"ClipRanker.save_pretrained; tiny_random_clip() needs neither") from e
+            raise OSError(
+                f"could not load CLIP from {name_or_path!r} ({e}). Pass a Hub repository id such as "
+                f"{DEFAULT_CLIP!r} (needs the Internet or a filled cache) or a local folder written by "
+                f"ClipRanker.save_pretrained; tiny_random_clip() needs neither"
+            ) from e
         ranker = cls(model.to(device), tokenizer)
         num_parameters = sum(p.numel() for p in model.parameters())
         logger.info(f"loaded CLIP {name_or_path} ({num_parameters / 1e6:.1f}M parameters) on {device}")
@@ -104,13 +111,14 @@ class ClipRanker:
 
         scores = []
         for start in range(0, num_images, batch_size):
-            pixels = self.preprocess(images[start:start + batch_size])
+            pixels = self.preprocess(images[start : start + batch_size])
             image_embedding = _pooled(self.model.get_image_features(pixel_values=pixels)).float()
             scores.append((F.normalize(image_embedding, dim=-1) @ text_embedding.T).squeeze(-1).cpu())
         return torch.cat(scores)
 
-    def rank(self, prompt: str, images: Images, keep: int = 4,
-             batch_size: int = 32) -> Tuple[Images, torch.Tensor, torch.Tensor]:
+    def rank(
+        self, prompt: str, images: Images, keep: int = 4, batch_size: int = 32
+    ) -> tuple[Images, torch.Tensor, torch.Tensor]:
         """Keep the ``keep`` images closest to the prompt, best first.
 
         :param prompt: the text the images were generated from
@@ -123,8 +131,10 @@ class ClipRanker:
         """
         num_images = _check_images(images)
         if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= num_images:
-            raise ValueError(f"keep={keep!r} is not allowed: expected a number of images from 1 to {num_images} "
-                             f"(the number of images given)")
+            raise ValueError(
+                f"keep={keep!r} is not allowed: expected a number of images from 1 to {num_images} "
+                f"(the number of images given)"
+            )
         scores = self.score(prompt, images, batch_size=batch_size)
         kept_scores, order = torch.sort(scores, descending=True, stable=True)
         best = order[:keep]
@@ -152,12 +162,13 @@ class ClipRanker:
             scale = size / min(height, width)
             new_height, new_width = max(size, int(height * scale)), max(size, int(width * scale))
             # antialias: generated images are often much larger than 224 and would alias when shrunk
-            pixels = F.interpolate(pixels.float(), size=(new_height, new_width), mode="bicubic",
-                                   align_corners=False, antialias=True)
+            pixels = F.interpolate(
+                pixels.float(), size=(new_height, new_width), mode="bicubic", align_corners=False, antialias=True
+            )
             # bicubic overshoots at edges; PIL clips to [0, 255], so clip too, and PIL and tensors agree
             pixels = pixels.clamp(0.0, 1.0)
             top, left = int(round((new_height - size) / 2.0)), int(round((new_width - size) / 2.0))
-            pixels = pixels[..., top:top + size, left:left + size]
+            pixels = pixels[..., top : top + size, left : left + size]
         return pixels.float()
 
 
@@ -171,16 +182,22 @@ def _check_images(images: Images) -> int:
     if isinstance(images, torch.Tensor):
         if images.ndim != 4 or images.shape[1] != 3:
             hint = " (one image: pass images[None])" if images.ndim == 3 else ""
-            hint = hint or (" (grayscale: images.expand(-1, 3, -1, -1); RGBA: images[:, :3])"
-                            if images.ndim == 4 and images.shape[1] in (1, 4) else "")
-            raise ValueError(f"images must be a batch [n, 3, height, width] of RGB images with 3 channels, "
-                             f"got shape {list(images.shape)}{hint}")
+            hint = hint or (
+                " (grayscale: images.expand(-1, 3, -1, -1); RGBA: images[:, :3])"
+                if images.ndim == 4 and images.shape[1] in (1, 4)
+                else ""
+            )
+            raise ValueError(
+                f"images must be a batch [n, 3, height, width] of RGB images with 3 channels, "
+                f"got shape {list(images.shape)}{hint}"
+            )
         if images.shape[0] == 0:
             raise ValueError("no images to score: got a batch of 0 images")
         return images.shape[0]
     if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
-        raise TypeError(f"images must be a tensor [n, 3, height, width] or a list of images, "
-                        f"got {type(images).__name__}")
+        raise TypeError(
+            f"images must be a tensor [n, 3, height, width] or a list of images, got {type(images).__name__}"
+        )
     if len(images) == 0:
         raise ValueError("no images to score: got an empty list")
     return len(images)
@@ -193,8 +210,10 @@ def _as_unit_float(images: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"images must be float in [0, 1] or uint8 in [0, 255], got {images.dtype}")
     low, high = images.min().item(), images.max().item()
     if low < -1e-3 or high > 1 + 1e-3:
-        raise ValueError(f"images must lie in [0, 1], got values in [{low:.3f}, {high:.3f}]; "
-                         f"images decoded to [-1, 1] (as a VQGAN decodes) become [0, 1] with (images + 1) / 2")
+        raise ValueError(
+            f"images must lie in [0, 1], got values in [{low:.3f}, {high:.3f}]; "
+            f"images decoded to [-1, 1] (as a VQGAN decodes) become [0, 1] with (images + 1) / 2"
+        )
     return images.float()
 
 
@@ -205,13 +224,15 @@ def _one_image(image, device: torch.device) -> torch.Tensor:
     """
     if isinstance(image, torch.Tensor):
         if image.ndim != 3 or image.shape[0] != 3:
-            raise ValueError(f"each image of a list must be [3, height, width] with 3 channels, "
-                             f"got shape {list(image.shape)}")
+            raise ValueError(
+                f"each image of a list must be [3, height, width] with 3 channels, got shape {list(image.shape)}"
+            )
         return _as_unit_float(image[None].to(device))
 
     if not isinstance(image, Image.Image):
-        raise TypeError(f"a list of images must hold PIL images or [3, height, width] tensors, "
-                        f"got a {type(image).__name__} in it")
+        raise TypeError(
+            f"a list of images must hold PIL images or [3, height, width] tensors, got a {type(image).__name__} in it"
+        )
     array = np.asarray(image.convert("RGB"), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1)[None].to(device).float() / 255.0
 
@@ -232,12 +253,14 @@ def tiny_tokenizer(max_length: int = 32) -> CLIPTokenizer:
     # vocab and merges as objects: transformers 5 builds the tokenizer from them (file names would be ignored)
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
     if tokenizer("a")["input_ids"] != [vocab["<|startoftext|>"], vocab["a</w>"], vocab["<|endoftext|>"]]:
-        raise RuntimeError("this version of transformers built CLIPTokenizer without the given vocabulary; "
-                           "tiny_tokenizer needs transformers >= 5")
+        raise RuntimeError(
+            "this version of transformers built CLIPTokenizer without the given vocabulary; "
+            "tiny_tokenizer needs transformers >= 5"
+        )
     return tokenizer
 
 
-def tiny_random_clip(seed: int = 0, device: Optional[Union[str, torch.device]] = None) -> ClipRanker:
+def tiny_random_clip(seed: int = 0, device: str | torch.device | None = None) -> ClipRanker:
     """A CLIP with the architecture of ViT-B/32 at toy sizes and random weights, plus :func:`tiny_tokenizer`.
 
     Its scores mean nothing, but it runs every line that a real CLIP runs, offline and in a blink:
@@ -247,14 +270,29 @@ def tiny_random_clip(seed: int = 0, device: Optional[Union[str, torch.device]] =
     :param device: where to put it (default: the CPU)
     """
     tokenizer = tiny_tokenizer(max_length=32)
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=32, **special),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        projection_dim=16)
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            **special,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CLIPModel(config)

@@ -20,11 +20,12 @@ collaborative optimizer, so peers of any precision and any loss scale average th
 precision are each peer's own choice: never in a join line, never compared with the run's settings.
 Shown by tests/model/test_device.py.
 """
+
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Iterable
 
 import torch
 
@@ -46,7 +47,7 @@ class GpuFacts:
 
     name: str
     memory_bytes: int
-    capability: Tuple[int, int]
+    capability: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class DeviceFacts:
     :param gpus: the CUDA devices torch can use
     """
 
-    cuda_build: Optional[str]
-    gpus: Tuple[GpuFacts, ...] = ()
+    cuda_build: str | None
+    gpus: tuple[GpuFacts, ...] = ()
 
 
 def read_device_facts() -> DeviceFacts:
@@ -86,7 +87,7 @@ class DevicePlan:
     precision: str
     reason: str
     name: str
-    memory_bytes: Optional[int] = None
+    memory_bytes: int | None = None
 
     @property
     def loss_scaling(self) -> bool:
@@ -94,7 +95,7 @@ class DevicePlan:
         return self.precision == "fp16"
 
     @property
-    def autocast_dtype(self) -> Optional[torch.dtype]:
+    def autocast_dtype(self) -> torch.dtype | None:
         return _DTYPES.get(self.precision)
 
     def autocast(self):
@@ -103,7 +104,7 @@ class DevicePlan:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def move(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def move(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``batch`` on the plan's device: through pinned memory and a non-blocking copy to a GPU, as it is on the
         CPU."""
         if self.device.type == "cpu":
@@ -118,27 +119,32 @@ class DevicePlan:
 
 def _cuda_index(device: str, facts: DeviceFacts) -> int:
     if facts.cuda_build is None:
-        raise DeviceProblem(f"--device {device}: this PyTorch is a CPU-only build (no CUDA): install a CUDA build "
-                            f"of torch (pip install torch --index-url https://download.pytorch.org/whl/cu124), or "
-                            f"use --device cpu")
+        raise DeviceProblem(
+            f"--device {device}: this PyTorch is a CPU-only build (no CUDA): install a CUDA build "
+            f"of torch (pip install torch --index-url https://download.pytorch.org/whl/cu124), or "
+            f"use --device cpu"
+        )
     if not facts.gpus:
-        raise DeviceProblem(f"--device {device}: no CUDA GPU is visible on this machine (on Colab: Runtime > Change "
-                            f"runtime type > T4 GPU), or use --device cpu")
+        raise DeviceProblem(
+            f"--device {device}: no CUDA GPU is visible on this machine (on Colab: Runtime > Change "
+            f"runtime type > T4 GPU), or use --device cpu"
+        )
     index = int(device.split(":", 1)[1]) if ":" in device else 0
     if not 0 <= index < len(facts.gpus):
-        raise DeviceProblem(f"--device {device}: this machine has {len(facts.gpus)} GPU(s), cuda:0 to "
-                            f"cuda:{len(facts.gpus) - 1}")
+        raise DeviceProblem(
+            f"--device {device}: this machine has {len(facts.gpus)} GPU(s), cuda:0 to cuda:{len(facts.gpus) - 1}"
+        )
     return index
 
 
-def _precision_for_gpu(gpu: GpuFacts) -> Tuple[str, str]:
+def _precision_for_gpu(gpu: GpuFacts) -> tuple[str, str]:
     major, minor = gpu.capability
     if gpu.capability >= BF16_CAPABILITY:
         return "bf16", f"compute capability {major}.{minor} computes bf16"
     return "fp16", f"compute capability {major}.{minor} has no bf16"
 
 
-def choose_device(device: str = "auto", precision: str = "auto", facts: Optional[DeviceFacts] = None) -> DevicePlan:
+def choose_device(device: str = "auto", precision: str = "auto", facts: DeviceFacts | None = None) -> DevicePlan:
     """The device and precision a peer trains with (see the module's docstring for the rule).
 
     :param device: "auto", "cpu", "cuda" or "cuda:N"
@@ -163,8 +169,10 @@ def choose_device(device: str = "auto", precision: str = "auto", facts: Optional
     if precision == "auto":
         precision, reason = _precision_for_gpu(gpu)
     elif precision == "bf16" and gpu.capability < BF16_CAPABILITY:
-        raise DeviceProblem(f"--precision bf16: the {gpu.name} (compute capability {gpu.capability[0]}."
-                            f"{gpu.capability[1]}) has no bf16: use --precision fp16 (with loss scaling) or auto")
+        raise DeviceProblem(
+            f"--precision bf16: the {gpu.name} (compute capability {gpu.capability[0]}."
+            f"{gpu.capability[1]}) has no bf16: use --precision fp16 (with loss scaling) or auto"
+        )
     else:
         reason = "asked for"
     return DevicePlan(torch.device("cuda", index), precision, reason, gpu.name, gpu.memory_bytes)
@@ -173,8 +181,9 @@ def choose_device(device: str = "auto", precision: str = "auto", facts: Optional
 def fp32_plan(device) -> DevicePlan:
     """fp32 on ``device`` (a model built and placed by its caller): no autocast, no loss scaling."""
     device = torch.device(device)
-    name = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        device.type
+    name = (
+        "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    )
     return DevicePlan(device, "fp32", "the model's own device, in fp32", name)
 
 
@@ -201,7 +210,7 @@ class LossScaler:
     :param init_scale: the first scale (torch's default 2**16)
     """
 
-    def __init__(self, plan: DevicePlan, parameters: Iterable[torch.nn.Parameter], init_scale: float = 2.0 ** 16):
+    def __init__(self, plan: DevicePlan, parameters: Iterable[torch.nn.Parameter], init_scale: float = 2.0**16):
         self.enabled = plan.loss_scaling
         self._gradients = _GradientsOf(parameters)
         self._scaler = torch.amp.GradScaler(plan.device.type, init_scale=init_scale, enabled=self.enabled)

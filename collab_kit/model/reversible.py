@@ -15,17 +15,18 @@ The memory of a 64-layer model is then that of one layer.
 that both give the same gradients, under autocast too, and with stochastic layers (dropout): each call's random
 state is kept in forward and replayed in backward (tests/model/test_model.py).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Sequence
 
 import torch
 
-Layer = Tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # (f, g)
+Layer = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # (f, g)
 
 
-def run_plain(x1: torch.Tensor, x2: torch.Tensor, layers: Sequence[Layer]) -> Tuple[torch.Tensor, torch.Tensor]:
+def run_plain(x1: torch.Tensor, x2: torch.Tensor, layers: Sequence[Layer]) -> tuple[torch.Tensor, torch.Tensor]:
     """Both streams through every ``(f, g)`` layer, with ordinary autograd."""
     for f, g in layers:
         x1 = x1 + f(x2)
@@ -33,7 +34,7 @@ def run_plain(x1: torch.Tensor, x2: torch.Tensor, layers: Sequence[Layer]) -> Tu
     return x1, x2
 
 
-def run_reversible(x1: torch.Tensor, x2: torch.Tensor, layers: Sequence[Layer]) -> Tuple[torch.Tensor, torch.Tensor]:
+def run_reversible(x1: torch.Tensor, x2: torch.Tensor, layers: Sequence[Layer]) -> tuple[torch.Tensor, torch.Tensor]:
     """Like ``run_plain``, keeping no activations for backward.
 
     The parameters of ``f`` and ``g`` get their gradients during ``loss.backward()`` as usual (they are
@@ -66,7 +67,7 @@ def _replayed(state, devices: list):
 
 class _ReversibleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x1: torch.Tensor, x2: torch.Tensor, layers: Tuple[Layer, ...]):
+    def forward(ctx, x1: torch.Tensor, x2: torch.Tensor, layers: tuple[Layer, ...]):
         # autograd.Function.forward runs without recording a graph: nothing here is kept but each call's random state,
         # which backward replays to rebuild the same activations
         devices = _rng_devices(x1)
@@ -82,8 +83,11 @@ class _ReversibleFunction(torch.autograd.Function):
         # backward recomputes the layers: under the same autocast as the forward pass, or the rebuilt
         # inputs would not be the ones the forward pass used
         device_type = x1.device.type
-        ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
-                            dtype=torch.get_autocast_dtype(device_type))
+        ctx.autocast = dict(
+            device_type=device_type,
+            enabled=torch.is_autocast_enabled(device_type),
+            dtype=torch.get_autocast_dtype(device_type),
+        )
         ctx.save_for_backward(y1, y2)
         return y1, y2
 

@@ -4,9 +4,8 @@ The paper found that limiting sampling to the 256 most likely codes, or to the s
 codes whose probabilities add up to 0.75, greatly improves the images (section 3.4). These
 functions work on any ``[..., vocabulary]`` logits; the cached generation loop of the model uses them.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -48,8 +47,13 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Draw one token per row of ``logits`` ``[batch, vocabulary]``.
 
     :param temperature: divides the logits; 0 means greedy (the most likely token)
@@ -71,9 +75,17 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
 
 
 @torch.no_grad()
-def generate_image_codes(model, text_tokens: torch.Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
-                         top_p: Optional[float] = None, use_cache: bool = True,
-                         generator: Optional[torch.Generator] = None, progress=None) -> torch.Tensor:
+def generate_image_codes(
+    model,
+    text_tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    progress=None,
+) -> torch.Tensor:
     """Sample the image codes of a batch of captions, one code at a time.
 
     :param model: a collab_kit.model.transformer.TextToImageTransformer

@@ -18,13 +18,13 @@ codes from the whole caption and the codes its layers may see. What that is depe
 - Feed-forward: GEGLU (Shazeer 2020) with an inner width of 4 x hidden, as in the original run.
 - No dropout: the paper's run trains on far more data than the model can memorise.
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,7 +35,7 @@ from collab_kit.model.attention import Layout
 from collab_kit.model.reversible import run_plain, run_reversible
 
 
-def rotary_tables(config: ModelConfig, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos``, ``sin`` ``[sequence_length, head_size]`` (float32) of the 2D rotary embedding."""
     quarter = config.head_size // 4  # frequencies per axis; each turns a pair of features
     inverse_frequency = 10000.0 ** (-torch.arange(quarter, device=device, dtype=torch.float32) / quarter)
@@ -60,8 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class KVCache:
     """Keys and values of the positions decoded so far, one pair of ``[batch, heads, n, head_size]`` per layer."""
 
-    keys: List[torch.Tensor]
-    values: List[torch.Tensor]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
     length: int = 0  # positions filled
@@ -126,9 +126,9 @@ class Block(nn.Module):
 
 @dataclass
 class ModelOutput:
-    loss: Optional[torch.Tensor]
-    text_loss: Optional[torch.Tensor]
-    image_loss: Optional[torch.Tensor]
+    loss: torch.Tensor | None
+    text_loss: torch.Tensor | None
+    image_loss: torch.Tensor | None
     text_logits: torch.Tensor  # [batch, text_length - 1, text_vocab]: predictions of caption tokens 1..
     image_logits: torch.Tensor  # [batch, image_length, codebook]: predictions of every image code
 
@@ -166,8 +166,13 @@ class TextToImageTransformer(nn.Module):
 
     def layers(self, cos: torch.Tensor, sin: torch.Tensor):
         """The ``(f, g)`` pair of every layer, in order: shared blocks appear once per use."""
-        return [(functools.partial(self.blocks[b].attend, cos=cos, sin=sin, layout=self.layout, kind=kind),
-                 self.blocks[b].feed_forward) for b, kind in self.plan]
+        return [
+            (
+                functools.partial(self.blocks[b].attend, cos=cos, sin=sin, layout=self.layout, kind=kind),
+                self.blocks[b].feed_forward,
+            )
+            for b, kind in self.plan
+        ]
 
     def forward(self, text_tokens: torch.Tensor, image_codes: torch.Tensor, compute_loss: bool = True) -> ModelOutput:
         """
@@ -177,9 +182,11 @@ class TextToImageTransformer(nn.Module):
         """
         cfg = self.config
         if text_tokens.shape[1:] != (cfg.text_length,) or image_codes.shape[1:] != (cfg.image_length,):
-            raise ValueError(f"expected text_tokens [batch, {cfg.text_length}] and image_codes "
-                             f"[batch, {cfg.image_length}], got {tuple(text_tokens.shape)} and "
-                             f"{tuple(image_codes.shape)}")
+            raise ValueError(
+                f"expected text_tokens [batch, {cfg.text_length}] and image_codes "
+                f"[batch, {cfg.image_length}], got {tuple(text_tokens.shape)} and "
+                f"{tuple(image_codes.shape)}"
+            )
         x = torch.cat([self.text_embedding(text_tokens), self.image_embedding(image_codes)], dim=1)
         cos, sin = rotary_tables(cfg, x.device)
         # both streams of the reversible layers start from the embeddings; their mean is the output
@@ -187,17 +194,17 @@ class TextToImageTransformer(nn.Module):
         x1, x2 = run(x, x, self.layers(cos, sin))
         x = self.final_norm((x1 + x2) / 2)
         # position i predicts token i + 1; the last image code predicts nothing
-        text_hidden, image_hidden = x[:, : cfg.text_length - 1], x[:, cfg.text_length - 1: -1]
+        text_hidden, image_hidden = x[:, : cfg.text_length - 1], x[:, cfg.text_length - 1 : -1]
         text_logits = text_hidden @ self.text_embedding.weight.t()  # tied input / output embeddings
         image_logits = image_hidden @ self.image_embedding.weight.t()
 
         loss = text_loss = image_loss = None
         if compute_loss:
             text_targets = text_tokens[:, 1:].masked_fill(text_tokens[:, 1:] == cfg.pad_token_id, -100)
-            text_loss_sum = F.cross_entropy(text_logits.flatten(0, 1).float(), text_targets.flatten(),
-                                            ignore_index=-100, reduction="sum")
-            image_loss_sum = F.cross_entropy(image_logits.flatten(0, 1).float(), image_codes.flatten(),
-                                             reduction="sum")
+            text_loss_sum = F.cross_entropy(
+                text_logits.flatten(0, 1).float(), text_targets.flatten(), ignore_index=-100, reduction="sum"
+            )
+            image_loss_sum = F.cross_entropy(image_logits.flatten(0, 1).float(), image_codes.flatten(), reduction="sum")
             num_text = (text_targets != -100).sum().clamp_min(1)
             text_loss, image_loss = text_loss_sum / num_text, image_loss_sum / image_codes.numel()
             loss = (text_loss_sum + image_loss_sum) / (num_text + image_codes.numel())
@@ -206,16 +213,19 @@ class TextToImageTransformer(nn.Module):
     # generation: the caption once, then one image code at a time, reusing the keys and values computed so far
 
     @torch.no_grad()
-    def start_decoding(self, text_tokens: torch.Tensor) -> Tuple[torch.Tensor, KVCache]:
+    def start_decoding(self, text_tokens: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
         """Read the caption; returns the logits of the first image code ``[batch, codebook]`` and the cache."""
         cfg = self.config
         if text_tokens.shape[1:] != (cfg.text_length,):
             raise ValueError(f"expected text_tokens [batch, {cfg.text_length}], got {tuple(text_tokens.shape)}")
         weight = self.image_embedding.weight
         shape = (text_tokens.shape[0], cfg.num_heads, cfg.sequence_length, cfg.head_size)
-        cache = KVCache(keys=[weight.new_empty(shape) for _ in self.plan],
-                        values=[weight.new_empty(shape) for _ in self.plan],
-                        cos=None, sin=None)
+        cache = KVCache(
+            keys=[weight.new_empty(shape) for _ in self.plan],
+            values=[weight.new_empty(shape) for _ in self.plan],
+            cos=None,
+            sin=None,
+        )
         cache.cos, cache.sin = rotary_tables(cfg, weight.device)
         return self._decode(self.text_embedding(text_tokens), cache), cache
 
@@ -232,8 +242,9 @@ class TextToImageTransformer(nn.Module):
         x1 = x2 = x
         for i, (b, kind) in enumerate(self.plan):
             block, mask = self.blocks[b], self.layout.dense_mask(kind, x.device)[start:end, :end]
-            x1 = x1 + block.attention.forward_cached(block.attention_norm(x2), cos, sin, mask,
-                                                     cache.keys[i], cache.values[i], start)
+            x1 = x1 + block.attention.forward_cached(
+                block.attention_norm(x2), cos, sin, mask, cache.keys[i], cache.values[i], start
+            )
             x2 = x2 + block.feed_forward(x1)
         cache.length = end
         last = self.final_norm((x1[:, -1] + x2[:, -1]) / 2)
@@ -246,7 +257,7 @@ def model_seed(run_id: str) -> int:
     return zlib.crc32(run_id.encode())
 
 
-def initial_model(config: ModelConfig, run_id: str, model_class: Optional[type] = None) -> "TextToImageTransformer":
+def initial_model(config: ModelConfig, run_id: str, model_class: type | None = None) -> TextToImageTransformer:
     """The model every peer of run ``run_id`` starts from: the same parameters everywhere (``model_seed``), drawn
     without touching the caller's random state.
 
@@ -257,7 +268,7 @@ def initial_model(config: ModelConfig, run_id: str, model_class: Optional[type] 
         return (model_class or TextToImageTransformer)(config)
 
 
-def non_finite_parameters(model: nn.Module) -> List[str]:
+def non_finite_parameters(model: nn.Module) -> list[str]:
     """Names of the parameters holding nan or inf (empty: all finite)."""
     with torch.no_grad():
         return [name for name, param in model.named_parameters() if not torch.isfinite(param).all()]
@@ -280,7 +291,14 @@ def describe(config: ModelConfig) -> dict:
         model = TextToImageTransformer(config)
     unique, compute = count_parameters(model), count_compute_parameters(model)
     kinds = [kind for _, kind in model.plan]
-    return dict(layers=config.num_layers, unique_blocks=len(model.blocks), attention=kinds,
-                hidden_size=config.hidden_size, heads=f"{config.num_heads} x {config.head_size}",
-                sequence=f"{config.text_length} caption tokens + {config.image_side}x{config.image_side} image codes",
-                unique_parameters=unique, compute_parameters=compute, reversible=config.reversible)
+    return dict(
+        layers=config.num_layers,
+        unique_blocks=len(model.blocks),
+        attention=kinds,
+        hidden_size=config.hidden_size,
+        heads=f"{config.num_heads} x {config.head_size}",
+        sequence=f"{config.text_length} caption tokens + {config.image_side}x{config.image_side} image codes",
+        unique_parameters=unique,
+        compute_parameters=compute,
+        reversible=config.reversible,
+    )

@@ -20,6 +20,7 @@ released models are, flat or with taming's subfolders:
 
 Loading and saving checkpoints (folders, files, the Hub; the safe loader) is collab_kit.model.vqgan_files.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,15 +28,15 @@ import copy
 import io
 import logging
 import os
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Sequence, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 from PIL import Image
 from taming.modules.diffusionmodules.model import Decoder, Encoder
 from taming.modules.vqvae.quantize import GumbelQuantize, VectorQuantizer2
-import yaml
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,25 @@ PAPER_VQGAN_CONFIG = {
         "monitor": "val/rec_loss",
         "temperature_scheduler_config": {
             "target": "taming.lr_scheduler.LambdaWarmUpCosineScheduler",
-            "params": {"warm_up_steps": 0, "max_decay_steps": 1000001, "lr_start": 0.9, "lr_max": 0.9,
-                       "lr_min": 1.0e-06},
+            "params": {
+                "warm_up_steps": 0,
+                "max_decay_steps": 1000001,
+                "lr_start": 0.9,
+                "lr_max": 0.9,
+                "lr_min": 1.0e-06,
+            },
         },
         "ddconfig": {
-            "double_z": False, "z_channels": 256, "resolution": 256, "in_channels": 3, "out_ch": 3,
-            "ch": 128, "ch_mult": [1, 1, 2, 4], "num_res_blocks": 2, "attn_resolutions": [32], "dropout": 0.0,
+            "double_z": False,
+            "z_channels": 256,
+            "resolution": 256,
+            "in_channels": 3,
+            "out_ch": 3,
+            "ch": 128,
+            "ch_mult": [1, 1, 2, 4],
+            "num_res_blocks": 2,
+            "attn_resolutions": [32],
+            "dropout": 0.0,
         },
         "lossconfig": {"target": "taming.modules.losses.vqperceptual.DummyLoss"},
     },
@@ -77,8 +91,16 @@ TINY_VQGAN_CONFIG = {
         "embed_dim": 8,
         "n_embed": 32,
         "ddconfig": {
-            "double_z": False, "z_channels": 8, "resolution": 16, "in_channels": 3, "out_ch": 3,
-            "ch": 32, "ch_mult": [1, 1, 2], "num_res_blocks": 1, "attn_resolutions": [8], "dropout": 0.0,
+            "double_z": False,
+            "z_channels": 8,
+            "resolution": 16,
+            "in_channels": 3,
+            "out_ch": 3,
+            "ch": 32,
+            "ch_mult": [1, 1, 2],
+            "num_res_blocks": 1,
+            "attn_resolutions": [8],
+            "dropout": 0.0,
         },
         "lossconfig": {"target": "taming.modules.losses.vqperceptual.DummyLoss"},
     },
@@ -108,8 +130,13 @@ class VQGAN(torch.nn.Module):
         if self.is_gumbel:
             # GumbelVQ feeds quant_conv's output (embed_dim channels) to a projection built for
             # z_channels inputs; _check_config made sure the two agree
-            self.quantize = GumbelQuantize(ddconfig["z_channels"], embed_dim, n_embed=n_embed,
-                                           kl_weight=params.get("kl_weight", 1e-8), temp_init=1.0)
+            self.quantize = GumbelQuantize(
+                ddconfig["z_channels"],
+                embed_dim,
+                n_embed=n_embed,
+                kl_weight=params.get("kl_weight", 1e-8),
+                temp_init=1.0,
+            )
         else:
             self.quantize = VectorQuantizer2(n_embed, embed_dim, beta=0.25)
 
@@ -157,7 +184,7 @@ class VQGAN(torch.nn.Module):
         return codes.flatten(1)  # [B, h, w] -> [B, h * w], row by row
 
     @torch.no_grad()
-    def decode(self, codes: torch.Tensor, grid: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    def decode(self, codes: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """Codes to images.
 
         :param codes: integer ``[B, h * w]`` in raster order, or ``[B, h, w]``, values in [0, codebook_size)
@@ -173,20 +200,28 @@ class VQGAN(torch.nn.Module):
         in_channels, f = self.config["params"]["ddconfig"]["in_channels"], self.downsampling_factor
         if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != in_channels:
             shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-            raise ValueError(f"expected images as a float tensor [batch, {in_channels}, height, width] "
-                             f"with values in [0, 1], got {shape}")
+            raise ValueError(
+                f"expected images as a float tensor [batch, {in_channels}, height, width] "
+                f"with values in [0, 1], got {shape}"
+            )
         if not images.is_floating_point():
-            raise ValueError(f"expected float images with values in [0, 1], got {images.dtype} "
-                             f"(divide uint8 pixels by 255, or use pil_to_tensor)")
+            raise ValueError(
+                f"expected float images with values in [0, 1], got {images.dtype} "
+                f"(divide uint8 pixels by 255, or use pil_to_tensor)"
+            )
         if images.shape[2] % f or images.shape[3] % f:
-            raise ValueError(f"expected height and width that are multiples of the downsampling factor {f}, "
-                             f"got {images.shape[2]}x{images.shape[3]}")
+            raise ValueError(
+                f"expected height and width that are multiples of the downsampling factor {f}, "
+                f"got {images.shape[2]}x{images.shape[3]}"
+            )
         # catch images already in taming's [-1, 1]: they would encode without error, to the wrong codes
         if images.device.type != "meta" and images.numel() and (images.min() < -1e-3 or images.max() > 1 + 1e-3):
-            raise ValueError(f"expected image values in [0, 1], got [{images.min():.3g}, {images.max():.3g}] "
-                             f"(the conversion to taming's [-1, 1] happens inside encode)")
+            raise ValueError(
+                f"expected image values in [0, 1], got [{images.min():.3g}, {images.max():.3g}] "
+                f"(the conversion to taming's [-1, 1] happens inside encode)"
+            )
 
-    def _check_codes(self, codes: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.Tensor:
+    def _check_codes(self, codes: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         """Validate codes and return them as an int64 grid ``[B, h, w]``."""
         expected = f"integer codes [batch, h * w] or [batch, h, w] with values in [0, {self.codebook_size})"
         if not isinstance(codes, torch.Tensor) or codes.ndim not in (2, 3):
@@ -197,7 +232,7 @@ class VQGAN(torch.nn.Module):
         if codes.ndim == 2:
             length = codes.shape[1]
             if grid is None:
-                side = round(length ** 0.5)
+                side = round(length**0.5)
                 if side * side != length:
                     raise ValueError(f"{length} codes per image do not make a square grid: pass grid=(h, w)")
                 grid = (side, side)
@@ -237,7 +272,6 @@ def _read_config(config: ConfigLike) -> dict:
     if config is None:
         return copy.deepcopy(PAPER_VQGAN_CONFIG)
     if isinstance(config, (str, os.PathLike)):
-
         with open(config) as f:
             loaded = yaml.safe_load(f)
         if not isinstance(loaded, dict):
@@ -252,8 +286,10 @@ def _read_config(config: ConfigLike) -> dict:
 
 def _check_config(config: dict) -> dict:
     if not isinstance(config, dict) or "target" not in config or not isinstance(config.get("params"), dict):
-        raise ValueError('expected a taming model config {"target": ..., "params": {...}}, '
-                         f"got keys {sorted(config) if isinstance(config, dict) else type(config).__name__}")
+        raise ValueError(
+            'expected a taming model config {"target": ..., "params": {...}}, '
+            f"got keys {sorted(config) if isinstance(config, dict) else type(config).__name__}"
+        )
     if config["target"] not in SUPPORTED_TARGETS:
         raise ValueError(f"unsupported VQGAN target {config['target']!r}: supported are {', '.join(SUPPORTED_TARGETS)}")
     params = config["params"]
@@ -264,19 +300,34 @@ def _check_config(config: dict) -> dict:
         if params.get(key) is not None:
             raise ValueError(f"params.{key} is not supported by collab_kit.model.vqgan (got {params[key]!r})")
     ddconfig = params["ddconfig"]
-    missing = [key for key in ("ch", "ch_mult", "num_res_blocks", "attn_resolutions", "in_channels", "out_ch",
-                               "resolution", "z_channels") if key not in ddconfig]
+    missing = [
+        key
+        for key in (
+            "ch",
+            "ch_mult",
+            "num_res_blocks",
+            "attn_resolutions",
+            "in_channels",
+            "out_ch",
+            "resolution",
+            "z_channels",
+        )
+        if key not in ddconfig
+    ]
     if missing:
         raise ValueError(f"the VQGAN config's ddconfig lacks {', '.join(missing)}")
     if ddconfig.get("double_z", True):
         # taming's Encoder defaults to double_z=True (a KL autoencoder's mean and variance): a VQGAN has one z
         raise ValueError("ddconfig.double_z must be False for a VQGAN (taming's Encoder defaults to True)")
     if ddconfig["ch"] % 32:
-        raise ValueError(f"ddconfig.ch must be a multiple of 32 (taming's GroupNorm has 32 groups), "
-                         f"got {ddconfig['ch']}")
+        raise ValueError(
+            f"ddconfig.ch must be a multiple of 32 (taming's GroupNorm has 32 groups), got {ddconfig['ch']}"
+        )
     if config["target"] == GUMBEL_TARGET and ddconfig["z_channels"] != params["embed_dim"]:
-        raise ValueError(f"a GumbelVQ needs ddconfig.z_channels == embed_dim (its quantizer projects quant_conv's "
-                         f"output), got {ddconfig['z_channels']} and {params['embed_dim']}")
+        raise ValueError(
+            f"a GumbelVQ needs ddconfig.z_channels == embed_dim (its quantizer projects quant_conv's "
+            f"output), got {ddconfig['z_channels']} and {params['embed_dim']}"
+        )
     return config
 
 
@@ -288,6 +339,7 @@ def build_vqgan(config: ConfigLike = None) -> VQGAN:
       Targets: ``taming.models.vqgan.GumbelVQ`` (Gumbel quantizer) and ``taming.models.vqgan.VQModel``.
     """
     return VQGAN(_read_config(config))
+
 
 def untrained_vqgan(grid_size: int, codebook_size: int, seed: int = 0) -> VQGAN:
     """A small VQGAN with random weights whose code grid is ``grid_size`` (f=4, images of 4 x grid_size pixels).
@@ -308,7 +360,7 @@ def untrained_vqgan(grid_size: int, codebook_size: int, seed: int = 0) -> VQGAN:
 # PIL images <-> tensors
 
 
-def pil_to_tensor(images: Union[Image.Image, Sequence[Image.Image]], size: Optional[int] = None) -> torch.Tensor:
+def pil_to_tensor(images: Image.Image | Sequence[Image.Image], size: int | None = None) -> torch.Tensor:
     """PIL images to a float batch ``[B, 3, H, W]`` in [0, 1], what ``VQGAN.encode`` takes.
 
     :param images: one image or a list of images of the same size (any mode: converted to RGB)
@@ -332,7 +384,7 @@ def pil_to_tensor(images: Union[Image.Image, Sequence[Image.Image]], size: Optio
     return torch.stack(tensors)
 
 
-def images_to_pil(images: torch.Tensor) -> List[Image.Image]:
+def images_to_pil(images: torch.Tensor) -> list[Image.Image]:
     """A float batch ``[B, 3, H, W]`` in [0, 1] (what ``VQGAN.decode`` returns) to RGB PIL images."""
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__

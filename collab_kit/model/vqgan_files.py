@@ -4,22 +4,22 @@
 tensors with a loader that executes nothing from the file (a pickle that needs more is refused, with how to trust
 it), and builds the model of collab_kit.model.vqgan; ``save_vqgan`` writes a folder ``load_vqgan`` reads back.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import pickle
 import tempfile
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Sequence
 
+import safetensors.torch
 import torch
 import yaml
 from huggingface_hub import hf_hub_download
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
-import safetensors.torch
 
 from collab_kit.model.vqgan import CHECKPOINT_NAME, CONFIG_NAME, IGNORED_PREFIXES, VQGAN, ConfigLike, build_vqgan
-
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # checkpoints
 
 
-def _first_existing(folder: str, names: Sequence[str]) -> Optional[str]:
+def _first_existing(folder: str, names: Sequence[str]) -> str | None:
     for name in names:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
@@ -36,15 +36,18 @@ def _first_existing(folder: str, names: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _resolve(checkpoint: str, config: ConfigLike, filename: str, config_filename: str,
-             revision: Optional[str]) -> Tuple[str, ConfigLike]:
+def _resolve(
+    checkpoint: str, config: ConfigLike, filename: str, config_filename: str, revision: str | None
+) -> tuple[str, ConfigLike]:
     """The local path of the weights and the config (given, found beside them, or None)."""
     if os.path.isdir(checkpoint):
         names = [filename, os.path.join("checkpoints", filename)]
         weights = _first_existing(checkpoint, names)
         if weights is None:
-            raise FileNotFoundError(f"no VQGAN checkpoint in {checkpoint!r}: looked for {' and '.join(names)} "
-                                    f"(pass filename= for another name)")
+            raise FileNotFoundError(
+                f"no VQGAN checkpoint in {checkpoint!r}: looked for {' and '.join(names)} "
+                f"(pass filename= for another name)"
+            )
         if config is None:
             config = _first_existing(checkpoint, [config_filename, os.path.join("configs", config_filename)])
         return weights, config
@@ -54,7 +57,6 @@ def _resolve(checkpoint: str, config: ConfigLike, filename: str, config_filename
             config = _first_existing(here, [config_filename, os.path.join("..", "configs", config_filename)])
         return checkpoint, config
     if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
-
         weights = hf_hub_download(checkpoint, filename, revision=revision)
         if config is None:
             try:
@@ -64,8 +66,10 @@ def _resolve(checkpoint: str, config: ConfigLike, filename: str, config_filename
                     raise
                 logger.info(f"{checkpoint} has no {config_filename}")
         return weights, config
-    raise FileNotFoundError(f"no VQGAN checkpoint at {checkpoint!r}: pass a .ckpt / .pt / .safetensors file, "
-                            f"a folder holding {filename}, or a Hub repository id such as 'user/vqgan'")
+    raise FileNotFoundError(
+        f"no VQGAN checkpoint at {checkpoint!r}: pass a .ckpt / .pt / .safetensors file, "
+        f"a folder holding {filename}, or a Hub repository id such as 'user/vqgan'"
+    )
 
 
 class _StandIn:
@@ -96,8 +100,10 @@ def _load_pickle_safely(path: str, map_location) -> object:
     serialization = torch.serialization
     if hasattr(serialization, "get_unsafe_globals_in_checkpoint"):  # torch >= 2.6
         names = serialization.get_unsafe_globals_in_checkpoint(path)
-        stand_ins = [(type(name.rpartition(".")[2], (_StandIn,), {"__module__": name.rpartition(".")[0]}), name)
-                     for name in names]
+        stand_ins = [
+            (type(name.rpartition(".")[2], (_StandIn,), {"__module__": name.rpartition(".")[0]}), name)
+            for name in names
+        ]
         try:
             with serialization.safe_globals(stand_ins):
                 loaded = torch.load(path, map_location=map_location, weights_only=True)
@@ -110,7 +116,8 @@ def _load_pickle_safely(path: str, map_location) -> object:
         f"hyper-parameters beside the weights). If you trust its source, load it once with "
         f"load_vqgan(..., trust_checkpoint=True) (the packages that pickled those objects must be importable) "
         f"and keep the result with save_vqgan, which writes tensors only. "
-        f"The loader said: {_reason(refusal)}") from None
+        f"The loader said: {_reason(refusal)}"
+    ) from None
 
 
 def _reason(error: Exception) -> str:
@@ -120,9 +127,8 @@ def _reason(error: Exception) -> str:
     return (specific or lines or [type(error).__name__])[0]
 
 
-def _read_state_dict(path: str, map_location, trust_checkpoint: bool) -> Dict[str, torch.Tensor]:
+def _read_state_dict(path: str, map_location, trust_checkpoint: bool) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
-
         return safetensors.torch.load_file(path, device=str(map_location))
     if trust_checkpoint:
         loaded = torch.load(path, map_location=map_location, weights_only=False)
@@ -135,9 +141,16 @@ def _read_state_dict(path: str, map_location, trust_checkpoint: bool) -> Dict[st
     return loaded
 
 
-def load_vqgan(checkpoint: Union[str, os.PathLike], config: ConfigLike = None, *, filename: str = CHECKPOINT_NAME,
-               config_filename: str = CONFIG_NAME, revision: Optional[str] = None, map_location="cpu",
-               trust_checkpoint: bool = False) -> VQGAN:
+def load_vqgan(
+    checkpoint: str | os.PathLike,
+    config: ConfigLike = None,
+    *,
+    filename: str = CHECKPOINT_NAME,
+    config_filename: str = CONFIG_NAME,
+    revision: str | None = None,
+    map_location="cpu",
+    trust_checkpoint: bool = False,
+) -> VQGAN:
     """Load a trained VQGAN (taming's checkpoints included), in eval mode.
 
     The weights of the training losses (``loss.*``: discriminator, LPIPS) are skipped; any other missing or
@@ -159,18 +172,25 @@ def load_vqgan(checkpoint: Union[str, os.PathLike], config: ConfigLike = None, *
     """
     weights, config = _resolve(os.fspath(checkpoint), config, filename, config_filename, revision)
     if config is None:
-        logger.warning(f"no {config_filename} found for {os.fspath(checkpoint)!r}: assuming the paper's "
-                       f"VQGAN config (f=8, 8192 codes); pass config= if it is another model")
+        logger.warning(
+            f"no {config_filename} found for {os.fspath(checkpoint)!r}: assuming the paper's "
+            f"VQGAN config (f=8, 8192 codes); pass config= if it is another model"
+        )
     model = build_vqgan(config)
-    state_dict = {key: value for key, value in _read_state_dict(weights, map_location, trust_checkpoint).items()
-                  if not key.startswith(IGNORED_PREFIXES)}
+    state_dict = {
+        key: value
+        for key, value in _read_state_dict(weights, map_location, trust_checkpoint).items()
+        if not key.startswith(IGNORED_PREFIXES)
+    }
     try:
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
     except RuntimeError as e:  # tensors of other shapes than the config's
         raise ValueError(f"the checkpoint {weights!r} does not fit its config: {e}") from None
     if missing or unexpected:
-        raise ValueError(f"the checkpoint {weights!r} does not fit its config: {len(missing)} missing "
-                         f"{_preview(missing)}, {len(unexpected)} unexpected {_preview(unexpected)}")
+        raise ValueError(
+            f"the checkpoint {weights!r} does not fit its config: {len(missing)} missing "
+            f"{_preview(missing)}, {len(unexpected)} unexpected {_preview(unexpected)}"
+        )
     logger.info(f"loaded a VQGAN ({model.codebook_size} codes, f={model.downsampling_factor}) from {weights}")
     return model.to(map_location).eval()
 
@@ -192,7 +212,7 @@ def _write_atomically(path: str, write):
             os.remove(staging)
 
 
-def save_vqgan(model: VQGAN, folder: Union[str, os.PathLike]) -> str:
+def save_vqgan(model: VQGAN, folder: str | os.PathLike) -> str:
     """Write ``model`` as a taming-style checkpoint that ``load_vqgan(folder)`` reads back.
 
     The weights go to ``folder/last.ckpt`` as ``{"state_dict": ...}`` (tensors only, so the safe loader
@@ -209,8 +229,7 @@ def save_vqgan(model: VQGAN, folder: Union[str, os.PathLike]) -> str:
     state_dict = {key: value.detach().cpu().contiguous() for key, value in model.state_dict().items()}
     # a crash between the two files leaves whole files of two saves: if they do not fit each other,
     # load_vqgan says so (missing / unexpected keys or shapes) rather than loading a mix
-    _write_atomically(os.path.join(folder, CONFIG_NAME),
-                      lambda path: _dump_yaml(yaml, {"model": model.config}, path))
+    _write_atomically(os.path.join(folder, CONFIG_NAME), lambda path: _dump_yaml(yaml, {"model": model.config}, path))
     _write_atomically(os.path.join(folder, CHECKPOINT_NAME), lambda path: torch.save({"state_dict": state_dict}, path))
     logger.info(f"saved a VQGAN to {folder}")
     return folder

@@ -6,10 +6,14 @@
 - ``dashboard``: the monitor's database as plots, a leaderboard, the anchors and a static HTML page.
 - ``dashboard_plots``: the dashboard's plots (loss, alive peers, throughput), on an Axes or as a PNG.
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "preflight": ["run_preflight", "PreflightReport", "Finding"],
-    "live_view": ["LiveView"],
-    "dashboard": ["load", "write_page", "render_page", "show", "show_plots", "show_leaderboard", "DashboardData"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "preflight": ["run_preflight", "PreflightReport", "Finding"],
+        "live_view": ["LiveView"],
+        "dashboard": ["load", "write_page", "render_page", "show", "show_plots", "show_leaderboard", "DashboardData"],
+    },
+)

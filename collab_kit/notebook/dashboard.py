@@ -15,6 +15,7 @@ Agg canvas whatever backend the process has (none is needed), and no global stat
 Contributor names come from the peers (a username or a peer id); they are escaped everywhere they
 appear in HTML.
 """
+
 from __future__ import annotations
 
 import base64
@@ -25,17 +26,28 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from collab_kit.config import SettingFileMissing, SettingProblem
+
 # the plots are drawn in dashboard_plots; their names stay here too, where notebooks and tests use them
 from collab_kit.notebook.dashboard_plots import (  # noqa: F401
-    COLORS, LOSS_X, PLOT_DPI, PLOT_SIZE, PLOTS, dashboard_figure, figure_png, plot_alive_peers, plot_loss, plot_png,
-    plot_throughput)
+    COLORS,
+    LOSS_X,
+    PLOT_DPI,
+    PLOT_SIZE,
+    PLOTS,
+    dashboard_figure,
+    figure_png,
+    plot_alive_peers,
+    plot_loss,
+    plot_png,
+    plot_throughput,
+)
 
 if TYPE_CHECKING:  # loaded on first use: run_history loads hivemind (seconds), which a missing file need not wait for
-    from collab_kit.swarm.metrics import SwarmSnapshot
     from collab_kit.roles.run_history import AnchorRow, CheckpointRow, Contributor, PeerAveraging
+    from collab_kit.swarm.metrics import SwarmSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +61,19 @@ class DashboardData:
     """Everything the dashboard shows, read from the monitor's database at one moment."""
 
     db_path: str
-    series: List[SwarmSnapshot]  # one point per poll, oldest first
-    contributors: List[Contributor]  # most samples first
-    checkpoints: List[CheckpointRow]  # by epoch
-    averaging: List[PeerAveraging] = field(default_factory=list)  # each peer's last round, peers alone first
-    anchors: List[AnchorRow] = field(default_factory=list)  # the run's anchors, the one seen last first
+    series: list[SwarmSnapshot]  # one point per poll, oldest first
+    contributors: list[Contributor]  # most samples first
+    checkpoints: list[CheckpointRow]  # by epoch
+    averaging: list[PeerAveraging] = field(default_factory=list)  # each peer's last round, peers alone first
+    anchors: list[AnchorRow] = field(default_factory=list)  # the run's anchors, the one seen last first
 
     @property
-    def latest(self) -> Optional[SwarmSnapshot]:
+    def latest(self) -> SwarmSnapshot | None:
         """The last poll (None before the first)."""
         return self.series[-1] if self.series else None
 
     @property
-    def latest_loss(self) -> Optional[float]:
+    def latest_loss(self) -> float | None:
         """The last loss reported (a poll with no alive peer has none)."""
         return next((point.loss for point in reversed(self.series) if point.loss is not None), None)
 
@@ -75,15 +87,19 @@ class DashboardData:
         if latest is None:
             return f"{self.db_path}: {NO_POLLS}"
         loss = self.latest_loss
-        return (f"epoch {latest.epoch}, {latest.alive_peers} alive peers, {latest.samples_per_second:,.1f} samples/s, "
-                f"loss {'-' if loss is None else f'{loss:.4f}'}; {len(self.series)} polls "
-                f"from {format_time(self.series[0].time)} to {format_time(latest.time)}; "
-                f"{len(self.contributors)} contributors, {self.total_samples:,} samples; "
-                f"{len(self.checkpoints)} checkpoints")
+        return (
+            f"epoch {latest.epoch}, {latest.alive_peers} alive peers, {latest.samples_per_second:,.1f} samples/s, "
+            f"loss {'-' if loss is None else f'{loss:.4f}'}; {len(self.series)} polls "
+            f"from {format_time(self.series[0].time)} to {format_time(latest.time)}; "
+            f"{len(self.contributors)} contributors, {self.total_samples:,} samples; "
+            f"{len(self.checkpoints)} checkpoints"
+        )
 
 
-NO_POLLS = ("No polls yet: the monitor has not recorded the swarm even once. Is `collab-kit monitor --db PATH` "
-            "running, with PATH this database?")
+NO_POLLS = (
+    "No polls yet: the monitor has not recorded the swarm even once. Is `collab-kit monitor --db PATH` "
+    "running, with PATH this database?"
+)
 
 
 def find_database() -> str:
@@ -97,13 +113,15 @@ def find_database() -> str:
     for path in (DEFAULT_DB_PATH, DEMO_DB_PATH, os.path.join(os.pardir, DEMO_DB_PATH)):
         if os.path.isfile(path):
             return path
-    raise SettingFileMissing(f"no monitor database here: neither {DEFAULT_DB_PATH} (what `collab-kit monitor` writes) "
-                             f"nor {DEMO_DB_PATH} (what `make demo` leaves) is in {os.getcwd()}; give the file "
-                             f"`collab-kit monitor --db` wrote (DB_PATH in the dashboard notebook, --db on the command "
-                             f"line), or run `make demo` first")
+    raise SettingFileMissing(
+        f"no monitor database here: neither {DEFAULT_DB_PATH} (what `collab-kit monitor` writes) "
+        f"nor {DEMO_DB_PATH} (what `make demo` leaves) is in {os.getcwd()}; give the file "
+        f"`collab-kit monitor --db` wrote (DB_PATH in the dashboard notebook, --db on the command "
+        f"line), or run `make demo` first"
+    )
 
 
-def load(db_path: Optional[str] = None) -> DashboardData:
+def load(db_path: str | None = None) -> DashboardData:
     """Read the monitor's database (read-only: safe while the monitor writes it).
 
     :param db_path: the file `collab-kit monitor --db` writes; None or empty: ``find_database()``
@@ -112,8 +130,10 @@ def load(db_path: Optional[str] = None) -> DashboardData:
     """
     db_path = db_path or find_database()
     if not os.path.isfile(db_path):
-        raise SettingFileMissing(f"no monitor database at {db_path!r}: the monitor writes it while it watches a run; "
-                                 f"start `collab-kit monitor --db {db_path}`, or pass the file it writes")
+        raise SettingFileMissing(
+            f"no monitor database at {db_path!r}: the monitor writes it while it watches a run; "
+            f"start `collab-kit monitor --db {db_path}`, or pass the file it writes"
+        )
 
     # lazy: run_history loads hivemind (seconds), which a missing file need not wait for
     from collab_kit.roles.run_history import RunHistory
@@ -123,12 +143,18 @@ def load(db_path: Optional[str] = None) -> DashboardData:
     except sqlite3.Error as e:
         raise SettingProblem(f"cannot open {db_path!r} ({e}): pass the file `collab-kit monitor --db` writes") from None
     try:
-        return DashboardData(db_path=db_path, series=history.series(), contributors=history.leaderboard(),
-                             checkpoints=history.checkpoints(), averaging=history.peer_averaging(),
-                             anchors=history.anchors())
+        return DashboardData(
+            db_path=db_path,
+            series=history.series(),
+            contributors=history.leaderboard(),
+            checkpoints=history.checkpoints(),
+            averaging=history.peer_averaging(),
+            anchors=history.anchors(),
+        )
     except sqlite3.DatabaseError as e:  # no such table, or not an SQLite file at all
-        raise SettingProblem(f"{db_path!r} is not a monitor database ({e}): pass the file `collab-kit monitor --db` "
-                             f"writes") from None
+        raise SettingProblem(
+            f"{db_path!r} is not a monitor database ({e}): pass the file `collab-kit monitor --db` writes"
+        ) from None
     finally:
         history.close()
 
@@ -174,13 +200,22 @@ class LeaderboardRow:
     device: str = ""  # "Tesla T4, fp16" (empty: not reported)
 
 
-def leaderboard_rows(contributors: Sequence[Contributor]) -> List[LeaderboardRow]:
+def leaderboard_rows(contributors: Sequence[Contributor]) -> list[LeaderboardRow]:
     """The leaderboard, in the order given (RunHistory.leaderboard: most samples first)."""
     total = sum(contributor.samples for contributor in contributors)
-    return [LeaderboardRow(rank=rank, name=c.name, samples=c.samples, share=c.samples / total if total else 0.0,
-                           compute=format_duration(c.compute_seconds), first_seen=format_time(c.first_seen),
-                           last_seen=format_time(c.last_seen), device=c.device or "")
-            for rank, c in enumerate(contributors, start=1)]
+    return [
+        LeaderboardRow(
+            rank=rank,
+            name=c.name,
+            samples=c.samples,
+            share=c.samples / total if total else 0.0,
+            compute=format_duration(c.compute_seconds),
+            first_seen=format_time(c.first_seen),
+            last_seen=format_time(c.last_seen),
+            device=c.device or "",
+        )
+        for rank, c in enumerate(contributors, start=1)
+    ]
 
 
 # -- plots ------------------------------------------------------------------------------------
@@ -202,7 +237,8 @@ table.anchors tbody tr { border-bottom: 1px solid #d0d7de; }
 table.ck-table .name { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; word-break: break-all; }
 p.ck-empty { padding: 12px 16px; background: #fff8c5; border: 1px solid #d4a72c; border-radius: 6px; }
 """
-PAGE_STYLE = """
+PAGE_STYLE = (
+    """
 body { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px;
        color: #1b1f24; background: #ffffff; }
 h1 { margin: 0 0 4px 0; font-size: 26px; }
@@ -216,7 +252,9 @@ h2 { margin: 28px 0 10px 0; font-size: 20px; }
 .plots figure { margin: 0; }
 .plots img { display: block; max-width: 100%; height: auto; border: 1px solid #d0d7de; }
 .plots figcaption { color: #57606a; font-size: 13px; margin-top: 4px; max-width: 640px; }
-""" + TABLE_STYLE
+"""
+    + TABLE_STYLE
+)
 
 CAPTIONS = {
     "loss": "The swarm's loss: the alive peers' mean, weighted by their local steps.",
@@ -234,7 +272,7 @@ def _stat(label: str, value: str) -> str:
     return f'<div class="stat"><div class="value">{_e(value)}</div><div class="label">{_e(label)}</div></div>'
 
 
-def leaderboard_html(rows: Sequence[LeaderboardRow], limit: Optional[int] = None) -> str:
+def leaderboard_html(rows: Sequence[LeaderboardRow], limit: int | None = None) -> str:
     """The leaderboard as an HTML table (names escaped); ``limit`` keeps the first rows."""
     if not rows:
         return '<p class="ck-empty">No contributors yet: no peer has reported any work.</p>'
@@ -243,13 +281,16 @@ def leaderboard_html(rows: Sequence[LeaderboardRow], limit: Optional[int] = None
         f'<tr><td class="number">{row.rank}</td><td class="name">{_e(row.name)}</td>'
         f'<td class="number">{row.samples:,}</td><td class="number">{row.share:.1%}</td>'
         f'<td class="number">{_e(row.compute)}</td><td>{_e(row.device)}</td><td>{_e(row.first_seen)}</td>'
-        f'<td>{_e(row.last_seen)}</td></tr>'
-        for row in shown)
+        f"<td>{_e(row.last_seen)}</td></tr>"
+        for row in shown
+    )
     more = f"<p>... and {len(rows) - len(shown)} more contributors.</p>" if len(shown) < len(rows) else ""
-    return ('<table class="ck-table leaderboard"><thead><tr><th class="number">#</th><th>contributor</th>'
-            '<th class="number">samples</th><th class="number">share</th><th class="number">compute time</th>'
-            '<th>device</th><th>first seen</th><th>last seen</th></tr></thead>\n'
-            f'<tbody>\n{body}\n</tbody></table>{more}')
+    return (
+        '<table class="ck-table leaderboard"><thead><tr><th class="number">#</th><th>contributor</th>'
+        '<th class="number">samples</th><th class="number">share</th><th class="number">compute time</th>'
+        "<th>device</th><th>first seen</th><th>last seen</th></tr></thead>\n"
+        f"<tbody>\n{body}\n</tbody></table>{more}"
+    )
 
 
 def checkpoints_html(checkpoints: Sequence[CheckpointRow]) -> str:
@@ -257,29 +298,37 @@ def checkpoints_html(checkpoints: Sequence[CheckpointRow]) -> str:
         return '<p class="ck-empty">No checkpoints yet.</p>'
     body = "\n".join(
         f'<tr><td class="number">{c.epoch}</td><td class="name">{_e(c.path)}</td><td>{_e(format_time(c.time))}</td>'
-        f'<td class="name">{_e(c.pushed_to or "-")}</td></tr>' for c in checkpoints)
-    return ('<table class="ck-table checkpoints"><thead><tr><th class="number">epoch</th><th>saved to</th><th>time</th>'
-            f'<th>pushed to</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>')
+        f'<td class="name">{_e(c.pushed_to or "-")}</td></tr>'
+        for c in checkpoints
+    )
+    return (
+        '<table class="ck-table checkpoints"><thead><tr><th class="number">epoch</th><th>saved to</th><th>time</th>'
+        f"<th>pushed to</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>"
+    )
 
 
-def averaging_html(peers: Sequence[PeerAveraging], limit: Optional[int] = 200) -> str:
+def averaging_html(peers: Sequence[PeerAveraging], limit: int | None = 200) -> str:
     """Each training peer's last gradient round: with how many other peers, or alone (highlighted) and why."""
     if not peers:
         return '<p class="ck-empty">No peer has reported its averaging yet.</p>'
     shown = peers if limit is None else peers[:limit]
     body = "\n".join(
         f'<tr class="{"alone" if peer.alone else "together"}"><td class="name">{_e(peer.name)}</td>'
-        f'<td>{_e(peer.describe())}</td><td>{_e(format_time(peer.last_seen))}</td></tr>' for peer in shown)
+        f"<td>{_e(peer.describe())}</td><td>{_e(format_time(peer.last_seen))}</td></tr>"
+        for peer in shown
+    )
     more = f"<p>... and {len(peers) - len(shown)} more peers.</p>" if len(shown) < len(peers) else ""
-    return ('<table class="ck-table averaging"><thead><tr><th>peer</th><th>its last global step</th>'
-            f'<th>reported</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>{more}')
+    return (
+        '<table class="ck-table averaging"><thead><tr><th>peer</th><th>its last global step</th>'
+        f"<th>reported</th></tr></thead>\n<tbody>\n{body}\n</tbody></table>{more}"
+    )
 
 
 # an anchor republishes its addresses at every poll of its monitor, for at least this long (collab_kit.roles.monitor)
 ANCHOR_RECORD_SECONDS = 60.0
 
 
-def anchors_html(anchors: Sequence[AnchorRow], latest_poll: Optional[float]) -> str:
+def anchors_html(anchors: Sequence[AnchorRow], latest_poll: float | None) -> str:
     """Each anchor of the run: live while the last poll read it (or within its record's lifetime), else gone."""
     if not anchors:
         return '<p class="ck-empty">No anchor has been read yet.</p>'
@@ -288,30 +337,45 @@ def anchors_html(anchors: Sequence[AnchorRow], latest_poll: Optional[float]) -> 
     for anchor in anchors:
         live = anchor.last_seen >= newest - ANCHOR_RECORD_SECONDS
         state = "live" if live else f"gone since {format_time(anchor.last_seen)}"
-        rows.append(f'<tr class="{"live" if live else "gone"}"><td class="name">{_e(anchor.peer_id)}</td>'
-                    f'<td>{_e(state)}</td><td class="name">{"<br>".join(_e(a) for a in anchor.addresses)}</td></tr>')
-    return ('<table class="ck-table anchors"><thead><tr><th>anchor</th><th>state</th><th>join addresses</th></tr>'
-            f'</thead>\n<tbody>\n{chr(10).join(rows)}\n</tbody></table>')
+        rows.append(
+            f'<tr class="{"live" if live else "gone"}"><td class="name">{_e(anchor.peer_id)}</td>'
+            f'<td>{_e(state)}</td><td class="name">{"<br>".join(_e(a) for a in anchor.addresses)}</td></tr>'
+        )
+    return (
+        '<table class="ck-table anchors"><thead><tr><th>anchor</th><th>state</th><th>join addresses</th></tr>'
+        f"</thead>\n<tbody>\n{chr(10).join(rows)}\n</tbody></table>"
+    )
 
 
-def stats_html(data: DashboardData, now: Optional[float] = None) -> str:
+def stats_html(data: DashboardData, now: float | None = None) -> str:
     """The latest figures as cards (or, before the first poll, the message that there are none)."""
     latest = data.latest
     if latest is None:
         return f'<p class="ck-empty">{_e(NO_POLLS)}</p>'
     loss = data.latest_loss
-    cards = [_stat("global epoch", str(latest.epoch)), _stat("alive peers", str(latest.alive_peers)),
-             _stat("samples/s", f"{latest.samples_per_second:,.1f}"),
-             _stat("loss", "-" if loss is None else f"{loss:.4f}"),
-             _stat("contributors", f"{len(data.contributors):,}"), _stat("samples", f"{data.total_samples:,}")]
+    cards = [
+        _stat("global epoch", str(latest.epoch)),
+        _stat("alive peers", str(latest.alive_peers)),
+        _stat("samples/s", f"{latest.samples_per_second:,.1f}"),
+        _stat("loss", "-" if loss is None else f"{loss:.4f}"),
+        _stat("contributors", f"{len(data.contributors):,}"),
+        _stat("samples", f"{data.total_samples:,}"),
+    ]
     age = "" if now is None else f" ({format_duration(now - latest.time)} before this page)"
-    return (f'<div class="stats">{"".join(cards)}</div>\n'
-            f'<p class="generated">Last poll: {_e(format_time(latest.time))}{_e(age)}; {len(data.series):,} polls '
-            f'since {_e(format_time(data.series[0].time))}.</p>')
+    return (
+        f'<div class="stats">{"".join(cards)}</div>\n'
+        f'<p class="generated">Last poll: {_e(format_time(latest.time))}{_e(age)}; {len(data.series):,} polls '
+        f"since {_e(format_time(data.series[0].time))}.</p>"
+    )
 
 
-def render_page(data: DashboardData, title: str = DEFAULT_TITLE, loss_x: str = "time",
-                generated_at: Optional[float] = None, max_contributors: int = 200) -> str:
+def render_page(
+    data: DashboardData,
+    title: str = DEFAULT_TITLE,
+    loss_x: str = "time",
+    generated_at: float | None = None,
+    max_contributors: int = 200,
+) -> str:
     """The dashboard as one HTML document: plots as data URIs, no script, no other file.
 
     :param generated_at: the time to print as the page's (default: now)
@@ -319,30 +383,41 @@ def render_page(data: DashboardData, title: str = DEFAULT_TITLE, loss_x: str = "
     """
 
     generated_at = time.time() if generated_at is None else generated_at
-    parts = [f"<h1>{_e(title)}</h1>",
-             f'<p class="generated">Generated {_e(format_time(generated_at))} from {_e(data.db_path)}.</p>',
-             stats_html(data, now=generated_at)]
+    parts = [
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="generated">Generated {_e(format_time(generated_at))} from {_e(data.db_path)}.</p>',
+        stats_html(data, now=generated_at),
+    ]
     if data.series:
         figures = []
         for kind in PLOTS:
             encoded = base64.b64encode(plot_png(kind, data.series, loss_x=loss_x)).decode("ascii")
             width, height = int(PLOT_SIZE[0] * PLOT_DPI), int(PLOT_SIZE[1] * PLOT_DPI)
-            figures.append(f'<figure><img id="plot-{kind}" alt="{_e(ALT_TEXTS[kind])}" width="{width}" '
-                           f'height="{height}" src="data:image/png;base64,{encoded}">'
-                           f'<figcaption>{_e(CAPTIONS[kind])}</figcaption></figure>')
+            figures.append(
+                f'<figure><img id="plot-{kind}" alt="{_e(ALT_TEXTS[kind])}" width="{width}" '
+                f'height="{height}" src="data:image/png;base64,{encoded}">'
+                f"<figcaption>{_e(CAPTIONS[kind])}</figcaption></figure>"
+            )
         parts.append(f'<h2>The run</h2>\n<div class="plots">\n{chr(10).join(figures)}\n</div>')
     parts.append(f"<h2>Leaderboard</h2>\n{leaderboard_html(leaderboard_rows(data.contributors), max_contributors)}")
     parts.append(f"<h2>Averaging, per peer</h2>\n{averaging_html(data.averaging, max_contributors)}")
     parts.append(f"<h2>Anchors</h2>\n{anchors_html(data.anchors, data.latest.time if data.latest else None)}")
     parts.append(f"<h2>Checkpoints</h2>\n{checkpoints_html(data.checkpoints)}")
     body = "\n".join(parts)
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<title>{_e(title)}</title>\n'
-            f"<style>{PAGE_STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<title>{_e(title)}</title>\n'
+        f"<style>{PAGE_STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
+    )
 
 
-def write_page(source=DEFAULT_DB_PATH, out_path: str = "dashboard.html", title: str = DEFAULT_TITLE,
-               loss_x: str = "time", max_contributors: int = 200) -> str:
+def write_page(
+    source=DEFAULT_DB_PATH,
+    out_path: str = "dashboard.html",
+    title: str = DEFAULT_TITLE,
+    loss_x: str = "time",
+    max_contributors: int = 200,
+) -> str:
     """Write the dashboard of the monitor's database as one static HTML file; returns ``out_path``.
 
     :param source: the file `collab-kit monitor --db` writes, or the DashboardData that load() returned
@@ -383,16 +458,20 @@ def show_plots(source=DEFAULT_DB_PATH, loss_x: str = "time") -> None:
     display(Image(data=figure_png(dashboard_figure(data.series, loss_x=loss_x))))
 
 
-def show_leaderboard(source=DEFAULT_DB_PATH, limit: Optional[int] = 50) -> None:
+def show_leaderboard(source=DEFAULT_DB_PATH, limit: int | None = 50) -> None:
     """Display the leaderboard (and the checkpoints) as HTML tables in a notebook."""
     # lazy: IPython is there only where a notebook runs
     from IPython.display import HTML, display
 
     data = _data(source)
-    display(HTML(f"<style>{TABLE_STYLE}</style>{leaderboard_html(leaderboard_rows(data.contributors), limit)}"
-                 f"<h3>Averaging, per peer</h3>{averaging_html(data.averaging, limit)}"
-                 f"<h3>Anchors</h3>{anchors_html(data.anchors, data.latest.time if data.latest else None)}"
-                 f"<h3>Checkpoints</h3>{checkpoints_html(data.checkpoints)}"))
+    display(
+        HTML(
+            f"<style>{TABLE_STYLE}</style>{leaderboard_html(leaderboard_rows(data.contributors), limit)}"
+            f"<h3>Averaging, per peer</h3>{averaging_html(data.averaging, limit)}"
+            f"<h3>Anchors</h3>{anchors_html(data.anchors, data.latest.time if data.latest else None)}"
+            f"<h3>Checkpoints</h3>{checkpoints_html(data.checkpoints)}"
+        )
+    )
 
 
 def show(source=DEFAULT_DB_PATH, loss_x: str = "time") -> DashboardData:

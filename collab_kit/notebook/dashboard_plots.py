@@ -4,6 +4,7 @@ Axes you give it, or as a PNG.
 Figures are ``matplotlib.figure.Figure`` objects, not pyplot's: PNGs are written through the Agg canvas whatever
 backend the process has (none is needed), and no global state is touched.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -75,8 +76,15 @@ def plot_alive_peers(ax, series: Sequence[SwarmSnapshot]):
     if not series:
         return _nothing_yet(ax, "no polls yet")
     # a step: the count holds until the next poll sees a change
-    ax.plot(_times(series), [point.alive_peers for point in series], color=COLORS["alive_peers"], linewidth=2,
-            marker="o", markersize=3, drawstyle="steps-post")
+    ax.plot(
+        _times(series),
+        [point.alive_peers for point in series],
+        color=COLORS["alive_peers"],
+        linewidth=2,
+        marker="o",
+        markersize=3,
+        drawstyle="steps-post",
+    )
     ax.set_ylim(bottom=0, top=max(point.alive_peers for point in series) + 1)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_ylabel("peers")

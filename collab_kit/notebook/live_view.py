@@ -8,11 +8,11 @@ leaves one picture, not hundreds): the loss of this peer's steps (green where it
 with others), how many peers trained in the swarm, and this peer's samples against the swarm's batch.
 Outside a notebook it only keeps the records (``figure()`` still draws them).
 """
+
 from __future__ import annotations
 
 import io
 import logging
-from typing import List, Optional
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -31,12 +31,13 @@ class LiveView:
     :param display: show the figure (default: only inside a notebook; False: keep the records, draw on request)
     """
 
-    def __init__(self, target_batch_size: Optional[int] = None, title: str = "training together",
-                 display: Optional[bool] = None):
+    def __init__(
+        self, target_batch_size: int | None = None, title: str = "training together", display: bool | None = None
+    ):
         self.target_batch_size = target_batch_size
         self.title = title
-        self.records: List = []  # collab_kit.roles.records.EpochRecord
-        self.warnings: List = []  # collab_kit.roles.records.LoneWarning
+        self.records: list = []  # collab_kit.roles.records.EpochRecord
+        self.warnings: list = []  # collab_kit.roles.records.LoneWarning
         if display is None:
             display = in_notebook()
         self._display = display
@@ -62,13 +63,18 @@ class LiveView:
         alone = self.lone_epochs()
         if alone >= LONE_AFTER_EPOCHS:
             last = self.records[-1]
-            return (f"TRAINING ALONE for {alone} epochs while {last.training_peers - 1} other peer(s) train: "
-                    f"{last.problem or 'no other training peer in its averaging groups'} (see the warning below)")
+            return (
+                f"TRAINING ALONE for {alone} epochs while {last.training_peers - 1} other peer(s) train: "
+                f"{last.problem or 'no other training peer in its averaging groups'} (see the warning below)"
+            )
         last = self.records[-1]
-        share = (f", {last.samples / self.target_batch_size:.0%} of the swarm's last batch"
-                 if self.target_batch_size else "")
-        return (f"epoch {last.epoch}: loss {last.loss:.3f}, {last.num_peers} peer(s) in the swarm; "
-                f"you contributed {self.contributed_samples} samples in {len(self.records)} epoch(s){share}")
+        share = (
+            f", {last.samples / self.target_batch_size:.0%} of the swarm's last batch" if self.target_batch_size else ""
+        )
+        return (
+            f"epoch {last.epoch}: loss {last.loss:.3f}, {last.num_peers} peer(s) in the swarm; "
+            f"you contributed {self.contributed_samples} samples in {len(self.records)} epoch(s){share}"
+        )
 
     def figure(self):
         """The three panels as a matplotlib Figure (not shown)."""
@@ -79,16 +85,23 @@ class LiveView:
         for averaged, color, label in ((True, "tab:green", "averaged with peers"), (False, "tab:gray", "alone")):
             chosen = [r for r in self.records if r.averaged == averaged]
             if chosen:
-                loss_ax.scatter([r.epoch for r in chosen], [r.loss for r in chosen], color=color, zorder=2,
-                                label=label, s=16)
+                loss_ax.scatter(
+                    [r.epoch for r in chosen], [r.loss for r in chosen], color=color, zorder=2, label=label, s=16
+                )
         loss_ax.set(title="loss of your steps", xlabel="global epoch", ylabel="loss (nats per token)")
         if self.records:
             loss_ax.legend(fontsize="small")
-        peers_ax.step(epochs, [r.num_peers for r in self.records], where="mid", color="tab:purple",
-                      label="in the swarm")
+        peers_ax.step(
+            epochs, [r.num_peers for r in self.records], where="mid", color="tab:purple", label="in the swarm"
+        )
         # the others whose gradients were averaged with yours: 0 when you were alone (group_size counts you)
-        peers_ax.step(epochs, [r.group_size - 1 if r.averaged else 0 for r in self.records], where="mid",
-                      color="tab:orange", label="averaged with you")
+        peers_ax.step(
+            epochs,
+            [r.group_size - 1 if r.averaged else 0 for r in self.records],
+            where="mid",
+            color="tab:orange",
+            label="averaged with you",
+        )
         peers_ax.set(title="peers", xlabel="global epoch", ylabel="peers")
         peers_ax.set_ylim(bottom=0, top=max([r.num_peers for r in self.records] + [1]) + 0.5)
         peers_ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
@@ -96,15 +109,19 @@ class LiveView:
             peers_ax.legend(fontsize="small")
         share_ax.bar(epochs, [r.samples for r in self.records], color="tab:green", label="your samples")
         if self.target_batch_size:
-            share_ax.axhline(self.target_batch_size, color="black", linestyle="--", linewidth=1,
-                             label="the swarm's batch")
+            share_ax.axhline(
+                self.target_batch_size, color="black", linestyle="--", linewidth=1, label="the swarm's batch"
+            )
         share_ax.set(title="your contribution", xlabel="global epoch", ylabel="samples")
         if self.records:
             share_ax.legend(fontsize="small")
         for ax in (loss_ax, peers_ax, share_ax):  # epochs are whole: no 0.5 ticks
             ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-        figure.suptitle(f"{self.title}: {self.caption()}", fontsize="medium",
-                        color="tab:red" if self.lone_epochs() >= LONE_AFTER_EPOCHS else "black")
+        figure.suptitle(
+            f"{self.title}: {self.caption()}",
+            fontsize="medium",
+            color="tab:red" if self.lone_epochs() >= LONE_AFTER_EPOCHS else "black",
+        )
         return figure
 
     def png(self) -> bytes:

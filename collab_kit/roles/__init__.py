@@ -15,18 +15,28 @@
 - ``processes``: a peer as a child process that reports events (``PeerProcess``), for the demo, services and tests.
 - ``services``: a maintainer's one-call start of the monitor, the auth server and volunteers, with join lines.
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "volunteer": ["Volunteer"],
-    "recovery": ["NonFiniteTrainingError", "NonFiniteRecoveryMixin"],
-    "monitor": ["Monitor"],
-    "monitor_settings": ["MonitorSettings", "MonitorError"],
-    "checkpointer": ["Checkpointer"],
-    "records": ["EpochRecord", "RestoreRecord", "TrainingHistory", "LoneWarning", "LONE_AFTER_EPOCHS"],
-    "run_history": ["RunHistory"],
-    "live_page": ["LivePage", "LivePageError"],
-    "processes": ["PeerProcess", "PeerFailed", "emit_event"],
-    "services": ["start_monitor", "start_auth_server", "start_volunteer_process", "stop_all", "running_services",
-                 "ServiceError"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "volunteer": ["Volunteer"],
+        "recovery": ["NonFiniteTrainingError", "NonFiniteRecoveryMixin"],
+        "monitor": ["Monitor"],
+        "monitor_settings": ["MonitorSettings", "MonitorError"],
+        "checkpointer": ["Checkpointer"],
+        "records": ["EpochRecord", "RestoreRecord", "TrainingHistory", "LoneWarning", "LONE_AFTER_EPOCHS"],
+        "run_history": ["RunHistory"],
+        "live_page": ["LivePage", "LivePageError"],
+        "processes": ["PeerProcess", "PeerFailed", "emit_event"],
+        "services": [
+            "start_monitor",
+            "start_auth_server",
+            "start_volunteer_process",
+            "stop_all",
+            "running_services",
+            "ServiceError",
+        ],
+    },
+)

@@ -5,6 +5,7 @@ A download that fails is tried again after a wait that doubles, up to a ceiling;
 run's model says which settings to start the monitor with. The state averager it downloads with has the
 volunteers' prefix, parameter groups, optimizer and schedule, so the tensors land where they belong.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,20 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 from huggingface_hub import HfApi
 
 from collab_kit.config import RunConfig
-from collab_kit.model.checkpoint import (CONFIG_NAME, checkpoint_name, list_checkpoints, rotate_checkpoints,
-                                         save_checkpoint)
+from collab_kit.model.checkpoint import (
+    CONFIG_NAME,
+    checkpoint_name,
+    list_checkpoints,
+    rotate_checkpoints,
+    save_checkpoint,
+)
 from collab_kit.model.transformer import TextToImageTransformer, non_finite_parameters
 from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.swarm.anchor import Anchor
@@ -28,7 +34,6 @@ from collab_kit.swarm.averagers import STATE_DOWNLOAD_PART_TIMEOUT, recording_st
 from collab_kit.swarm.keys import state_averager_prefix
 from collab_kit.swarm.lamb import parameter_groups
 from collab_kit.swarm.local_updates import mode_averager_class, swarm_optimizer_factory, swarm_scheduler_factory
-
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +55,16 @@ def push_checkpoint(folder: str, repo_id: str, epoch: int) -> str:
 
     api = HfApi()
     api.create_repo(repo_id, repo_type="model", exist_ok=True)
-    info = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=folder,
-                             commit_message=f"collab_kit checkpoint of global epoch {epoch}")
+    info = api.upload_folder(
+        repo_id=repo_id,
+        repo_type="model",
+        folder_path=folder,
+        commit_message=f"collab_kit checkpoint of global epoch {epoch}",
+    )
     return info.oid
 
 
-def _checkpoint_run_id(path: str) -> Optional[str]:
+def _checkpoint_run_id(path: str) -> str | None:
     """The run id a checkpoint's metadata names (None: unreadable, or none named)."""
 
     try:
@@ -82,31 +91,46 @@ class Checkpointer:
       download
     """
 
-    def __init__(self, config: RunConfig, dht: hivemind.DHT, settings: MonitorSettings,
-                 emit: Callable[..., None] = lambda kind, **fields: None, anchor: Optional[Anchor] = None):
+    def __init__(
+        self,
+        config: RunConfig,
+        dht: hivemind.DHT,
+        settings: MonitorSettings,
+        emit: Callable[..., None] = lambda kind, **fields: None,
+        anchor: Anchor | None = None,
+    ):
         self.config, self.settings, self.emit, self.anchor = config, settings, emit, anchor
         self.model = TextToImageTransformer(config.model)
         # building it forks the averager's process: done before the monitor opens its database (an SQLite
         # connection must not cross a fork)
         averager_class = mode_averager_class(recording_state_averager_class(), config.optimizer)
-        self.averager = None if anchor is not None else averager_class(
-            dht=dht, prefix=state_averager_prefix(config.swarm.run_id),
-            optimizer=swarm_optimizer_factory(config.optimizer),
-            params=parameter_groups(self.model, config.optimizer.weight_decay),
-            scheduler=swarm_scheduler_factory(config.optimizer), offload_optimizer=False,
-            client_mode=True, allow_state_sharing=False,
-            next_chunk_timeout=min(STATE_DOWNLOAD_PART_TIMEOUT, settings.download_timeout), start=True)
+        self.averager = (
+            None
+            if anchor is not None
+            else averager_class(
+                dht=dht,
+                prefix=state_averager_prefix(config.swarm.run_id),
+                optimizer=swarm_optimizer_factory(config.optimizer),
+                params=parameter_groups(self.model, config.optimizer.weight_decay),
+                scheduler=swarm_scheduler_factory(config.optimizer),
+                offload_optimizer=False,
+                client_mode=True,
+                allow_state_sharing=False,
+                next_chunk_timeout=min(STATE_DOWNLOAD_PART_TIMEOUT, settings.download_timeout),
+                start=True,
+            )
+        )
         if self.averager is not None:
             # hivemind catches a loaded state's schedule up with scheduler.step() alone: this optimizer holds the state
             # and never steps, which torch would warn about at each download (a warning filter would act on the whole
             # process); marked as torch marks an optimizer that has stepped
             self.averager.optimizer._opt_called = True
         self.history = None
-        self.last_epoch: Optional[int] = None  # the newest checkpoint's global epoch
+        self.last_epoch: int | None = None  # the newest checkpoint's global epoch
         self.swarm_epoch = 0  # the highest global epoch the polls have seen
         self.attempts = 0  # failed downloads in a row
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def start(self, history=None) -> None:
         """Continue the series on disk (and in ``history``, a RunHistory) and start the thread."""
@@ -120,9 +144,11 @@ class Checkpointer:
         epochs = [epoch for epoch, _ in series]
         other_run = series and _checkpoint_run_id(series[-1][1]) not in (None, self.config.swarm.run_id)
         if other_run:
-            logger.warning(f"{folder} holds checkpoints of another run ({_checkpoint_run_id(series[-1][1])!r}); "
-                           f"this run's series goes on after them. Pass --checkpoints FOLDER (and --db PATH) to give "
-                           f"run {self.config.swarm.run_id!r} files of its own")
+            logger.warning(
+                f"{folder} holds checkpoints of another run ({_checkpoint_run_id(series[-1][1])!r}); "
+                f"this run's series goes on after them. Pass --checkpoints FOLDER (and --db PATH) to give "
+                f"run {self.config.swarm.run_id!r} files of its own"
+            )
         if history is not None and history.last_checkpoint_epoch() is not None:
             epochs.append(history.last_checkpoint_epoch())
         self.last_epoch = max(epochs) if epochs else None
@@ -157,12 +183,13 @@ class Checkpointer:
             except Exception as e:  # whatever went wrong, the monitor goes on and tries again later
                 self.attempts += 1
                 reason = str(e) if isinstance(e, StateUnavailable) else f"{type(e).__name__}: {e}"
-                logger.warning(f"could not save the checkpoint of epoch {wanted} (attempt {self.attempts}): {reason}; "
-                               f"trying again in {delay:.0f} s")
+                logger.warning(
+                    f"could not save the checkpoint of epoch {wanted} (attempt {self.attempts}): {reason}; "
+                    f"trying again in {delay:.0f} s"
+                )
                 if not isinstance(e, StateUnavailable):
                     logger.debug("the failed checkpoint", exc_info=True)
-                self.emit("state_download_failed", epoch=wanted, reason=reason, attempt=self.attempts,
-                          retry_in=delay)
+                self.emit("state_download_failed", epoch=wanted, reason=reason, attempt=self.attempts, retry_in=delay)
                 self._stop.wait(delay)
                 delay = min(2 * delay, self.settings.backoff_max)
 
@@ -182,8 +209,9 @@ class Checkpointer:
         try:
             averager.load_state_from_peers(timeout=self.settings.download_timeout)
         except TimeoutError:
-            raise StateUnavailable(f"no peer sent its whole state within {self.settings.download_timeout:.0f} s") \
-                from None
+            raise StateUnavailable(
+                f"no peer sent its whole state within {self.settings.download_timeout:.0f} s"
+            ) from None
         finally:
             applied = averager.local_epoch >= 0
             if not applied:
@@ -191,9 +219,11 @@ class Checkpointer:
         if averager.last_downloaded_epoch is None:
             raise StateUnavailable("no peer gave its state (no training peer shares it yet, or every download failed)")
         if not applied:
-            raise StateUnavailable(f"a peer sent a state (epoch {averager.last_downloaded_epoch}) that does not fit "
-                                   f"this run's model and optimizer: start the monitor with the volunteers' --preset "
-                                   f"and --set options")
+            raise StateUnavailable(
+                f"a peer sent a state (epoch {averager.last_downloaded_epoch}) that does not fit "
+                f"this run's model and optimizer: start the monitor with the volunteers' --preset "
+                f"and --set options"
+            )
         return averager.local_epoch
 
     def save_from_swarm(self) -> str:
@@ -206,18 +236,25 @@ class Checkpointer:
         epoch = self.download()
         if epoch < wanted and self.anchor is not None:
             # the anchor took no round up to that epoch and could download no newer state
-            raise StateUnavailable(f"no peer gave its state of epoch {wanted} or later (the anchor holds epoch {epoch}; "
-                                   f"no training peer shares a newer state yet)")
+            raise StateUnavailable(
+                f"no peer gave its state of epoch {wanted} or later (the anchor holds epoch {epoch}; "
+                f"no training peer shares a newer state yet)"
+            )
         if epoch < wanted:
             raise StateUnavailable(f"the newest state a peer gave is of epoch {epoch}, before epoch {wanted}")
 
         bad = non_finite_parameters(self.model)
         if bad:
             raise StateUnavailable(f"the state of epoch {epoch} has non-finite parameters ({', '.join(bad[:3])})")
-        metadata = dict(global_epoch=epoch, run_id=self.config.swarm.run_id, saved_by="collab-kit monitor",
-                        time=time.time())
-        path = save_checkpoint(self.model, self.config,
-                               os.path.join(self.settings.checkpoint_dir, checkpoint_name(epoch)), metadata=metadata)
+        metadata = dict(
+            global_epoch=epoch, run_id=self.config.swarm.run_id, saved_by="collab-kit monitor", time=time.time()
+        )
+        path = save_checkpoint(
+            self.model,
+            self.config,
+            os.path.join(self.settings.checkpoint_dir, checkpoint_name(epoch)),
+            metadata=metadata,
+        )
         self.last_epoch = epoch
         if self.history is not None:
             self.history.record_checkpoint(epoch, path, get_dht_time())
@@ -234,8 +271,9 @@ class Checkpointer:
                 logger.warning(f"could not push the checkpoint of epoch {epoch} to {self.settings.push_to}: {e}")
                 self.emit("push_failed", epoch=epoch, repo=self.settings.push_to, reason=f"{type(e).__name__}: {e}")
         logger.info(f"saved the swarm's state of epoch {epoch} to {path}")
-        self.emit("checkpoint", epoch=epoch, path=path, pushed_to=pushed_to,
-                  removed=[os.path.basename(p) for p in removed])
+        self.emit(
+            "checkpoint", epoch=epoch, path=path, pushed_to=pushed_to, removed=[os.path.basename(p) for p in removed]
+        )
         return path
 
     def stop(self) -> None:

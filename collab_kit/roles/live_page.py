@@ -22,6 +22,7 @@ Chart.js, MIT) is served from here: the page works with no Internet. A path or q
 a request that does not arrive whole within 10 s is closed (collab_kit.auth.guards). ``tests/roles/test_live_page.py``
 shows each of these.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,6 @@ import sys
 import threading
 import time
 from bisect import bisect_right
-from typing import Dict, Optional, Tuple
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -52,18 +52,26 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page_assets")
 # beside it); ``tests/roles/test_live_page.py`` checks that it is that file, byte for byte
 CHART_JS_SHA256 = "3f288f4f26882c26b58931fb586a9b4f30370b5de38d69dc005b0bd05b08e113"
 # every file the page loads, by the path it is asked for: nothing else under ASSETS (or anywhere) can be named
-ASSET_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
-               "/page.js": ("page.js", "text/javascript; charset=utf-8"),
-               "/page.css": ("page.css", "text/css; charset=utf-8"),
-               "/vendor/chart.umd.min.js": ("chart.umd.min.js", "text/javascript; charset=utf-8"),
-               "/vendor/chart.js-LICENSE.md": ("chart.js-LICENSE.md", "text/plain; charset=utf-8")}
+ASSET_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/page.js": ("page.js", "text/javascript; charset=utf-8"),
+    "/page.css": ("page.css", "text/css; charset=utf-8"),
+    "/vendor/chart.umd.min.js": ("chart.umd.min.js", "text/javascript; charset=utf-8"),
+    "/vendor/chart.js-LICENSE.md": ("chart.js-LICENSE.md", "text/plain; charset=utf-8"),
+}
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
-                               "frame-ancestors 'none'; form-action 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY",
+    "frame-ancestors 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
 }
-API_INDEX = {"endpoints": {"/api/status": "the run now (see collab_kit.roles.live_page)",
-                           "/api/series?since=T": "the polls as columns, after time T (optional)"}}
+API_INDEX = {
+    "endpoints": {
+        "/api/status": "the run now (see collab_kit.roles.live_page)",
+        "/api/series?since=T": "the polls as columns, after time T (optional)",
+    }
+}
 REFRESH_SECONDS = 0.5  # how often a request looks whether the monitor wrote a newer document
 READY_PREFIX = "live page listening on "
 MAX_QUERY_BYTES = 256
@@ -83,9 +91,9 @@ class Documents:
         self.path = path
         self._lock = threading.Lock()
         self._checked, self._stamp = 0.0, None
-        self.status: Optional[bytes] = None
-        self.series: Dict[str, list] = {}
-        self.series_bytes: Optional[bytes] = None
+        self.status: bytes | None = None
+        self.series: dict[str, list] = {}
+        self.series_bytes: bytes | None = None
         self.etag = ""
 
     def refresh(self) -> None:
@@ -111,8 +119,9 @@ class Documents:
     def series_since(self, since: float) -> bytes:
         times = self.series.get("time", [])
         start = bisect_right(times, since)
-        return json.dumps({name: column[start:] for name, column in self.series.items()},
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {name: column[start:] for name, column in self.series.items()}, separators=(",", ":")
+        ).encode()
 
 
 def _json(status: int, body: dict, **headers) -> JSONResponse:
@@ -122,7 +131,7 @@ def _json(status: int, body: dict, **headers) -> JSONResponse:
 def create_app(document_path: str) -> FastAPI:
     """The page's web app: the files of ASSET_FILES and the API, over the documents at ``document_path``."""
     documents = Documents(document_path)
-    assets: Dict[str, Tuple[bytes, str]] = {}
+    assets: dict[str, tuple[bytes, str]] = {}
     for route, (name, kind) in ASSET_FILES.items():
         with open(os.path.join(ASSETS, name), "rb") as file:
             assets[route] = (file.read(), kind)
@@ -138,10 +147,13 @@ def create_app(document_path: str) -> FastAPI:
             return _json(431, {"detail": f"headers of over {MAX_HEADER_BYTES} bytes: send a browser's usual ones"})
         return await call_next(request)
 
-    def document(request: Request, body: Optional[bytes]) -> Response:
+    def document(request: Request, body: bytes | None) -> Response:
         if body is None:
-            return _json(503, {"detail": "the monitor has not polled the swarm yet: try again in a few seconds"},
-                         **{"Retry-After": "2"})
+            return _json(
+                503,
+                {"detail": "the monitor has not polled the swarm yet: try again in a few seconds"},
+                **{"Retry-After": "2"},
+            )
         headers = {**SECURITY_HEADERS, "Cache-Control": "no-cache", "ETag": f'"{documents.etag}"'}
         if request.headers.get("if-none-match") == f'"{documents.etag}"':
             return Response(status_code=304, headers=headers)
@@ -157,7 +169,7 @@ def create_app(document_path: str) -> FastAPI:
         return document(request, documents.status)
 
     @app.api_route("/api/series", methods=["GET", "HEAD"])
-    async def series(request: Request, since: Optional[str] = None):
+    async def series(request: Request, since: str | None = None):
         documents.refresh()
         if since is None or documents.series_bytes is None:
             return document(request, documents.series_bytes)
@@ -174,6 +186,7 @@ def create_app(document_path: str) -> FastAPI:
 
         async def serve_asset():
             return Response(body, media_type=kind, headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
+
         return serve_asset
 
     for route in assets:
@@ -190,8 +203,10 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
-        raise LivePageError(f"the live page could not listen on {host}:{port} ({e.strerror or e}): pick another "
-                            f"--dashboard-port (0: any free one) or --dashboard-host") from None
+        raise LivePageError(
+            f"the live page could not listen on {host}:{port} ({e.strerror or e}): pick another "
+            f"--dashboard-port (0: any free one) or --dashboard-host"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
@@ -219,9 +234,16 @@ def main(argv=None) -> int:
     os.nice(PAGE_NICENESS)  # the page gives way: a crowd of watchers never slows the monitor's polls and checkpoints
     if args.parent is not None:
         threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
-    config = uvicorn.Config(create_app(args.document), log_level="warning", access_log=False, lifespan="off",
-                            timeout_keep_alive=5, limit_concurrency=2048, server_header=False,
-                            http=guarded_protocol_class(args.request_deadline, connections_per_client=512))
+    config = uvicorn.Config(
+        create_app(args.document),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=5,
+        limit_concurrency=2048,
+        server_header=False,
+        http=guarded_protocol_class(args.request_deadline, connections_per_client=512),
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"{READY_PREFIX}http://{shown}:{port}/", flush=True)
@@ -238,15 +260,36 @@ class LivePage:
     :raises LivePageError: it could not listen there
     """
 
-    def __init__(self, document_path: str, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
-                 request_deadline: float = REQUEST_DEADLINE):
+    def __init__(
+        self,
+        document_path: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 60.0,
+        request_deadline: float = REQUEST_DEADLINE,
+    ):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "collab_kit.roles.live_page", "--document", document_path, "--host", host,
-             "--port", str(port), "--parent", str(os.getpid()), "--request-deadline", repr(float(request_deadline))],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        found: Dict[str, str] = {}
-        reader = threading.Thread(target=lambda: found.setdefault("line", self.process.stdout.readline()),
-                                  daemon=True)
+            [
+                sys.executable,
+                "-m",
+                "collab_kit.roles.live_page",
+                "--document",
+                document_path,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--parent",
+                str(os.getpid()),
+                "--request-deadline",
+                repr(float(request_deadline)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        found: dict[str, str] = {}
+        reader = threading.Thread(target=lambda: found.setdefault("line", self.process.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         line = found.get("line", "")
@@ -254,7 +297,7 @@ class LivePage:
             self.stop()
             problem = (self.process.stderr.read() or "").strip().splitlines()
             raise LivePageError(problem[-1] if problem else f"the live page did not start within {timeout:g} s")
-        self.url = line[len(READY_PREFIX):].strip()
+        self.url = line[len(READY_PREFIX) :].strip()
         # its warnings go to the monitor's log; an empty stdout pipe left unread would never fill
         threading.Thread(target=self._relay, daemon=True).start()
 

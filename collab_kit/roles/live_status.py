@@ -16,6 +16,7 @@ The only addresses are the join line's, the organizers' own peers that every vol
 folder's name and, when pushed, its Hub repository; the run's data, when it is a folder here, is "a folder of the
 organizers'". ``tests/roles/test_live_page.py`` reads every field served and finds none of those.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ import math
 import os
 import re
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Sequence
 
 import hivemind
 
@@ -51,10 +52,10 @@ class PeerPresence:
 
     def __init__(self, dht: hivemind.DHT, timeout: float):
         self.dht, self.timeout = dht, timeout
-        self._gone: Dict[str, float] = {}  # peer id -> the time of the record it left
+        self._gone: dict[str, float] = {}  # peer id -> the time of the record it left
 
-    def gone(self, records: Sequence[PeerMetrics]) -> Set[str]:
-        newest: Dict[str, float] = {}
+    def gone(self, records: Sequence[PeerMetrics]) -> set[str]:
+        newest: dict[str, float] = {}
         for record in records:
             newest[record.peer_id] = max(record.time, newest.get(record.peer_id, -math.inf))
         to_ask = [peer_id for peer_id, seen in newest.items() if self._gone.get(peer_id) != seen]
@@ -67,7 +68,7 @@ class PeerPresence:
         return set(self._gone)
 
 
-def public_data(data: Optional[str]) -> Optional[str]:
+def public_data(data: str | None) -> str | None:
     """The run's data as the page may name it: a Hub dataset id or "synthetic"; a folder here is not named."""
     if not data:
         return None
@@ -86,24 +87,32 @@ def training_mode(config: RunConfig) -> str:
     return mode + f", {optimizer.pseudo_gradient_bits}-bit"
 
 
-def run_facts(config: RunConfig, data: Optional[str], addresses: Sequence[str], poll_every: float) -> dict:
+def run_facts(config: RunConfig, data: str | None, addresses: Sequence[str], poll_every: float) -> dict:
     """The run's mode, settings and join line: what the page shows of the run itself."""
     shown = public_data(data)
     line = join_command(config, addresses, data=None if shown == DATA_OF_THE_ORGANIZERS else shown)
     if shown == DATA_OF_THE_ORGANIZERS:
         line += " --data PATH-TO-YOUR-COPY"
-    settings = {f"{section}.{name}": value for (section, name), value in shared_settings(config).items()
-                if section != "data"}
-    return dict(run_id=config.swarm.run_id, preset=config.preset, mode=training_mode(config), data=shown,
-                authorized=bool(config.swarm.auth_server), join_line=line if addresses else None,
-                poll_every=poll_every, settings=settings)
+    settings = {
+        f"{section}.{name}": value for (section, name), value in shared_settings(config).items() if section != "data"
+    }
+    return dict(
+        run_id=config.swarm.run_id,
+        preset=config.preset,
+        mode=training_mode(config),
+        data=shown,
+        authorized=bool(config.swarm.auth_server),
+        join_line=line if addresses else None,
+        poll_every=poll_every,
+        settings=settings,
+    )
 
 
-def _finite(value) -> Optional[float]:
+def _finite(value) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def peer_rows(history: RunHistory, gone: Set[str], now: float) -> List[dict]:
+def peer_rows(history: RunHistory, gone: set[str], now: float) -> list[dict]:
     """Each training peer seen within a metrics record's life: its state now, and the device it names."""
     devices = {row.name: row.device for row in history.leaderboard()}
     rows = []
@@ -117,10 +126,13 @@ def peer_rows(history: RunHistory, gone: Set[str], now: float) -> List[dict]:
         elif peer.averaged_with:
             state, detail = "averaging", peer.describe()
         else:
-            state, detail = "training", "training, no round with others yet" if peer.averaged_with is None \
-                else "alone in the swarm"
-        rows.append(dict(name=peer.name, state=state, detail=detail, last_seen=peer.last_seen,
-                         device=devices.get(peer.name)))
+            state, detail = (
+                "training",
+                "training, no round with others yet" if peer.averaged_with is None else "alone in the swarm",
+            )
+        rows.append(
+            dict(name=peer.name, state=state, detail=detail, last_seen=peer.last_seen, device=devices.get(peer.name))
+        )
     order = {"averaging": 0, "training": 1, "downloading": 2, "alone": 3, "gone": 4}
     return sorted(rows, key=lambda row: (order[row["state"]], row["name"]))
 
@@ -132,38 +144,71 @@ def series_columns(history: RunHistory) -> dict:
     if len(points) > MAX_SERIES_POINTS:
         stride = math.ceil(len(points) / MAX_SERIES_POINTS)
         points = points[-1::-stride][::-1]
-    return dict(time=[p.time for p in points], epoch=[p.epoch for p in points],
-                loss=[_finite(p.loss) for p in points], volunteers=[p.alive_peers for p in points],
-                anchors=[p.anchors for p in points], samples_per_second=[p.samples_per_second for p in points],
-                samples=[p.samples for p in points])
+    return dict(
+        time=[p.time for p in points],
+        epoch=[p.epoch for p in points],
+        loss=[_finite(p.loss) for p in points],
+        volunteers=[p.alive_peers for p in points],
+        anchors=[p.anchors for p in points],
+        samples_per_second=[p.samples_per_second for p in points],
+        samples=[p.samples for p in points],
+    )
 
 
-def hub_url(repository: Optional[str]) -> Optional[str]:
+def hub_url(repository: str | None) -> str | None:
     if not repository:
         return None
     return f"{os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')}/{repository}"
 
 
-def page_document(history: RunHistory, run: dict, gone: Set[str], poll: int, now: Optional[float] = None) -> dict:
+def page_document(history: RunHistory, run: dict, gone: set[str], poll: int, now: float | None = None) -> dict:
     """Both documents of the page after poll number ``poll``: ``{"status": ..., "series": ...}``."""
     now = time.time() if now is None else now
     series = history.series(since=now - 10 * run["poll_every"])
     latest = series[-1] if series else None
     board = history.leaderboard()
     total = sum(row.samples for row in board)
-    leaderboard = [dict(rank=rank, name=row.name, samples=row.samples, share=row.samples / total if total else 0.0,
-                        compute_seconds=row.compute_seconds, first_seen=row.first_seen, last_seen=row.last_seen,
-                        device=row.device) for rank, row in enumerate(board, start=1)]
-    checkpoints = [dict(epoch=row.epoch, time=row.time, name=os.path.basename(row.path.rstrip("/")),
-                        hub=row.pushed_to, hub_url=hub_url(row.pushed_to)) for row in history.checkpoints()]
+    leaderboard = [
+        dict(
+            rank=rank,
+            name=row.name,
+            samples=row.samples,
+            share=row.samples / total if total else 0.0,
+            compute_seconds=row.compute_seconds,
+            first_seen=row.first_seen,
+            last_seen=row.last_seen,
+            device=row.device,
+        )
+        for rank, row in enumerate(board, start=1)
+    ]
+    checkpoints = [
+        dict(
+            epoch=row.epoch,
+            time=row.time,
+            name=os.path.basename(row.path.rstrip("/")),
+            hub=row.pushed_to,
+            hub_url=hub_url(row.pushed_to),
+        )
+        for row in history.checkpoints()
+    ]
     peers = peer_rows(history, gone, now)
     status = dict(
-        updated=now, poll=poll, run=run, peers=peers, leaderboard=leaderboard, checkpoints=checkpoints[::-1],
-        now=dict(epoch=latest.epoch if latest else 0, loss=_finite(latest.loss) if latest else None,
-                 volunteers=sum(peer["state"] != "gone" for peer in peers),
-                 anchors=latest.anchors if latest else None,
-                 samples_per_second=latest.samples_per_second if latest else 0.0, samples=total,
-                 contributors=len(board)))
+        updated=now,
+        poll=poll,
+        run=run,
+        peers=peers,
+        leaderboard=leaderboard,
+        checkpoints=checkpoints[::-1],
+        now=dict(
+            epoch=latest.epoch if latest else 0,
+            loss=_finite(latest.loss) if latest else None,
+            volunteers=sum(peer["state"] != "gone" for peer in peers),
+            anchors=latest.anchors if latest else None,
+            samples_per_second=latest.samples_per_second if latest else 0.0,
+            samples=total,
+            contributors=len(board),
+        ),
+    )
     return dict(status=status, series=series_columns(history))
 
 

@@ -37,6 +37,7 @@ the database.
 
 Its checkpoints are collab_kit.roles.checkpointer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,7 +45,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, List, Optional, Tuple
+from typing import Callable, Collection
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -71,7 +72,6 @@ from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsSchema, PeerMetrics, SwarmSnapshot, read_metrics, summarize
 from collab_kit.swarm.progress import is_anchor_record
 from collab_kit.swarm.run_card import check_data_fits
-
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,12 @@ def progress_validators(run_id: str) -> list:
 def monitor_validators(run_id: str) -> list:
     """The validators of the monitor's DHT: hivemind's progress records, collab_kit's metrics records and the anchors'
     addresses."""
-    return [SchemaValidator(TrainingProgressSchema, prefix=run_id), SchemaValidator(MetricsSchema, prefix=run_id),
-            *anchor_validators(run_id), RSASignatureValidator()]
+    return [
+        SchemaValidator(TrainingProgressSchema, prefix=run_id),
+        SchemaValidator(MetricsSchema, prefix=run_id),
+        *anchor_validators(run_id),
+        RSASignatureValidator(),
+    ]
 
 
 def read_swarm_progress(dht: hivemind.DHT, run_id: str, gone: Collection[str] = ()) -> SwarmProgress:
@@ -135,7 +139,7 @@ def read_swarm_progress(dht: hivemind.DHT, run_id: str, gone: Collection[str] = 
     )
 
 
-def verified_username(subkey: bytes, record: PeerMetrics, binding_value, server_public_key) -> Optional[str]:
+def verified_username(subkey: bytes, record: PeerMetrics, binding_value, server_public_key) -> str | None:
     """The Hugging Face username a metrics record may be credited to, or None when nothing proves one.
 
     The proof has three links: the record was signed by the key in its ``subkey`` (the DHT's
@@ -161,6 +165,7 @@ def verified_username(subkey: bytes, record: PeerMetrics, binding_value, server_
         return None  # a valid token and binding, but the record was signed by another key
     return token.username
 
+
 # ---------------------------------------------------------------------------------------------
 # the monitor
 
@@ -182,8 +187,9 @@ class Monitor:
     :raises collab_kit.auth.client.AuthorizationError: an authorized run refused this peer
     """
 
-    def __init__(self, config: RunConfig, settings: Optional[MonitorSettings] = None,
-                 on_event: Optional[Callable[..., None]] = None):
+    def __init__(
+        self, config: RunConfig, settings: MonitorSettings | None = None, on_event: Callable[..., None] | None = None
+    ):
         self.config, self.settings = config, settings or MonitorSettings()
         self.run_id = config.swarm.run_id
         self._on_event, self._event_lock = on_event, threading.Lock()
@@ -194,29 +200,41 @@ class Monitor:
         # the first peer of a swarm accepts connections; a monitor started again through a volunteer asks the swarm
         self.membership = SwarmMembership(config, record_validators=monitor_validators(self.run_id))
         self.config = config = self.membership.config
-        self.dht, self.authorizer, self.reachability = (self.membership.dht, self.membership.authorizer,
-                                                        self.membership.reachability)
+        self.dht, self.authorizer, self.reachability = (
+            self.membership.dht,
+            self.membership.authorizer,
+            self.membership.reachability,
+        )
         peer_gate = self.membership.peer_gate
         self.checkpointer, self.history, self.anchor = None, None, None
-        self._verified: Dict[bytes, str] = {}  # record subkey -> the username a binding proved for it
+        self._verified: dict[bytes, str] = {}  # record subkey -> the username a binding proved for it
         # the highest global epoch seen: after a restart the DHT holds no record until the peers publish again, and
         # the run's epoch does not go back meanwhile
         self._last_epoch = 0
-        self._other_anchors: List[str] = []  # the addresses of the run's other anchors, on the join line printed last
-        self._page_run: Optional[dict] = None  # the run as the live page shows it (live_status.run_facts)
+        self._other_anchors: list[str] = []  # the addresses of the run's other anchors, on the join line printed last
+        self._page_run: dict | None = None  # the run as the live page shows it (live_status.run_facts)
         try:
             if self.settings.port_file and not self.dht.client_mode and not config.swarm.announce_maddrs:
                 note_port(self.settings.port_file, self.dht)
             self._announce_run()
             if self.settings.anchor and self.dht.client_mode:
-                raise MonitorError("an anchor must accept connections, and this monitor is in client mode: run it on "
-                                   "a machine others can dial, or without --anchor")
+                raise MonitorError(
+                    "an anchor must accept connections, and this monitor is in client mode: run it on "
+                    "a machine others can dial, or without --anchor"
+                )
             if self.settings.anchor is not False and not self.dht.client_mode:
-                self.anchor = Anchor(config, self.dht, peer_gate=peer_gate, on_round=self._on_anchor_round,
-                                     on_state=self._on_anchor_state)
+                self.anchor = Anchor(
+                    config,
+                    self.dht,
+                    peer_gate=peer_gate,
+                    on_round=self._on_anchor_round,
+                    on_state=self._on_anchor_state,
+                )
             elif not self.settings.anchor:
-                logger.warning("this monitor runs no anchor: volunteers behind NAT can average only through "
-                               "another peer that accepts connections")
+                logger.warning(
+                    "this monitor runs no anchor: volunteers behind NAT can average only through "
+                    "another peer that accepts connections"
+                )
             if self.anchor is not None and self.settings.checkpoint_every:
                 self._resume_anchor()
             if self.settings.checkpoint_every:
@@ -233,12 +251,15 @@ class Monitor:
             self.presence, self.live_page, self._polls = None, None, 0
             if self.settings.dashboard_port is not None:
                 self.presence = PeerPresence(self.dht, timeout=min(3.0, self.settings.poll_every / 2))
-                self.live_page = LivePage(page_document_path(self.settings.db_path), self.settings.dashboard_host,
-                                          self.settings.dashboard_port)
+                self.live_page = LivePage(
+                    page_document_path(self.settings.db_path),
+                    self.settings.dashboard_host,
+                    self.settings.dashboard_port,
+                )
         except BaseException:
             self.close()
             raise
-        self.last_snapshot: Optional[SwarmSnapshot] = None
+        self.last_snapshot: SwarmSnapshot | None = None
 
     def _announce_run(self) -> None:
         """Publish the run's card (collab_kit.swarm.run_card) with the run's data, checked first: the data named here
@@ -249,9 +270,11 @@ class Monitor:
         if data:
             check_data_fits(data, self.config, f"--data {data!r}")
         else:
-            logger.warning("this run names no data: every volunteer must pass --data with shards made for it; start "
-                           "the monitor with --data SHARDS (a Hub dataset id, or a folder) and its join line carries "
-                           "them")
+            logger.warning(
+                "this run names no data: every volunteer must pass --data with shards made for it; start "
+                "the monitor with --data SHARDS (a Hub dataset id, or a folder) and its join line carries "
+                "them"
+            )
         self.membership.announce_run(data)
 
     def _resume_anchor(self) -> None:
@@ -268,21 +291,31 @@ class Monitor:
             self.anchor.resume_from(dict(model.named_parameters()), int(metadata["global_epoch"]))
             self._emit("anchor_resumed", epoch=int(metadata["global_epoch"]), source="checkpoint", path=path)
         except Exception as e:  # a series that does not fit this run's model: the anchor starts afresh
-            logger.warning(f"the anchor could not resume from the checkpoints in {folder} ({type(e).__name__}: {e}); "
-                           f"it starts from the run's initial parameters")
+            logger.warning(
+                f"the anchor could not resume from the checkpoints in {folder} ({type(e).__name__}: {e}); "
+                f"it starts from the run's initial parameters"
+            )
 
     def _on_anchor_state(self, held_epoch: int, epoch: int) -> None:
         self._emit("anchor_resumed", epoch=epoch, source="swarm", held_epoch=held_epoch)
 
-    def _on_anchor_round(self, epoch: int, training_peers: int, problem: Optional[str]) -> None:
+    def _on_anchor_round(self, epoch: int, training_peers: int, problem: str | None) -> None:
         # what the anchor's averagers have sent so far (its rounds and the states it served) and of that the states
         # served, whether the round only reduced, and whether it holds the swarm's state (not while another anchor
         # shares the rounds), called in its thread
         optimizer = self.anchor.optimizer
         sent, served = optimizer.sent_bytes()
-        self._emit("anchor_round", epoch=epoch, training_peers=training_peers, problem=problem,
-                   other_anchors=optimizer.last_anchors_in_group, averagers_sent=sent, averagers_served=served,
-                   reduced_only=optimizer.last_round_reduced_only, holds_state=optimizer.state_is_swarms)
+        self._emit(
+            "anchor_round",
+            epoch=epoch,
+            training_peers=training_peers,
+            problem=problem,
+            other_anchors=optimizer.last_anchors_in_group,
+            averagers_sent=sent,
+            averagers_served=served,
+            reduced_only=optimizer.last_round_reduced_only,
+            holds_state=optimizer.state_is_swarms,
+        )
 
     def _emit(self, kind: str, **fields) -> None:
         if self._on_event is not None:
@@ -291,7 +324,7 @@ class Monitor:
 
     # -- polling --------------------------------------------------------------------------------
 
-    def _credited_names(self, records: List[Tuple[bytes, PeerMetrics]]) -> Dict[bytes, str]:
+    def _credited_names(self, records: list[tuple[bytes, PeerMetrics]]) -> dict[bytes, str]:
         """The name each record is credited to: a proven username in an authorized run, else the peer id."""
         names = {bytes(key): record.peer_id for key, record in records}
         if self.authorizer is None:
@@ -340,8 +373,12 @@ class Monitor:
         return len(anchors) + (self.anchor is not None and not any(set(a) & set(own) for a in anchors))
 
     def _print_join_line(self) -> None:
-        print(join_instructions(self.dht, self.config, data=self.membership.run_card.data,
-                                other_anchors=self._other_anchors), flush=True)
+        print(
+            join_instructions(
+                self.dht, self.config, data=self.membership.run_card.data, other_anchors=self._other_anchors
+            ),
+            flush=True,
+        )
         own = join_addresses(self.dht)
         addresses = own + [address for address in self._other_anchors if address not in own]
         self._page_run = run_facts(self.config, self.membership.run_card.data, addresses, self.settings.poll_every)
@@ -375,24 +412,36 @@ class Monitor:
         self._polls += 1
         if self.live_page is not None:
             if self._page_run is None:  # polled before run() printed the join line
-                self._page_run = run_facts(self.config, self.membership.run_card.data, join_addresses(self.dht),
-                                           self.settings.poll_every)
-            write_document(page_document_path(self.settings.db_path),
-                           page_document(self.history, self._page_run, gone, poll=self._polls))
+                self._page_run = run_facts(
+                    self.config, self.membership.run_card.data, join_addresses(self.dht), self.settings.poll_every
+                )
+            write_document(
+                page_document_path(self.settings.db_path),
+                page_document(self.history, self._page_run, gone, poll=self._polls),
+            )
         if self.checkpointer is not None:
             self.checkpointer.notify(snapshot.epoch)
         loss = "-" if snapshot.loss is None else f"{snapshot.loss:.4f}"
-        logger.info(f"epoch {snapshot.epoch}, {snapshot.alive_peers} training peers, loss {loss}, "
-                    f"{snapshot.samples_per_second:.1f} samples/s, {progress.samples_accumulated} samples toward "
-                    f"the next step")
-        self._emit("poll", epoch=snapshot.epoch, alive_peers=snapshot.alive_peers, loss=snapshot.loss,
-                   samples_per_second=snapshot.samples_per_second, records=len(records), contributors=contributors,
-                   gone=sorted(gone), presence_checked_at=presence_checked_at)
+        logger.info(
+            f"epoch {snapshot.epoch}, {snapshot.alive_peers} training peers, loss {loss}, "
+            f"{snapshot.samples_per_second:.1f} samples/s, {progress.samples_accumulated} samples toward "
+            f"the next step"
+        )
+        self._emit(
+            "poll",
+            epoch=snapshot.epoch,
+            alive_peers=snapshot.alive_peers,
+            loss=snapshot.loss,
+            samples_per_second=snapshot.samples_per_second,
+            records=len(records),
+            contributors=contributors,
+            gone=sorted(gone),
+            presence_checked_at=presence_checked_at,
+        )
         self.last_snapshot = snapshot
         return snapshot
 
-    def run(self, stop: Optional[threading.Event] = None,
-            on_ready: Optional[Callable[[hivemind.DHT], None]] = None) -> None:
+    def run(self, stop: threading.Event | None = None, on_ready: Callable[[hivemind.DHT], None] | None = None) -> None:
         """Print how to join, then poll every ``poll_every`` seconds until ``stop`` is set or Ctrl-C.
 
         A poll that fails (the DHT busy, a database error) is logged; the next one comes as usual.
@@ -413,8 +462,11 @@ class Monitor:
                 try:
                     self.poll()
                 except Exception as e:
-                    logger.warning(f"this poll of the swarm failed ({type(e).__name__}: {e}); the next one comes "
-                                   f"in {self.settings.poll_every:g} s", exc_info=logger.isEnabledFor(logging.DEBUG))
+                    logger.warning(
+                        f"this poll of the swarm failed ({type(e).__name__}: {e}); the next one comes "
+                        f"in {self.settings.poll_every:g} s",
+                        exc_info=logger.isEnabledFor(logging.DEBUG),
+                    )
                 if stop.wait(self.settings.poll_every):
                     break
         except KeyboardInterrupt:
@@ -443,7 +495,7 @@ class Monitor:
                 self.history.close()
                 self.history = None
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc_info) -> None:

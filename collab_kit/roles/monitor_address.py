@@ -3,13 +3,13 @@
 Every join line the monitor printed stays valid after a crash: the same key file (beside the database) and the same
 port (noted in a file beside it) when it starts again with the same command.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
 import socket
-from typing import List
 
 import hivemind
 
@@ -19,7 +19,7 @@ from collab_kit.roles.monitor_settings import MonitorSettings
 logger = logging.getLogger(__name__)
 
 
-def write_address_file(path: str, addresses: List[str]) -> None:
+def write_address_file(path: str, addresses: list[str]) -> None:
     """Write the join addresses, one a line, atomically (a reader never sees half a file)."""
     tmp_path = path + ".tmp"
     with open(tmp_path, "w") as f:
@@ -57,16 +57,21 @@ def lasting_address(config: RunConfig, settings: MonitorSettings) -> RunConfig:
         if noted.isdigit() and port_is_free(swarm.listen_host, int(noted)):
             changes["port"] = int(noted)
         elif noted.isdigit():
-            logger.warning(f"port {noted}, where this monitor listened before, is taken by another program: it listens "
-                           f"on another port, so the join lines it printed before no longer work (pass --port to "
-                           f"choose one)")
+            logger.warning(
+                f"port {noted}, where this monitor listened before, is taken by another program: it listens "
+                f"on another port, so the join lines it printed before no longer work (pass --port to "
+                f"choose one)"
+            )
     return dataclasses.replace(config, swarm=dataclasses.replace(swarm, **changes)) if changes else config
 
 
 def note_port(path: str, dht: hivemind.DHT) -> None:
     """Write the TCP port ``dht`` listens on to ``path`` (atomically), for ``lasting_address`` after a restart."""
-    ports = {address.split("/tcp/", 1)[1].split("/", 1)[0] for address in map(str, dht.get_visible_maddrs())
-             if "/tcp/" in address}
+    ports = {
+        address.split("/tcp/", 1)[1].split("/", 1)[0]
+        for address in map(str, dht.get_visible_maddrs())
+        if "/tcp/" in address
+    }
     if len(ports) != 1:
         return  # announced addresses with ports of their own (a router's forward): nothing to note
     with open(path + ".tmp", "w") as f:

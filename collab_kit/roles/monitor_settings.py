@@ -3,19 +3,19 @@
 ``MonitorSettings`` checks every field when it is built, so ``collab-kit monitor`` fails at once with what to
 change (``MonitorError``) rather than after it has joined the swarm.
 """
+
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
-
 
 from collab_kit.errors import CollabKitError
 
 
 class MonitorError(CollabKitError, RuntimeError):
     """A setting the monitor cannot work with; the message says what to do."""
+
 
 # ---------------------------------------------------------------------------------------------
 # settings
@@ -44,29 +44,29 @@ class MonitorSettings:
       connections, True always (an error in client mode), False never
     """
 
-    db_path: Optional[str] = "monitor/run.sqlite"
+    db_path: str | None = "monitor/run.sqlite"
     checkpoint_dir: str = "monitor/checkpoints"
     checkpoint_every: int = 10
     keep_last: int = 3
-    push_to: Optional[str] = None
+    push_to: str | None = None
     poll_every: float = 10.0
-    wandb_project: Optional[str] = None
+    wandb_project: str | None = None
     backoff_initial: float = 5.0
     backoff_max: float = 300.0
     download_timeout: float = 300.0
-    address_file: Optional[str] = None
-    anchor: Optional[bool] = None
-    dashboard_port: Optional[int] = None
+    address_file: str | None = None
+    anchor: bool | None = None
+    dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
 
     @property
-    def identity_file(self) -> Optional[str]:
+    def identity_file(self) -> str | None:
         """The monitor's private key, beside its database (``monitor/run.key`` for ``monitor/run.sqlite``): the same
         peer id after a restart, so every join line it printed stays valid. None without a database."""
         return os.path.splitext(self.db_path)[0] + ".key" if self.db_path else None
 
     @property
-    def port_file(self) -> Optional[str]:
+    def port_file(self) -> str | None:
         """Where the monitor notes the port it listens on, beside its database: it listens there again after a
         restart unless --port says otherwise. None without a database."""
         return os.path.splitext(self.db_path)[0] + ".port" if self.db_path else None
@@ -76,22 +76,35 @@ class MonitorSettings:
             if not condition:
                 raise ValueError(what)
 
-        require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-                f"checkpoint_every={self.checkpoint_every!r}: expected a number of global epochs >= 0 "
-                f"(0: no checkpoints)")
-        require(isinstance(self.keep_last, int) and self.keep_last >= 1,
-                f"keep_last={self.keep_last!r}: keep at least 1 checkpoint")
+        require(
+            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+            f"checkpoint_every={self.checkpoint_every!r}: expected a number of global epochs >= 0 (0: no checkpoints)",
+        )
+        require(
+            isinstance(self.keep_last, int) and self.keep_last >= 1,
+            f"keep_last={self.keep_last!r}: keep at least 1 checkpoint",
+        )
         for name in ("poll_every", "backoff_initial", "backoff_max", "download_timeout"):
             value = getattr(self, name)
-            require(isinstance(value, (int, float)) and 0 < value < math.inf,
-                    f"{name}={value!r}: expected a positive number of seconds")
-        require(self.backoff_max >= self.backoff_initial,
-                f"backoff_max={self.backoff_max} is below backoff_initial={self.backoff_initial}")
+            require(
+                isinstance(value, (int, float)) and 0 < value < math.inf,
+                f"{name}={value!r}: expected a positive number of seconds",
+            )
+        require(
+            self.backoff_max >= self.backoff_initial,
+            f"backoff_max={self.backoff_max} is below backoff_initial={self.backoff_initial}",
+        )
         port = self.dashboard_port
-        require(port is None or (isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536),
-                f"dashboard_port={self.dashboard_port!r}: expected a port number (0: any free one)")
-        require(self.dashboard_port is None or bool(self.db_path),
-                "the live page (dashboard_port) draws the monitor's database: give it one (db_path, --db)")
+        require(
+            port is None or (isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536),
+            f"dashboard_port={self.dashboard_port!r}: expected a port number (0: any free one)",
+        )
+        require(
+            self.dashboard_port is None or bool(self.db_path),
+            "the live page (dashboard_port) draws the monitor's database: give it one (db_path, --db)",
+        )
         require(self.anchor in (None, True, False), f"anchor={self.anchor!r}: expected None, True or False")
-        require(self.push_to is None or (self.push_to.count("/") == 1 and all(self.push_to.split("/"))),
-                f"push_to={self.push_to!r}: expected a Hub model repository id such as 'user/model'")
+        require(
+            self.push_to is None or (self.push_to.count("/") == 1 and all(self.push_to.split("/"))),
+            f"push_to={self.push_to!r}: expected a Hub model repository id such as 'user/model'",
+        )

@@ -5,6 +5,7 @@ is its own process. A peer started with ``--events`` prints one machine-readable
 (``@event {...json...}``); the parent waits on those events with deadlines, never on bare sleeps,
 and always kills the whole process group of a peer it started, p2p daemons included.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Sequence
 
 from collab_kit.errors import CollabKitError
 
@@ -47,19 +48,34 @@ class PeerProcess:
     :param cwd: its working folder (default: this process's)
     """
 
-    def __init__(self, name: str, args: Sequence[str], log_path: str, env: Optional[Dict[str, str]] = None,
-                 command: Sequence[str] = (sys.executable, "-m", "collab_kit.cli"), stdin=subprocess.DEVNULL,
-                 cwd: Optional[str] = None):
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        log_path: str,
+        env: dict[str, str] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "collab_kit.cli"),
+        stdin=subprocess.DEVNULL,
+        cwd: str | None = None,
+    ):
         self.name, self.log_path, self.args = name, log_path, list(args)
-        self._events: List[dict] = []  # the events moved off the reader's queue so far, in order
+        self._events: list[dict] = []  # the events moved off the reader's queue so far, in order
         self._exited = False  # the reader saw the end of the process's output
         self._cursor = 0  # events before this index were returned by new_events()
-        self._queue: "queue.Queue[dict]" = queue.Queue()
+        self._queue: queue.Queue[dict] = queue.Queue()
         self._log = open(log_path, "a", buffering=1)
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(
-            [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, text=True, bufsize=1,
-            env=full_env, cwd=cwd, start_new_session=True)
+            [*command, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=stdin,
+            text=True,
+            bufsize=1,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read_output, daemon=True, name=f"{name}-reader")
         self._reader.start()
 
@@ -68,7 +84,7 @@ class PeerProcess:
             self._log.write(line)
             if line.startswith(EVENT_PREFIX):
                 try:
-                    self._queue.put(json.loads(line[len(EVENT_PREFIX):]))
+                    self._queue.put(json.loads(line[len(EVENT_PREFIX) :]))
                 except json.JSONDecodeError:
                     pass
         self._queue.put(dict(type="_exited"))
@@ -81,7 +97,7 @@ class PeerProcess:
             return ""
 
     @property
-    def events(self) -> List[dict]:
+    def events(self) -> list[dict]:
         """Every event the process printed so far, in order (the reader thread's latest included: a test that waited
         a while and then looks back sees what happened meanwhile, not only what an earlier wait read)."""
         self._drain(0.0)
@@ -102,12 +118,16 @@ class PeerProcess:
                     return event
             if self._exited:
                 code = self.process.wait()
-                raise PeerFailed(f"{self.name} exited with code {code} before reporting {what}; "
-                                 f"last lines of {self.log_path}:\n{self.log_tail()}")
+                raise PeerFailed(
+                    f"{self.name} exited with code {code} before reporting {what}; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PeerFailed(f"{self.name} did not report {what} within {timeout:.0f} s; "
-                                 f"last lines of {self.log_path}:\n{self.log_tail()}")
+                raise PeerFailed(
+                    f"{self.name} did not report {what} within {timeout:.0f} s; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             self._drain(min(remaining, 1.0))
 
     def _drain(self, timeout: float) -> None:
@@ -128,10 +148,10 @@ class PeerProcess:
             except queue.Empty:
                 return
 
-    def new_events(self, timeout: float = 0.0) -> List[dict]:
+    def new_events(self, timeout: float = 0.0) -> list[dict]:
         """The events that arrived since the last call, waiting up to ``timeout`` seconds for one."""
         self._drain(timeout)
-        fresh, self._cursor = self._events[self._cursor:], len(self._events)
+        fresh, self._cursor = self._events[self._cursor :], len(self._events)
         return fresh
 
     def wait_exit(self, timeout: float) -> int:
@@ -142,8 +162,10 @@ class PeerProcess:
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise PeerFailed(f"{self.name} was still running after {timeout:.0f} s; "
-                             f"last lines of {self.log_path}:\n{self.log_tail()}") from None
+            raise PeerFailed(
+                f"{self.name} was still running after {timeout:.0f} s; "
+                f"last lines of {self.log_path}:\n{self.log_tail()}"
+            ) from None
         self._reader.join(5)
         self._drain(0.0)  # keep the events that arrived before the exit
         return code

@@ -5,10 +5,10 @@ alone while others train, and the history of a ``train`` call (with its plot).
 as the live view's rows; ``LoneTrainingWatch`` decides, from the epoch records, when a volunteer is told it is alone
 and why.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
 
 from collab_kit.addresses import all_on_this_machine
 from collab_kit.config import RunConfig
@@ -29,7 +29,7 @@ class EpochRecord:
     seconds: float
     anchors: int = 0  # anchors in the round (collab_kit.swarm.anchor: peers that reduce for others, with no samples)
     training_peers: int = 1  # peers that trained in the swarm when the epoch ended, this one included
-    problem: Optional[str] = None  # why the round failed or came back in part (None: it did not)
+    problem: str | None = None  # why the round failed or came back in part (None: it did not)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,21 +73,30 @@ class LoneWarning:
         return asdict(self)
 
     def __str__(self) -> str:
-        return (f"training alone: the last {self.epochs} global steps were not averaged with any other peer, although "
-                f"{self.training_peers - 1} other peer(s) train in the swarm. Why: {self.reason}. What to do: "
-                f"{self.advice}")
+        return (
+            f"training alone: the last {self.epochs} global steps were not averaged with any other peer, although "
+            f"{self.training_peers - 1} other peer(s) train in the swarm. Why: {self.reason}. What to do: "
+            f"{self.advice}"
+        )
 
 
-def undialable_reason(config: RunConfig, reachability) -> Optional[str]:
+def undialable_reason(config: RunConfig, reachability) -> str | None:
     """Why the swarm may be unable to dial a peer that accepts connections, or None: a peer made to accept them
     (``swarm.client_mode=False``) while its initial peers are on other machines, and announcing no address a probe
     found (a probe that got through announces the address the swarm saw), was never checked."""
     swarm = config.swarm
-    if swarm.client_mode or reachability is not None or swarm.announce_maddrs or not swarm.initial_peers or \
-            all_on_this_machine(swarm.initial_peers):
+    if (
+        swarm.client_mode
+        or reachability is not None
+        or swarm.announce_maddrs
+        or not swarm.initial_peers
+        or all_on_this_machine(swarm.initial_peers)
+    ):
         return None
-    return (f"it was set to accept connections (--no-client-mode) on {swarm.host}, so the swarm never checked that "
-            f"it can dial it back")
+    return (
+        f"it was set to accept connections (--no-client-mode) on {swarm.host}, so the swarm never checked that "
+        f"it can dial it back"
+    )
 
 
 LONE_AFTER_EPOCHS = 3  # unaveraged global epochs in a row, while others train, before a volunteer is told it is alone
@@ -107,11 +116,18 @@ class LoneTrainingWatch:
     def __init__(self, after_epochs: int = LONE_AFTER_EPOCHS):
         self.after_epochs = after_epochs
         self.streak = 0
-        self.reason: Optional[str] = None  # why the epochs of the current stretch were not averaged (None: averaged)
+        self.reason: str | None = None  # why the epochs of the current stretch were not averaged (None: averaged)
         self._warned = False
 
-    def observe(self, record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
-                matchmaking_time: float, undialable: Optional[str] = None) -> Optional[LoneWarning]:
+    def observe(
+        self,
+        record: EpochRecord,
+        client_mode: bool,
+        anchors_in_swarm: int,
+        averaging_timeout: float,
+        matchmaking_time: float,
+        undialable: str | None = None,
+    ) -> LoneWarning | None:
         """Count one epoch; returns the warning when a stretch of lone epochs reaches ``after_epochs``.
 
         :param undialable: why the swarm may be unable to dial this peer although it accepts connections (None: it
@@ -121,47 +137,68 @@ class LoneTrainingWatch:
             self.streak, self.reason, self._warned = 0, None, False
             return None
         self.streak += 1
-        self.reason, advice = self.diagnose(record, client_mode, anchors_in_swarm, averaging_timeout, matchmaking_time,
-                                            undialable)
+        self.reason, advice = self.diagnose(
+            record, client_mode, anchors_in_swarm, averaging_timeout, matchmaking_time, undialable
+        )
         if self.streak < self.after_epochs or self._warned:
             return None
         self._warned = True
-        return LoneWarning(epoch=record.epoch, epochs=self.streak, training_peers=record.training_peers,
-                           reason=self.reason, advice=advice)
+        return LoneWarning(
+            epoch=record.epoch,
+            epochs=self.streak,
+            training_peers=record.training_peers,
+            reason=self.reason,
+            advice=advice,
+        )
 
     @staticmethod
-    def diagnose(record: EpochRecord, client_mode: bool, anchors_in_swarm: int, averaging_timeout: float,
-                 matchmaking_time: float, undialable: Optional[str] = None) -> Tuple[str, str]:
+    def diagnose(
+        record: EpochRecord,
+        client_mode: bool,
+        anchors_in_swarm: int,
+        averaging_timeout: float,
+        matchmaking_time: float,
+        undialable: str | None = None,
+    ) -> tuple[str, str]:
         """Why an epoch was not averaged, as far as this peer can tell, and what to do about it: (reason, advice).
 
         A round that failed while nobody checked that the swarm can dial this peer is blamed on that, not on the
         link (tests/roles/test_lone_training.py::test_failed_rounds_of_a_peer_nobody_checked_blame_the_dialling)."""
         if client_mode and not anchors_in_swarm and not record.anchors:
-            return ("this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
-                    "so no averaging group can hold it",
-                    "the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
-                    "anchor, which volunteers behind NAT average through); or join from a machine with a public "
-                    "address or a forwarded port")
+            return (
+                "this peer is behind NAT or a firewall (client mode) and no peer of the swarm accepts connections, "
+                "so no averaging group can hold it",
+                "the run's organizer starts `collab-kit monitor` on a machine others can dial (it runs the run's "
+                "anchor, which volunteers behind NAT average through); or join from a machine with a public "
+                "address or a forwarded port",
+            )
         if record.problem and undialable:
-            return (f"its averaging rounds fail ({record.problem}), and the swarm's peers may be unable to dial this "
-                    f"one: {undialable}",
-                    "leave --client-mode and --host out, so that the swarm checks whether it can dial this peer back "
-                    "(a peer it cannot dial joins in client mode and averages through the run's anchor), or forward "
-                    "its port and announce it (--set swarm.announce_maddrs=...)")
+            return (
+                f"its averaging rounds fail ({record.problem}), and the swarm's peers may be unable to dial this "
+                f"one: {undialable}",
+                "leave --client-mode and --host out, so that the swarm checks whether it can dial this peer back "
+                "(a peer it cannot dial joins in client mode and averages through the run's anchor), or forward "
+                "its port and announce it (--set swarm.announce_maddrs=...)",
+            )
         if record.problem:
-            return (f"its averaging rounds fail ({record.problem})",
-                    f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "
-                    f"optimizer.matchmaking_time=... (now {averaging_timeout:g} s and {matchmaking_time:g} s; every "
-                    f"peer of the run needs the same); check the link (a speed test, another network)")
-        return ("its averaging groups held no other training peer (the others joined other rounds)",
-                "check that every peer runs the same --preset, --run-id and --set options; if it goes on, restart "
-                "this peer")
+            return (
+                f"its averaging rounds fail ({record.problem})",
+                f"on a slow or unsteady link, give rounds more time: --set optimizer.averaging_timeout=... and "
+                f"optimizer.matchmaking_time=... (now {averaging_timeout:g} s and {matchmaking_time:g} s; every "
+                f"peer of the run needs the same); check the link (a speed test, another network)",
+            )
+        return (
+            "its averaging groups held no other training peer (the others joined other rounds)",
+            "check that every peer runs the same --preset, --run-id and --set options; if it goes on, restart "
+            "this peer",
+        )
+
 
 @dataclass
 class TrainingHistory:
-    epochs: List[EpochRecord] = field(default_factory=list)
-    restores: List[RestoreRecord] = field(default_factory=list)
-    lone_warnings: List[LoneWarning] = field(default_factory=list)  # stretches of training alone while others trained
+    epochs: list[EpochRecord] = field(default_factory=list)
+    restores: list[RestoreRecord] = field(default_factory=list)
+    lone_warnings: list[LoneWarning] = field(default_factory=list)  # stretches of training alone while others trained
     skipped_steps: int = 0  # local steps dropped because their loss or gradients were not finite
     link_outages: int = 0  # times training waited for the link to the swarm to come back
     start_epoch: int = 0  # the global epoch this peer started at (> 0 when it joined late)
@@ -191,10 +228,12 @@ class TrainingHistory:
         if not self.epochs:
             return f"no global epoch completed (epochs {self.start_epoch}->{self.final_epoch})"
         overflows = f", {self.overflow_steps} fp16 overflow(s) skipped" if self.overflow_steps else ""
-        return (f"epochs {self.start_epoch}->{self.final_epoch}: loss {self.epochs[0].loss:.4f} -> "
-                f"{self.epochs[-1].loss:.4f}, {self.averaged_rounds} of {len(self.epochs)} global steps averaged "
-                f"with other peers, {format_bytes(self.bytes_sent)} sent to them, on {self.device} in "
-                f"{self.precision}{overflows}{' (interrupted)' if self.interrupted else ''}")
+        return (
+            f"epochs {self.start_epoch}->{self.final_epoch}: loss {self.epochs[0].loss:.4f} -> "
+            f"{self.epochs[-1].loss:.4f}, {self.averaged_rounds} of {len(self.epochs)} global steps averaged "
+            f"with other peers, {format_bytes(self.bytes_sent)} sent to them, on {self.device} in "
+            f"{self.precision}{overflows}{' (interrupted)' if self.interrupted else ''}"
+        )
 
     def plot(self, ax=None):
         """Loss per global epoch; epochs averaged with other peers in green, lone ones in grey.

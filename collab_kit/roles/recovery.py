@@ -5,10 +5,11 @@ whole swarm. The volunteer drops them and loads the swarm's parameters and optim
 (``NonFiniteRecoveryMixin._recover_from_non_finite_step``); shown by tests/roles/test_faults.py and
 tests/roles/test_volunteer.py.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -31,7 +32,7 @@ class NonFiniteRecoveryMixin:
     # state, before giving up: beyond that the fault is not in the parameters but in the data or the settings
     max_non_finite_steps = 5
 
-    def _non_finite_step_problem(self, loss: torch.Tensor) -> Optional[str]:
+    def _non_finite_step_problem(self, loss: torch.Tensor) -> str | None:
         """What is not finite after this local step's backward pass: the loss or the gradients (None: all finite)."""
         if not torch.isfinite(loss.detach()).all():
             return f"the loss is {loss.item()}"
@@ -41,16 +42,20 @@ class NonFiniteRecoveryMixin:
             return "the gradients are not finite"
         return None
 
-    def _non_finite_parameters_problem(self) -> Optional[str]:
+    def _non_finite_parameters_problem(self) -> str | None:
         """Which of the model's parameters hold nan or inf (None: all finite)."""
         bad = non_finite_parameters(self.model)
         if not bad:
             return None
         return f"parameters are not finite: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}"
 
-    def _recover_from_non_finite_step(self, problem: str, history: TrainingHistory,
-                                      on_restore: Optional[Callable[[RestoreRecord], None]] = None,
-                                      step_dropped: bool = True) -> None:
+    def _recover_from_non_finite_step(
+        self,
+        problem: str,
+        history: TrainingHistory,
+        on_restore: Callable[[RestoreRecord], None] | None = None,
+        step_dropped: bool = True,
+    ) -> None:
         """Drop this step's gradients (they never reach the optimizer, so they are never averaged with the swarm's)
         and load the swarm's parameters and optimizer state in place of this peer's.
 
@@ -68,32 +73,44 @@ class NonFiniteRecoveryMixin:
         if self._non_finite_streak > self.max_non_finite_steps:
             raise NonFiniteTrainingError(
                 f"{problem} for {self._non_finite_streak} local steps in a row, and loading the swarm's state did not "
-                f"help: the fault is likely in the data or the settings (try a lower optimizer.learning_rate)")
+                f"help: the fault is likely in the data or the settings (try a lower optimizer.learning_rate)"
+            )
         epoch_before = self.local_epoch
-        logger.warning(f"{problem} after {history.local_steps} local steps (epoch {epoch_before}): dropping this "
-                       f"step's gradients and loading the swarm's parameters and optimizer state")
+        logger.warning(
+            f"{problem} after {history.local_steps} local steps (epoch {epoch_before}): dropping this "
+            f"step's gradients and loading the swarm's parameters and optimizer state"
+        )
         loaded = self.optimizer.load_state_from_peers()
-        record = RestoreRecord(reason="non_finite", problem=problem, loaded=loaded, epoch_before=epoch_before,
-                               epoch_after=self.local_epoch, local_step=history.local_steps)
+        record = RestoreRecord(
+            reason="non_finite",
+            problem=problem,
+            loaded=loaded,
+            epoch_before=epoch_before,
+            epoch_after=self.local_epoch,
+            local_step=history.local_steps,
+        )
         self._record_restore(history, record, on_restore)
         still_bad = self._non_finite_parameters_problem()
         if loaded:
             if still_bad is None:
                 logger.warning(f"loaded the swarm's state (epoch {self.local_epoch}): training goes on")
             else:  # the next step tries again (another peer may answer), up to max_non_finite_steps times
-                logger.warning(f"the state a peer gave is not finite either ({still_bad}): the swarm may have "
-                               f"diverged")
+                logger.warning(f"the state a peer gave is not finite either ({still_bad}): the swarm may have diverged")
             return
         if still_bad is not None:
             raise NonFiniteTrainingError(
                 f"{still_bad}, and no peer of run {self.config.swarm.run_id!r} could give its state: restart from a "
-                f"checkpoint (or with peers that train), and consider a lower optimizer.learning_rate")
-        logger.warning("no peer could give its state: this step is skipped, training goes on from the local state "
-                       "(its parameters are finite)")
+                f"checkpoint (or with peers that train), and consider a lower optimizer.learning_rate"
+            )
+        logger.warning(
+            "no peer could give its state: this step is skipped, training goes on from the local state "
+            "(its parameters are finite)"
+        )
 
     @staticmethod
-    def _record_restore(history: TrainingHistory, record: RestoreRecord,
-                        on_restore: Optional[Callable[[RestoreRecord], None]]) -> None:
+    def _record_restore(
+        history: TrainingHistory, record: RestoreRecord, on_restore: Callable[[RestoreRecord], None] | None
+    ) -> None:
         history.restores.append(record)
         if on_restore is not None:
             on_restore(record)

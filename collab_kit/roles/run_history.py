@@ -21,6 +21,7 @@ Every poll is one transaction: a monitor killed at any moment leaves the file as
 last complete poll, and a restarted monitor goes on from there (no leaderboard row is lost, no
 sample is credited twice: the per-peer counters are in the same transaction).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ import os
 import sqlite3
 import threading
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, Sequence
 
 from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 
@@ -51,9 +52,11 @@ CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS anchors (peer_id TEXT PRIMARY KEY, addresses TEXT NOT NULL, last_seen REAL NOT NULL);
 """
 # columns added after the first release: added to a file that lacks them (name, SQL type)
-LATER_COLUMNS = {"peers": (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT"),
-                           ("activity", "TEXT")),
-                 "contributors": (("device", "TEXT"),), "swarm": (("anchors", "INTEGER"), ("samples", "INTEGER"))}
+LATER_COLUMNS = {
+    "peers": (("averaged_with", "INTEGER"), ("lone_epochs", "INTEGER"), ("lone_reason", "TEXT"), ("activity", "TEXT")),
+    "contributors": (("device", "TEXT"),),
+    "swarm": (("anchors", "INTEGER"), ("samples", "INTEGER")),
+}
 
 
 @dataclass
@@ -65,11 +68,11 @@ class Contributor:
     compute_seconds: float
     first_seen: float
     last_seen: float
-    device: Optional[str] = None  # where it trained last, and in what precision (None: its records do not say)
+    device: str | None = None  # where it trained last, and in what precision (None: its records do not say)
 
 
-def device_label(record: PeerMetrics) -> Optional[str]:
-    """"Tesla T4, fp16", "cpu, fp32", or None for a record that names neither."""
+def device_label(record: PeerMetrics) -> str | None:
+    """ "Tesla T4, fp16", "cpu, fp32", or None for a record that names neither."""
     named = [part for part in (record.device, record.precision) if part]
     return ", ".join(named) if named else None
 
@@ -86,17 +89,17 @@ class PeerAveraging:
     peer_id: str
     name: str
     last_seen: float
-    averaged_with: Optional[int]
-    lone_epochs: Optional[int]
-    lone_reason: Optional[str]
-    activity: Optional[str] = None  # what it is busy with instead of training ("downloading_state")
+    averaged_with: int | None
+    lone_epochs: int | None
+    lone_reason: str | None
+    activity: str | None = None  # what it is busy with instead of training ("downloading_state")
 
     @property
     def alone(self) -> bool:
         return bool(self.lone_epochs)
 
     def describe(self) -> str:
-        """"alone for 4 epochs: why" (the fact that matters most, with "; now downloading the swarm's state" when it
+        """ "alone for 4 epochs: why" (the fact that matters most, with "; now downloading the swarm's state" when it
         does), "downloading the swarm's state", "averaging with 2 peers", or "not reported"."""
         downloading = self.activity == "downloading_state"
         if self.alone:
@@ -115,7 +118,7 @@ class AnchorRow:
     monitor last read it in the DHT."""
 
     peer_id: str
-    addresses: List[str]
+    addresses: list[str]
     last_seen: float
 
 
@@ -132,7 +135,7 @@ class CheckpointRow:
     epoch: int
     path: str
     time: float
-    pushed_to: Optional[str]
+    pushed_to: str | None
 
 
 class RunHistory:
@@ -145,14 +148,17 @@ class RunHistory:
     :raises ValueError: the file holds another run's history
     """
 
-    def __init__(self, path: str, read_only: bool = False, run_id: Optional[str] = None):
+    def __init__(self, path: str, read_only: bool = False, run_id: str | None = None):
         self.path = path
         if read_only:
             if not os.path.exists(path):
-                raise FileNotFoundError(f"no monitor database at {path!r}: start `collab-kit monitor --db {path}` "
-                                        f"first, or pass the file it writes")
-            self._connection = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True,
-                                               check_same_thread=False)
+                raise FileNotFoundError(
+                    f"no monitor database at {path!r}: start `collab-kit monitor --db {path}` "
+                    f"first, or pass the file it writes"
+                )
+            self._connection = sqlite3.connect(
+                f"file:{os.path.abspath(path)}?mode=ro", uri=True, check_same_thread=False
+            )
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._connection = sqlite3.connect(path, check_same_thread=False)
@@ -176,11 +182,13 @@ class RunHistory:
                 self._connection.execute("INSERT INTO run (key, value) VALUES ('run_id', ?)", (run_id,))
         if row is not None and row[0] != run_id:
             self._connection.close()
-            raise ValueError(f"{self.path!r} holds the history of run {row[0]!r}, not of {run_id!r}: give this "
-                                 f"run a database of its own (--db), or use --run-id {row[0]} to continue that run")
+            raise ValueError(
+                f"{self.path!r} holds the history of run {row[0]!r}, not of {run_id!r}: give this "
+                f"run a database of its own (--db), or use --run-id {row[0]} to continue that run"
+            )
 
     @property
-    def run_id(self) -> Optional[str]:
+    def run_id(self) -> str | None:
         """The run this file belongs to (None for a file written without one)."""
         with self._lock:
             try:
@@ -192,7 +200,7 @@ class RunHistory:
     def close(self) -> None:
         self._connection.close()
 
-    def __enter__(self) -> "RunHistory":
+    def __enter__(self) -> RunHistory:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -200,7 +208,7 @@ class RunHistory:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def record(self, snapshot: SwarmSnapshot, records: Iterable[Tuple[bytes, PeerMetrics, str]]) -> None:
+    def record(self, snapshot: SwarmSnapshot, records: Iterable[tuple[bytes, PeerMetrics, str]]) -> None:
         """Store one poll: the swarm's point and each peer's growth since its last record, in one transaction.
 
         :param snapshot: the aggregate (collab_kit.swarm.metrics.summarize)
@@ -212,22 +220,36 @@ class RunHistory:
             snapshot.samples = int(self._connection.execute("SELECT SUM(samples) FROM contributors").fetchone()[0] or 0)
             self._connection.execute(
                 "INSERT INTO swarm (time, epoch, loss, alive_peers, samples_per_second, anchors, samples) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)", (snapshot.time, snapshot.epoch, snapshot.loss, snapshot.alive_peers,
-                                                 snapshot.samples_per_second, snapshot.anchors, snapshot.samples))
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    snapshot.time,
+                    snapshot.epoch,
+                    snapshot.loss,
+                    snapshot.alive_peers,
+                    snapshot.samples_per_second,
+                    snapshot.anchors,
+                    snapshot.samples,
+                ),
+            )
 
     def _credit(self, key: bytes, record: PeerMetrics, name: str) -> None:
         row = self._connection.execute(
-            "SELECT samples_accumulated, compute_seconds, last_seen FROM peers WHERE key = ?", (key,)).fetchone()
+            "SELECT samples_accumulated, compute_seconds, last_seen FROM peers WHERE key = ?", (key,)
+        ).fetchone()
         if row is None:
             new_samples, new_seconds = record.samples_accumulated, record.compute_seconds
         elif record.time <= row[2]:
             return  # the same record read again: nothing new
         else:
             # counters only grow while a peer lives; smaller ones mean it restarted under the same key
-            new_samples = record.samples_accumulated - row[0] if record.samples_accumulated >= row[0] \
+            new_samples = (
+                record.samples_accumulated - row[0]
+                if record.samples_accumulated >= row[0]
                 else record.samples_accumulated
-            new_seconds = record.compute_seconds - row[1] if record.compute_seconds >= row[1] \
-                else record.compute_seconds
+            )
+            new_seconds = (
+                record.compute_seconds - row[1] if record.compute_seconds >= row[1] else record.compute_seconds
+            )
         self._connection.execute(
             "INSERT INTO peers (key, peer_id, name, samples_accumulated, compute_seconds, last_seen, averaged_with, "
             "lone_epochs, lone_reason, activity) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
@@ -235,15 +257,27 @@ class RunHistory:
             "compute_seconds = excluded.compute_seconds, last_seen = excluded.last_seen, "
             "averaged_with = excluded.averaged_with, lone_epochs = excluded.lone_epochs, "
             "lone_reason = excluded.lone_reason, activity = excluded.activity",
-            (key, record.peer_id, name, record.samples_accumulated, record.compute_seconds, record.time,
-             record.averaged_with, record.lone_epochs, record.lone_reason, record.activity))
+            (
+                key,
+                record.peer_id,
+                name,
+                record.samples_accumulated,
+                record.compute_seconds,
+                record.time,
+                record.averaged_with,
+                record.lone_epochs,
+                record.lone_reason,
+                record.activity,
+            ),
+        )
         self._connection.execute(
             "INSERT INTO contributors (name, samples, compute_seconds, first_seen, last_seen, device) "
             "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET samples = samples + excluded.samples, "
             "compute_seconds = compute_seconds + excluded.compute_seconds, "
             "first_seen = MIN(first_seen, excluded.first_seen), last_seen = MAX(last_seen, excluded.last_seen), "
             "device = COALESCE(excluded.device, device)",
-            (name, new_samples, new_seconds, record.time, record.time, device_label(record)))
+            (name, new_samples, new_seconds, record.time, record.time, device_label(record)),
+        )
 
     def record_anchors(self, anchors: Iterable[Sequence[str]], time: float) -> None:
         """The run's live anchors (each one's join addresses), read at ``time``."""
@@ -254,18 +288,20 @@ class RunHistory:
                     self._connection.execute(
                         "INSERT INTO anchors (peer_id, addresses, last_seen) VALUES (?, ?, ?) ON CONFLICT(peer_id) "
                         "DO UPDATE SET addresses = excluded.addresses, last_seen = excluded.last_seen",
-                        (peer_id, json.dumps(list(addresses)), time))
+                        (peer_id, json.dumps(list(addresses)), time),
+                    )
 
-    def record_checkpoint(self, epoch: int, path: str, time: float, pushed_to: Optional[str] = None) -> None:
+    def record_checkpoint(self, epoch: int, path: str, time: float, pushed_to: str | None = None) -> None:
         with self._lock, self._connection:
             self._connection.execute(
                 "INSERT INTO checkpoints (epoch, path, time, pushed_to) VALUES (?, ?, ?, ?) ON CONFLICT(epoch) "
                 "DO UPDATE SET path = excluded.path, time = excluded.time, pushed_to = excluded.pushed_to",
-                (epoch, path, time, pushed_to))
+                (epoch, path, time, pushed_to),
+            )
 
     # -- reading --------------------------------------------------------------------------------
 
-    def series(self, since: Optional[float] = None) -> List[SwarmSnapshot]:
+    def series(self, since: float | None = None) -> list[SwarmSnapshot]:
         """Every polled point, oldest first (``since``: only those polled after that time)."""
         columns = "time, epoch, loss, alive_peers, samples_per_second"
         query = " FROM swarm WHERE time > ? ORDER BY time"
@@ -283,7 +319,7 @@ class RunHistory:
             row = self._connection.execute("SELECT MAX(epoch) FROM swarm").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
-    def leaderboard(self, limit: Optional[int] = None) -> List[Contributor]:
+    def leaderboard(self, limit: int | None = None) -> list[Contributor]:
         """Contributors, most samples first."""
         columns = "name, samples, compute_seconds, first_seen, last_seen"
         query = " FROM contributors ORDER BY samples DESC, name" + (" LIMIT ?" if limit else "")
@@ -295,7 +331,7 @@ class RunHistory:
             rows = rows.fetchall()
         return [Contributor(*row) for row in rows]
 
-    def peer_averaging(self, since: Optional[float] = None) -> List[PeerAveraging]:
+    def peer_averaging(self, since: float | None = None) -> list[PeerAveraging]:
         """Each peer's last gradient round as its newest record said, peers alone first, then by name.
 
         :param since: only peers seen at this DHT time or later (None: every peer ever seen)
@@ -305,33 +341,37 @@ class RunHistory:
         try:
             with self._lock:
                 try:
-                    rows = self._connection.execute(f"SELECT {columns}, activity FROM peers WHERE last_seen >= ?",
-                                                    (since,)).fetchall()
+                    rows = self._connection.execute(
+                        f"SELECT {columns}, activity FROM peers WHERE last_seen >= ?", (since,)
+                    ).fetchall()
                 except sqlite3.OperationalError:  # a read-only file from before the activity column
-                    rows = self._connection.execute(f"SELECT {columns} FROM peers WHERE last_seen >= ?",
-                                                    (since,)).fetchall()
+                    rows = self._connection.execute(
+                        f"SELECT {columns} FROM peers WHERE last_seen >= ?", (since,)
+                    ).fetchall()
         except sqlite3.OperationalError:  # a file from before these columns, opened read-only
             return []
         peers = [PeerAveraging(*row) for row in rows]
         return sorted(peers, key=lambda peer: (not peer.alone, peer.name))
 
-    def checkpoints(self) -> List[CheckpointRow]:
+    def checkpoints(self) -> list[CheckpointRow]:
         with self._lock:
-            rows = self._connection.execute("SELECT epoch, path, time, pushed_to FROM checkpoints "
-                                            "ORDER BY epoch").fetchall()
+            rows = self._connection.execute(
+                "SELECT epoch, path, time, pushed_to FROM checkpoints ORDER BY epoch"
+            ).fetchall()
         return [CheckpointRow(*row) for row in rows]
 
-    def anchors(self) -> List[AnchorRow]:
+    def anchors(self) -> list[AnchorRow]:
         """Every anchor the monitor has read, the one seen last first ([] in a file from before anchors were kept)."""
         with self._lock:
             try:
-                rows = self._connection.execute("SELECT peer_id, addresses, last_seen FROM anchors "
-                                                "ORDER BY last_seen DESC, peer_id").fetchall()
+                rows = self._connection.execute(
+                    "SELECT peer_id, addresses, last_seen FROM anchors ORDER BY last_seen DESC, peer_id"
+                ).fetchall()
             except sqlite3.OperationalError:  # a read-only file written before the table existed
                 return []
         return [AnchorRow(peer_id, json.loads(addresses), last_seen) for peer_id, addresses, last_seen in rows]
 
-    def last_checkpoint_epoch(self) -> Optional[int]:
+    def last_checkpoint_epoch(self) -> int | None:
         with self._lock:
             row = self._connection.execute("SELECT MAX(epoch) FROM checkpoints").fetchone()
         return row[0]

@@ -21,6 +21,7 @@ Every service started here is stopped when the interpreter exits (a notebook ker
 restarted), so nothing is left running; a kernel killed outright (out of memory, SIGKILL) cannot do that: stop
 what it left with ``kill -- -PGID``, the process group each service logs and reports as ``pgid``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,7 +31,7 @@ import logging
 import os
 import tempfile
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Sequence
 
 from collab_kit.auth.client import login
 from collab_kit.auth.server_settings import AuthServerSettings
@@ -47,22 +48,31 @@ logger = logging.getLogger(__name__)
 _SWARM_OPTIONS = ("run_id", "host", "port", "initial_peers", "client_mode")
 # what a service's log says when it failed, and what to do about it (the first match is given as the hint)
 _HINTS = (
-    (("address already in use", "could not listen"),
-     "the port is taken, by another program or by a service started earlier (stop it first: "
-     "collab_kit.roles.services.stop_all()); pick another port, or 0 for any free one"),
+    (
+        ("address already in use", "could not listen"),
+        "the port is taken, by another program or by a service started earlier (stop it first: "
+        "collab_kit.roles.services.stop_all()); pick another port, or 0 for any free one",
+    ),
     (("(401)",), "the Hub does not accept this Hugging Face token: log in again with a valid user access token"),
-    (("(403)",), "this Hugging Face user may not join: make them a member of the organization or add them to the "
-                 "auth server's allowlist"),
-    (("could not reach the run's authentication server",),
-     "is the auth server running, and is swarm.auth_server its URL?"),
-    (("no hugging face token", "log in to hugging face"),
-     "log in to Hugging Face first: set HF_TOKEN, run `hf auth login`, or collab_kit.auth.client.login() in a "
-     "notebook"),
+    (
+        ("(403)",),
+        "this Hugging Face user may not join: make them a member of the organization or add them to the "
+        "auth server's allowlist",
+    ),
+    (
+        ("could not reach the run's authentication server",),
+        "is the auth server running, and is swarm.auth_server its URL?",
+    ),
+    (
+        ("no hugging face token", "log in to hugging face"),
+        "log in to Hugging Face first: set HF_TOKEN, run `hf auth login`, or collab_kit.auth.client.login() in a "
+        "notebook",
+    ),
 )
 
-_running: Dict[int, "Service"] = {}  # pid -> every service started here and not stopped yet
+_running: dict[int, Service] = {}  # pid -> every service started here and not stopped yet
 _running_lock = threading.Lock()
-_log_dir: Optional[str] = None
+_log_dir: str | None = None
 
 
 class ServiceError(CollabKitError, RuntimeError):
@@ -102,7 +112,7 @@ class Service:
         return self.process.process.pid
 
     @property
-    def url(self) -> Optional[str]:
+    def url(self) -> str | None:
         """The auth server's URL as reached from this machine (a server on 0.0.0.0 is reached on 127.0.0.1)."""
         url = self.ready.get("url")
         if url is None:
@@ -110,7 +120,7 @@ class Service:
         return url.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
 
     @property
-    def addresses(self) -> List[str]:
+    def addresses(self) -> list[str]:
         """A peer's join addresses (multiaddrs), what others pass as ``initial_peers``."""
         return list(self.ready.get("addresses", []))
 
@@ -124,7 +134,7 @@ class Service:
         return not self.running and group_is_empty(self.pgid)
 
     @property
-    def events(self) -> List[dict]:
+    def events(self) -> list[dict]:
         """Every event the command reported so far, in order."""
         return list(self.process.events)
 
@@ -159,13 +169,20 @@ class Service:
             reason = f"it exited with code {code}" if code is not None else f"it was not ready within {timeout:g} s"
             # the command's own one-line error (collab-kit COMMAND: error: ...), else the last line that reports one
             command = self.process.args[0] if self.process.args else ""
-            errors = [line.split("error:", 1)[1].strip() for line in tail.splitlines()
-                      if f"collab-kit {command}: error:" in line]
+            errors = [
+                line.split("error:", 1)[1].strip()
+                for line in tail.splitlines()
+                if f"collab-kit {command}: error:" in line
+            ]
             errors = errors or [line.strip() for line in tail.splitlines() if "error" in line.lower()]
             if errors:
                 reason = f"{reason}: {errors[-1]}"
-            message = [f"the {self.kind} did not start: {reason}", _hint(tail),
-                       f"The last lines of its log ({self.log_path}):", tail.rstrip()]
+            message = [
+                f"the {self.kind} did not start: {reason}",
+                _hint(tail),
+                f"The last lines of its log ({self.log_path}):",
+                tail.rstrip(),
+            ]
             raise ServiceError("\n".join(part for part in message if part)) from None
         logger.info(f"{self.name} is ready (pid {self.pid}, log {self.log_path})")
         return self.ready
@@ -179,7 +196,7 @@ class Service:
             _running.pop(self.pid, None)
         self.process.kill(grace)
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -194,7 +211,7 @@ class MonitorService(Service):
     """The monitor (the run's first peer), with a way to wait until it has recorded what volunteers did."""
 
     @property
-    def page_url(self) -> Optional[str]:
+    def page_url(self) -> str | None:
         """The link of the run's live page as opened on this machine (None: started without ``dashboard_port``)."""
         for event in self.events:
             if event["type"] == "live_page":
@@ -207,18 +224,20 @@ class MonitorService(Service):
         :returns: the poll's event (epoch, alive_peers, loss, samples_per_second, records, contributors)
         :raises ServiceError: no such poll within ``timeout`` seconds, or the monitor ended
         """
-        return self.wait_for(lambda e: e["type"] == "poll" and e["epoch"] >= epoch
-                             and e["contributors"] >= contributors, timeout,
-                             what=f"a poll at epoch >= {epoch} with >= {contributors} contributors")
+        return self.wait_for(
+            lambda e: e["type"] == "poll" and e["epoch"] >= epoch and e["contributors"] >= contributors,
+            timeout,
+            what=f"a poll at epoch >= {epoch} with >= {contributors} contributors",
+        )
 
 
-def running_services() -> List[Service]:
+def running_services() -> list[Service]:
     """The services started in this interpreter and not stopped yet."""
     with _running_lock:
         return list(_running.values())
 
 
-def stop_all(grace: float = 10.0) -> List[Service]:
+def stop_all(grace: float = 10.0) -> list[Service]:
     """Stop every service started in this interpreter, all at once (each takes seconds to leave); returns them."""
     stopped = running_services()[::-1]
 
@@ -250,7 +269,7 @@ def _stop_at_exit() -> None:
 # the command lines
 
 
-def config_arguments(config: RunConfig) -> List[str]:
+def config_arguments(config: RunConfig) -> list[str]:
     """``collab-kit`` options that rebuild ``config``: its preset, run id, host, port, and ``--set`` for every field
     that differs from the preset's (so a subprocess trains exactly the model and optimizer of this config).
 
@@ -258,8 +277,10 @@ def config_arguments(config: RunConfig) -> List[str]:
       cannot carry
     """
     if config.preset not in PRESETS:
-        raise ValueError(f"config.preset={config.preset!r}: start services from a config made with "
-                         f"get_preset(one of {', '.join(PRESETS)}, ...)")
+        raise ValueError(
+            f"config.preset={config.preset!r}: start services from a config made with "
+            f"get_preset(one of {', '.join(PRESETS)}, ...)"
+        )
     swarm = config.swarm
     arguments = ["--preset", config.preset, "--run-id", swarm.run_id, "--port", str(swarm.port)]
     if swarm.host is not None:
@@ -278,7 +299,7 @@ def config_arguments(config: RunConfig) -> List[str]:
     return arguments
 
 
-def join_command(config: RunConfig, addresses: Sequence[str], auth_server: Optional[str] = None) -> str:
+def join_command(config: RunConfig, addresses: Sequence[str], auth_server: str | None = None) -> str:
     """The command a volunteer runs to join this run through ``addresses`` (what to share with volunteers): the same
     line every peer prints (``collab_kit.swarm.dht.join_command``), with the run's data (``config.data.shards``).
 
@@ -289,15 +310,31 @@ def join_command(config: RunConfig, addresses: Sequence[str], auth_server: Optio
     return swarm_join_command(config, addresses, data=published_data(config.data.shards))
 
 
-def monitor_arguments(settings) -> List[str]:
+def monitor_arguments(settings) -> list[str]:
     """``collab-kit monitor`` options of a MonitorSettings."""
-    arguments = ["--db", settings.db_path or "", "--checkpoints", settings.checkpoint_dir,
-                 "--checkpoint-every", str(settings.checkpoint_every), "--keep", str(settings.keep_last),
-                 "--poll-every", repr(float(settings.poll_every)), "--backoff", repr(float(settings.backoff_initial)),
-                 "--backoff-max", repr(float(settings.backoff_max)),
-                 "--download-timeout", repr(float(settings.download_timeout))]
-    for option, value in (("--push-to", settings.push_to), ("--wandb-project", settings.wandb_project),
-                          ("--address-file", settings.address_file)):
+    arguments = [
+        "--db",
+        settings.db_path or "",
+        "--checkpoints",
+        settings.checkpoint_dir,
+        "--checkpoint-every",
+        str(settings.checkpoint_every),
+        "--keep",
+        str(settings.keep_last),
+        "--poll-every",
+        repr(float(settings.poll_every)),
+        "--backoff",
+        repr(float(settings.backoff_initial)),
+        "--backoff-max",
+        repr(float(settings.backoff_max)),
+        "--download-timeout",
+        repr(float(settings.download_timeout)),
+    ]
+    for option, value in (
+        ("--push-to", settings.push_to),
+        ("--wandb-project", settings.wandb_project),
+        ("--address-file", settings.address_file),
+    ):
         if value:
             arguments += [option, value]
     if settings.dashboard_port is not None:
@@ -305,22 +342,38 @@ def monitor_arguments(settings) -> List[str]:
     return arguments
 
 
-def auth_server_arguments(settings) -> List[str]:
+def auth_server_arguments(settings) -> list[str]:
     """``collab-kit auth-server`` options of an AuthServerSettings.
 
     :raises ValueError: a setting changed from its default that the command line has no option for
     """
 
     defaults = {field.name: field.default for field in dataclasses.fields(AuthServerSettings)}
-    fixed = [name for name in ("hub_timeout", "max_body_bytes", "accepted_auth_types", "max_pending_hub_checks")
-             if getattr(settings, name) != defaults[name]]
+    fixed = [
+        name
+        for name in ("hub_timeout", "max_body_bytes", "accepted_auth_types", "max_pending_hub_checks")
+        if getattr(settings, name) != defaults[name]
+    ]
     if fixed:
-        raise ValueError(f"collab-kit auth-server has no option for {', '.join(fixed)}: leave them at their defaults "
-                         f"here, or serve collab_kit.auth.server.create_app(settings) yourself")
+        raise ValueError(
+            f"collab-kit auth-server has no option for {', '.join(fixed)}: leave them at their defaults "
+            f"here, or serve collab_kit.auth.server.create_app(settings) yourself"
+        )
     minutes = settings.token_lifetime / datetime.timedelta(minutes=1)
-    arguments = ["--db", settings.database_path, "--key", settings.key_path, "--run-id", settings.run_id,
-                 "--token-lifetime", repr(minutes), "--rate-limit", str(settings.joins_per_minute),
-                 "--hub-endpoint", settings.hub_endpoint]
+    arguments = [
+        "--db",
+        settings.database_path,
+        "--key",
+        settings.key_path,
+        "--run-id",
+        settings.run_id,
+        "--token-lifetime",
+        repr(minutes),
+        "--rate-limit",
+        str(settings.joins_per_minute),
+        "--hub-endpoint",
+        settings.hub_endpoint,
+    ]
     if settings.organization:
         arguments += ["--organization", settings.organization]
     for name in settings.allowlist:
@@ -353,8 +406,16 @@ def _hint(log: str) -> str:
     return ""
 
 
-def _start(kind: str, name: str, arguments: List[str], log_path: Optional[str], env: Dict[str, str],
-           timeout: float, service_class=Service, wait: bool = True) -> Service:
+def _start(
+    kind: str,
+    name: str,
+    arguments: list[str],
+    log_path: str | None,
+    env: dict[str, str],
+    timeout: float,
+    service_class=Service,
+    wait: bool = True,
+) -> Service:
     """Start ``collab-kit ARGUMENTS --events`` and (with ``wait``) wait for its "ready" event."""
     log_path = log_path or _default_log_path(name)
     _make_parent(log_path)
@@ -367,7 +428,7 @@ def _start(kind: str, name: str, arguments: List[str], log_path: Optional[str], 
     return service
 
 
-def _token_environment(config: RunConfig, hf_token: Optional[str]) -> Dict[str, str]:
+def _token_environment(config: RunConfig, hf_token: str | None) -> dict[str, str]:
     """HF_TOKEN for a peer of an authorized run: the given token, or this user's login
     (collab_kit.auth.client.login)."""
     if not config.swarm.auth_server:
@@ -375,13 +436,16 @@ def _token_environment(config: RunConfig, hf_token: Optional[str]) -> Dict[str, 
     if not hf_token:
         hf_token = login()
     if not hf_token:
-        raise ServiceError("log in to Hugging Face first (the form above), then run this again: a peer of an "
-                           "authorized run needs a Hugging Face user token")
+        raise ServiceError(
+            "log in to Hugging Face first (the form above), then run this again: a peer of an "
+            "authorized run needs a Hugging Face user token"
+        )
     return {"HF_TOKEN": hf_token}
 
 
-def start_auth_server(settings, host: str = "127.0.0.1", port: int = 8555, log_path: Optional[str] = None,
-                      timeout: float = 60.0) -> Service:
+def start_auth_server(
+    settings, host: str = "127.0.0.1", port: int = 8555, log_path: str | None = None, timeout: float = 60.0
+) -> Service:
     """Start the run's authentication server (``collab-kit auth-server``) and wait until it listens.
 
     It lets in the Hugging Face users that ``settings`` allow: a volunteer's peer sends its Hugging Face user
@@ -404,8 +468,9 @@ def start_auth_server(settings, host: str = "127.0.0.1", port: int = 8555, log_p
     return _start("auth server", "auth-server", arguments, log_path, environment, timeout)
 
 
-def start_monitor(config: RunConfig, settings=None, hf_token: Optional[str] = None, log_path: Optional[str] = None,
-                  timeout: float = 180.0) -> MonitorService:
+def start_monitor(
+    config: RunConfig, settings=None, hf_token: str | None = None, log_path: str | None = None, timeout: float = 180.0
+) -> MonitorService:
     """Start the run's monitor (``collab-kit monitor``), the first peer volunteers join through; wait for its addresses.
 
     It trains nothing: it records the swarm's loss, alive peers, throughput and the contributors' leaderboard in
@@ -421,21 +486,38 @@ def start_monitor(config: RunConfig, settings=None, hf_token: Optional[str] = No
     """
 
     if config.swarm.client_mode:
-        raise ValueError("swarm.client_mode: the monitor is the peer volunteers join through, it must accept "
-                         "connections; set client_mode=False")
+        raise ValueError(
+            "swarm.client_mode: the monitor is the peer volunteers join through, it must accept "
+            "connections; set client_mode=False"
+        )
     settings = settings or MonitorSettings()
     if settings.db_path:
         _make_parent(settings.db_path)
     arguments = ["monitor", *config_arguments(config), *monitor_arguments(settings)]
-    return _start("monitor", "monitor", arguments, log_path, _token_environment(config, hf_token), timeout,
-                  service_class=MonitorService)
+    return _start(
+        "monitor",
+        "monitor",
+        arguments,
+        log_path,
+        _token_environment(config, hf_token),
+        timeout,
+        service_class=MonitorService,
+    )
 
 
-def start_volunteer_process(config: RunConfig, data_shards: Optional[str] = None, max_epochs: Optional[int] = None,
-                            wait_for_peers: int = 1, threads: Optional[int] = None, hf_token: Optional[str] = None,
-                            name: str = "volunteer", log_path: Optional[str] = None,
-                            timeout: float = 180.0, save_checkpoint: Optional[str] = None,
-                            wait: bool = True) -> Service:
+def start_volunteer_process(
+    config: RunConfig,
+    data_shards: str | None = None,
+    max_epochs: int | None = None,
+    wait_for_peers: int = 1,
+    threads: int | None = None,
+    hf_token: str | None = None,
+    name: str = "volunteer",
+    log_path: str | None = None,
+    timeout: float = 180.0,
+    save_checkpoint: str | None = None,
+    wait: bool = True,
+) -> Service:
     """Start a volunteer on this machine (``collab-kit join``) and wait until it is in the swarm.
 
     Its events (``service.events``) report each global epoch ("epoch") and the end of training ("done"):

@@ -13,13 +13,14 @@ the swarm's parameters and optimizer state instead (collab_kit.roles.recovery).
 
 What it reports (epoch records, restores, lone-training warnings, the history) is collab_kit.roles.records.
 """
+
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable
 
 import psutil
 import torch
@@ -33,16 +34,22 @@ from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.model.device import DeviceFacts, DevicePlan, LossScaler, choose_device, fp32_plan, read_device_facts
 from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.roles.epoch_reports import EpochReportsMixin
+from collab_kit.roles.records import (
+    EpochRecord,
+    LoneTrainingWatch,
+    LoneWarning,
+    RestoreRecord,
+    TrainingHistory,
+    undialable_reason,
+)
 from collab_kit.roles.recovery import NonFiniteRecoveryMixin, NonFiniteTrainingError  # noqa: F401 (its error)
-from collab_kit.roles.records import (EpochRecord, LoneTrainingWatch, LoneWarning, RestoreRecord, TrainingHistory,
-                                     undialable_reason)
-from collab_kit.swarm.dht import join_instructions, wait_for_peers as wait_for_peers_in_swarm
+from collab_kit.swarm.dht import join_instructions
+from collab_kit.swarm.dht import wait_for_peers as wait_for_peers_in_swarm
 from collab_kit.swarm.membership import SwarmMembership
 from collab_kit.swarm.metrics import MetricsPublisher
 from collab_kit.swarm.optimizer import CollaborativeOptimizer, make_optimizer
 from collab_kit.swarm.run_card import data_for_peer
 from collab_kit.swarm.watchdog import SwarmWatchdog
-
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ logger = logging.getLogger(__name__)
 # every batch (a late joiner of the NAT lab tried 1197 times in 49 s, a hundred a second with the tiny model), spending
 # its data and a core that the machine's other processes needed, and filling its log, while it could not train
 STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
+
 
 class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
     """One peer of a collaborative run: trains its model with the swarm, step by step, and reports each epoch.
@@ -69,11 +77,23 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
     :param plan: the device and precision it trains with (collab_kit.model.device; None: fp32 where the model is)
     """
 
-    def __init__(self, config: RunConfig, membership: SwarmMembership, model: TextToImageTransformer,
-                 stream: ShardStream, optimizer: CollaborativeOptimizer, metrics: Optional[MetricsPublisher] = None,
-                 plan: Optional[DevicePlan] = None):
-        self.config, self.membership, self.model, self.stream, self.optimizer = config, membership, model, stream, \
-            optimizer
+    def __init__(
+        self,
+        config: RunConfig,
+        membership: SwarmMembership,
+        model: TextToImageTransformer,
+        stream: ShardStream,
+        optimizer: CollaborativeOptimizer,
+        metrics: MetricsPublisher | None = None,
+        plan: DevicePlan | None = None,
+    ):
+        self.config, self.membership, self.model, self.stream, self.optimizer = (
+            config,
+            membership,
+            model,
+            stream,
+            optimizer,
+        )
         # where the model, the batches, the loss and the gradients live, and in what precision (the optimizer's
         # offloaded state stays on the CPU); fp16's loss scale is this peer's own
         self.plan = plan if plan is not None else fp32_plan(next(model.parameters()).device)
@@ -82,11 +102,15 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         run_card = membership.run_card
         self.join_line = join_instructions(self.dht, config, data=run_card.data if run_card is not None else None)
         # this peer's signed record for the monitor (collab_kit.swarm.metrics), refreshed every global epoch
-        self.metrics = metrics if metrics is not None else MetricsPublisher(self.dht, config.swarm.run_id,
-                                                                            username=membership.username)
+        self.metrics = (
+            metrics
+            if metrics is not None
+            else MetricsPublisher(self.dht, config.swarm.run_id, username=membership.username)
+        )
         # back in the DHT when it lost its neighbours; a cut link said, waited out and followed by loading the state
-        self._watchdog = SwarmWatchdog(self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down,
-                                       on_link_back=self._on_link_back)
+        self._watchdog = SwarmWatchdog(
+            self.dht, config.swarm.initial_peers, on_link_down=self._on_link_down, on_link_back=self._on_link_back
+        )
         optimizer.serve_state_to_anchors(config.swarm)
         optimizer.on_state_download = self._report_state_download  # the monitor's page shows it until the next epoch
         self._closed = False
@@ -96,24 +120,35 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         self._lone_watch = LoneTrainingWatch()
         self._undialable = undialable_reason(config, self.reachability)
         self.data_description = "training on its own stream"  # what from_config chose, in words
-        self.device_note: Optional[str] = None  # why from_config trains elsewhere than asked (a GPU too small)
+        self.device_note: str | None = None  # why from_config trains elsewhere than asked (a GPU too small)
 
     def _report_state_download(self) -> None:
         try:
-            self.metrics.publish_activity("downloading_state", self.optimizer.local_epoch, self.plan.name,
-                                          self.plan.precision)
+            self.metrics.publish_activity(
+                "downloading_state", self.optimizer.local_epoch, self.plan.name, self.plan.precision
+            )
         except Exception as e:  # the DHT may be out of reach: the download goes on all the same
             logger.debug(f"could not say that this peer downloads the state: {e!r}")
 
     @classmethod
-    def from_config(cls, config: RunConfig, data_shards: Optional[str] = None, data_seed: Optional[int] = None,
-                    num_threads: Optional[int] = None, verbose: bool = False, authorizer=None,
-                    model: Optional[TextToImageTransformer] = None,
-                    optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer,
-                    data_setting: str = "--data", synthetic_fallback: bool = False,
-                    synthetic_samples: int = SYNTHETIC_SAMPLES, device: str = "auto",
-                    precision: str = "auto", fit_settings: bool = True,
-                    device_facts: Optional[DeviceFacts] = None) -> "Volunteer":
+    def from_config(
+        cls,
+        config: RunConfig,
+        data_shards: str | None = None,
+        data_seed: int | None = None,
+        num_threads: int | None = None,
+        verbose: bool = False,
+        authorizer=None,
+        model: TextToImageTransformer | None = None,
+        optimizer_factory: Callable[..., CollaborativeOptimizer] = make_optimizer,
+        data_setting: str = "--data",
+        synthetic_fallback: bool = False,
+        synthetic_samples: int = SYNTHETIC_SAMPLES,
+        device: str = "auto",
+        precision: str = "auto",
+        fit_settings: bool = True,
+        device_facts: DeviceFacts | None = None,
+    ) -> Volunteer:
         """Join the run and build every part of a volunteer from its configuration.
 
         Before it builds anything, the peer checks that it fits the run (collab_kit.swarm.run_card: run id, preset,
@@ -160,8 +195,14 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
                 if fitted.model.reversible != config.model.reversible and plan.device.type == "cpu":
                     logger.info(f"training without reversible layers: {fit.recommendation}")
                 config = fitted
-            data = data_for_peer(data_shards or config.data.shards, membership.run_card, config, data_setting,
-                                 synthetic_fallback, synthetic_samples)
+            data = data_for_peer(
+                data_shards or config.data.shards,
+                membership.run_card,
+                config,
+                data_setting,
+                synthetic_fallback,
+                synthetic_samples,
+            )
             if membership.is_first_peer:  # others join this swarm through this peer: they read its card
                 membership.announce_run(data.source)
             if model is None:
@@ -170,9 +211,15 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
             if data_seed is None:
                 data_seed = peer_data_seed(membership.dht.peer_id.to_bytes(), config.data.seed)
             stream = peer_stream(config, data.shards, data_seed)
-            optimizer = optimizer_factory(model, membership.dht, config.swarm.run_id, config.optimizer,
-                                          client_mode=config.swarm.client_mode, verbose=verbose,
-                                          peer_gate=membership.peer_gate)
+            optimizer = optimizer_factory(
+                model,
+                membership.dht,
+                config.swarm.run_id,
+                config.optimizer,
+                client_mode=config.swarm.client_mode,
+                verbose=verbose,
+                peer_gate=membership.peer_gate,
+            )
             volunteer = cls(config, membership, model, stream, optimizer, plan=plan)
             volunteer.data_description = data.description
             volunteer.device_note = fit.note
@@ -217,24 +264,36 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         :returns: True if state was loaded from peers
         """
         if not self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout):
-            logger.info(f"the swarm's progress did not come within {timeout:.0f} s: starting at this peer's epoch "
-                        f"({self.local_epoch}); its first step loads the swarm's state if the swarm is ahead")
+            logger.info(
+                f"the swarm's progress did not come within {timeout:.0f} s: starting at this peer's epoch "
+                f"({self.local_epoch}); its first step loads the swarm's state if the swarm is ahead"
+            )
         if self.optimizer.local_epoch < self.optimizer.tracker.global_epoch:
             logger.info(f"the swarm is at epoch {self.optimizer.tracker.global_epoch}: loading its state")
             if self.optimizer.load_state_from_peers():
                 return True
-            logger.warning(f"the swarm is at epoch {self.optimizer.tracker.global_epoch} but no peer gave its "
-                           f"state: starting from this peer's own (epoch {self.local_epoch})")
+            logger.warning(
+                f"the swarm is at epoch {self.optimizer.tracker.global_epoch} but no peer gave its "
+                f"state: starting from this peer's own (epoch {self.local_epoch})"
+            )
         return False
 
     # -- training -------------------------------------------------------------------------------
 
-    def train(self, epochs: Optional[int] = None, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
-              progress: bool = True, on_epoch: Optional[Callable[[EpochRecord], None]] = None,
-              wait_for_peers: int = 1, wait_timeout: float = 120.0,
-              on_restore: Optional[Callable[[RestoreRecord], None]] = None,
-              on_lone: Optional[Callable[[LoneWarning], None]] = None,
-              on_link: Optional[Callable[[str], None]] = None, max_load: float = 1.0) -> TrainingHistory:
+    def train(
+        self,
+        epochs: int | None = None,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        progress: bool = True,
+        on_epoch: Callable[[EpochRecord], None] | None = None,
+        wait_for_peers: int = 1,
+        wait_timeout: float = 120.0,
+        on_restore: Callable[[RestoreRecord], None] | None = None,
+        on_lone: Callable[[LoneWarning], None] | None = None,
+        on_link: Callable[[str], None] | None = None,
+        max_load: float = 1.0,
+    ) -> TrainingHistory:
         """Train with the swarm until one of the limits is reached.
 
         Ctrl-C (or ``request_stop()``) stops training between steps and returns what was done so far
@@ -265,34 +324,61 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         if epochs is None and max_epochs is None and max_steps is None:
             raise ValueError("train() needs epochs, max_epochs or max_steps, otherwise it would never stop")
         if not 0.0 < max_load <= 1.0:
-            raise SettingProblem(f"max_load={max_load!r} is not allowed: give the share of its time this peer computes, "
-                                 f"more than 0 and at most 1 (1: all of it)")
+            raise SettingProblem(
+                f"max_load={max_load!r} is not allowed: give the share of its time this peer computes, "
+                f"more than 0 and at most 1 (1: all of it)"
+            )
         history = TrainingHistory()
         bar = None
         try:
             epoch_before = self.local_epoch
             if self.catch_up():
-                self._record_restore(history, RestoreRecord(
-                    reason="behind_swarm", problem=f"the swarm was at epoch {self.local_epoch}", loaded=True,
-                    epoch_before=epoch_before, epoch_after=self.local_epoch, local_step=0), on_restore)
+                self._record_restore(
+                    history,
+                    RestoreRecord(
+                        reason="behind_swarm",
+                        problem=f"the swarm was at epoch {self.local_epoch}",
+                        loaded=True,
+                        epoch_before=epoch_before,
+                        epoch_after=self.local_epoch,
+                        local_step=0,
+                    ),
+                    on_restore,
+                )
             if epochs is not None:
-                max_epochs = self.local_epoch + epochs if max_epochs is None else min(max_epochs,
-                                                                                       self.local_epoch + epochs)
+                max_epochs = (
+                    self.local_epoch + epochs if max_epochs is None else min(max_epochs, self.local_epoch + epochs)
+                )
             stream = batches(self.stream, self.config.optimizer.batch_size_per_step)
             first_batch = next(stream)  # the data pipeline is warm before the others are told we are ready
             # a swarm past epoch 0 is already training: a peer that joins or comes back late starts at once (the
             # others announced themselves when they started, and those records have long expired)
             if wait_for_peers > 1 and self.optimizer.tracker.global_epoch == 0:
-                present = wait_for_peers_in_swarm(self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout,
-                                                  stop=self._stop_requested)
+                present = wait_for_peers_in_swarm(
+                    self.dht, self.config.swarm.run_id, wait_for_peers, wait_timeout, stop=self._stop_requested
+                )
                 logger.info(f"{present} peers are ready to train")
             history.start_epoch = self.local_epoch
             history.device, history.precision = str(self.plan.device), self.plan.precision
-            bar = tqdm(total=max(0, max_epochs - self.local_epoch) if max_epochs is not None else max_steps,
-                       disable=not progress, unit="epoch" if max_epochs is not None else "step", desc="training",
-                       dynamic_ncols=True)
-            self._run_steps(itertools.chain([first_batch], stream), history, bar, max_epochs, max_steps, on_epoch,
-                            on_restore, on_lone, on_link, max_load)
+            bar = tqdm(
+                total=max(0, max_epochs - self.local_epoch) if max_epochs is not None else max_steps,
+                disable=not progress,
+                unit="epoch" if max_epochs is not None else "step",
+                desc="training",
+                dynamic_ncols=True,
+            )
+            self._run_steps(
+                itertools.chain([first_batch], stream),
+                history,
+                bar,
+                max_epochs,
+                max_steps,
+                on_epoch,
+                on_restore,
+                on_lone,
+                on_link,
+                max_load,
+            )
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping training (the swarm goes on without this peer)")
             history.interrupted = True
@@ -305,22 +391,31 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         history.bytes_sent, history.bytes_served = self.optimizer.sent_bytes()
         return history
 
-    def _run_steps(self, stream, history: TrainingHistory, bar, max_epochs: Optional[int],
-                   max_steps: Optional[int], on_epoch: Optional[Callable[[EpochRecord], None]],
-                   on_restore: Optional[Callable[[RestoreRecord], None]] = None,
-                   on_lone: Optional[Callable[[LoneWarning], None]] = None,
-                   on_link: Optional[Callable[[str], None]] = None, max_load: float = 1.0) -> None:
+    def _run_steps(
+        self,
+        stream,
+        history: TrainingHistory,
+        bar,
+        max_epochs: int | None,
+        max_steps: int | None,
+        on_epoch: Callable[[EpochRecord], None] | None,
+        on_restore: Callable[[RestoreRecord], None] | None = None,
+        on_lone: Callable[[LoneWarning], None] | None = None,
+        on_link: Callable[[str], None] | None = None,
+        max_load: float = 1.0,
+    ) -> None:
         """The training loop proper: one local step per batch until a limit is reached."""
-        epoch_losses: List[float] = []
+        epoch_losses: list[float] = []
         epoch_start = time.perf_counter()
         # with overlapped rounds (local-update mode), an epoch is reported once its round's outcome is in:
         # (epoch, its losses, its seconds)
-        pending: List[tuple] = []
+        pending: list[tuple] = []
         self.model.train()
 
         def limit_reached() -> bool:
-            return ((max_epochs is not None and self.local_epoch >= max_epochs)
-                    or (max_steps is not None and history.local_steps >= max_steps))
+            return (max_epochs is not None and self.local_epoch >= max_epochs) or (
+                max_steps is not None and history.local_steps >= max_steps
+            )
 
         def report_pending(wait: bool) -> None:
             if wait:
@@ -390,9 +485,13 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
             if max_epochs is None:
                 bar.update(1)
             swarm = self.global_progress
-            bar.set_postfix(loss=f"{loss.item():.3f}", epoch=self.local_epoch,
-                            samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}", peers=swarm.num_peers,
-                            refresh=False)
+            bar.set_postfix(
+                loss=f"{loss.item():.3f}",
+                epoch=self.local_epoch,
+                samples=f"{swarm.samples_accumulated}/{swarm.target_batch_size}",
+                peers=swarm.num_peers,
+                refresh=False,
+            )
         report_pending(wait=True)  # the data ran out
 
     def _pause_for_load(self, passes_seconds: float, max_load: float, history: TrainingHistory) -> None:
@@ -404,7 +503,7 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
             self._stop_requested.wait(pause)
             history.paused_seconds += pause
 
-    def _wait_for_link(self, history: TrainingHistory, on_link: Optional[Callable[[str], None]] = None) -> None:
+    def _wait_for_link(self, history: TrainingHistory, on_link: Callable[[str], None] | None = None) -> None:
         """Training waits while the link to the swarm is down: steps taken meanwhile could be averaged with nobody, and
         the swarm's state (loaded when the link is back) would replace them anyway."""
         history.link_outages += 1
@@ -415,15 +514,17 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         if not self._stop_requested.is_set() and on_link is not None:
             on_link("back")
 
-    def _record_step_loads(self, history: TrainingHistory,
-                           on_restore: Optional[Callable[[RestoreRecord], None]]) -> List[dict]:
+    def _record_step_loads(
+        self, history: TrainingHistory, on_restore: Callable[[RestoreRecord], None] | None
+    ) -> list[dict]:
         """Report the swarm's states that the step just taken loaded (this peer found itself behind or apart from the
         swarm: it joined while the swarm's progress was still unknown to it, missed a round, or its link was cut), and
         return them (each says whether a peer gave its state: ``loaded``)."""
         loads, self.optimizer.step_loads = self.optimizer.step_loads, []
         for load in loads:
-            self._record_restore(history, RestoreRecord(reason="behind_swarm", local_step=history.local_steps, **load),
-                                 on_restore)
+            self._record_restore(
+                history, RestoreRecord(reason="behind_swarm", local_step=history.local_steps, **load), on_restore
+            )
         return loads
 
     def _wait_before_loading_again(self) -> None:
@@ -431,7 +532,9 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         stop is asked for or the link is found down (the loop then waits for it)."""
         wait = STATE_RETRY_WAITS[min(self._failed_loads, len(STATE_RETRY_WAITS) - 1)]
         self._failed_loads += 1
-        logger.info(f"no peer gave the swarm's state ({self._failed_loads} time(s) in a row): trying again in {wait:.0f} s")
+        logger.info(
+            f"no peer gave the swarm's state ({self._failed_loads} time(s) in a row): trying again in {wait:.0f} s"
+        )
         deadline = time.monotonic() + wait
         while not self._stop_requested.is_set() and not self._watchdog.link_down.is_set():
             left = deadline - time.monotonic()
@@ -445,12 +548,12 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         """Wait for an optimizer step running in the background (delayed updates) and apply it to the model."""
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
-    def parameters_snapshot(self) -> Dict[str, torch.Tensor]:
+    def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """The model's current parameters, after any optimizer step still running in the background."""
         self._apply_pending_update()
         return {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
-    def save_checkpoint(self, folder: str, metadata: Optional[dict] = None) -> str:
+    def save_checkpoint(self, folder: str, metadata: dict | None = None) -> str:
         """Write the model as it is now, with the run's configuration, as a checkpoint folder
         (collab_kit.model.checkpoint: what ``generate_images`` and ``load_checkpoint`` read)."""
 
@@ -471,7 +574,7 @@ class Volunteer(EpochReportsMixin, NonFiniteRecoveryMixin):
         finally:
             self.membership.close()
 
-    def __enter__(self) -> "Volunteer":
+    def __enter__(self) -> Volunteer:
         return self
 
     def __exit__(self, *exc_info):

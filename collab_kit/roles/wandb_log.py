@@ -1,5 +1,6 @@
 """The monitor's optional log to Weights & Biases (``collab-kit monitor --wandb-project NAME``): each poll, as a W&B
 run named after the run id."""
+
 from __future__ import annotations
 
 from collab_kit.config import RunConfig
@@ -13,9 +14,11 @@ def require_wandb(project: str):
         # lazy: wandb is optional (`pip install wandb`), needed only with a W&B project
         import wandb
     except ImportError:
-        raise MonitorError(f"--wandb-project {project}: Weights & Biases is not installed. Install it with "
-                           f"`pip install wandb` and log in with `wandb login`, or leave out --wandb-project "
-                           f"(and unset WANDB_PROJECT)") from None
+        raise MonitorError(
+            f"--wandb-project {project}: Weights & Biases is not installed. Install it with "
+            f"`pip install wandb` and log in with `wandb login`, or leave out --wandb-project "
+            f"(and unset WANDB_PROJECT)"
+        ) from None
     return wandb
 
 
@@ -24,12 +27,22 @@ class WandbLogger:
 
     def __init__(self, project: str, config: RunConfig):
         wandb = require_wandb(project)
-        self.run = wandb.init(project=project, name=config.swarm.run_id, id=config.swarm.run_id, resume="allow",
-                              job_type="monitor", config=config.to_dict())
+        self.run = wandb.init(
+            project=project,
+            name=config.swarm.run_id,
+            id=config.swarm.run_id,
+            resume="allow",
+            job_type="monitor",
+            config=config.to_dict(),
+        )
 
     def log(self, snapshot: SwarmSnapshot, contributors: int) -> None:
-        values = dict(epoch=snapshot.epoch, alive_peers=snapshot.alive_peers,
-                      samples_per_second=snapshot.samples_per_second, contributors=contributors)
+        values = dict(
+            epoch=snapshot.epoch,
+            alive_peers=snapshot.alive_peers,
+            samples_per_second=snapshot.samples_per_second,
+            contributors=contributors,
+        )
         if snapshot.loss is not None:
             values["loss"] = snapshot.loss
         self.run.log(values)

@@ -31,23 +31,34 @@
 - ``metrics``: each peer's signed metrics record, and what the monitor reads of them; ``liveness``: which peers answer
   now (connected, or dialled at once).
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "dht": ["start_dht", "join_addresses", "join_command", "join_instructions", "resolve_reachability",
-            "wait_for_peers", "SwarmConnectionError"],
-    "watchdog": ["SwarmWatchdog"],
-    "reachability": ["probe_reachability", "ReachabilityVerdict"],
-    "p2p_fixes": ["install_p2p_fixes"],
-    "optimizer": ["make_optimizer", "CollaborativeOptimizer"],
-    "progress": ["SwarmProgressTracker", "is_anchor_record"],
-    "lamb": ["make_lamb8bit", "LAMB8bit", "gradient_compression", "parameter_groups"],
-    "local_updates": ["OuterNesterovSGD", "with_local_updates", "mode_averager_class"],
-    "averagers": ["compose_averager"],
-    "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],
-    "anchor": ["Anchor", "AnchorError"],
-    "membership": ["SwarmMembership", "authorize"],
-    "run_card": ["RunCard", "RunMismatch", "DataMismatch", "find_run_card", "check_fits_run", "choose_data"],
-    "bindings": ["PeerGate", "BindingKeeper", "publish_peer_binding", "authorized_averager_class"],
-    "metrics": ["MetricsPublisher", "PeerMetrics", "SwarmSnapshot", "read_metrics", "summarize"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "dht": [
+            "start_dht",
+            "join_addresses",
+            "join_command",
+            "join_instructions",
+            "resolve_reachability",
+            "wait_for_peers",
+            "SwarmConnectionError",
+        ],
+        "watchdog": ["SwarmWatchdog"],
+        "reachability": ["probe_reachability", "ReachabilityVerdict"],
+        "p2p_fixes": ["install_p2p_fixes"],
+        "optimizer": ["make_optimizer", "CollaborativeOptimizer"],
+        "progress": ["SwarmProgressTracker", "is_anchor_record"],
+        "lamb": ["make_lamb8bit", "LAMB8bit", "gradient_compression", "parameter_groups"],
+        "local_updates": ["OuterNesterovSGD", "with_local_updates", "mode_averager_class"],
+        "averagers": ["compose_averager"],
+        "robust": ["centered_clip", "grad_averager_factory", "with_centered_clip", "AGGREGATIONS"],
+        "anchor": ["Anchor", "AnchorError"],
+        "membership": ["SwarmMembership", "authorize"],
+        "run_card": ["RunCard", "RunMismatch", "DataMismatch", "find_run_card", "check_fits_run", "choose_data"],
+        "bindings": ["PeerGate", "BindingKeeper", "publish_peer_binding", "authorized_averager_class"],
+        "metrics": ["MetricsPublisher", "PeerMetrics", "SwarmSnapshot", "read_metrics", "summarize"],
+    },
+)

@@ -30,13 +30,14 @@ address is reachable (collab_kit.roles.monitor). Its link carries every voluntee
 average out: about 2 x (volunteers) x (the compressed gradients) per global step, the price of serving
 peers that cannot reach each other (what the README's "Behind NAT" section measures).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 import hivemind
 import torch
@@ -82,11 +83,13 @@ class AnchorProgressTracker(SwarmProgressTracker):
         mode with it (its epoch is theirs).
         """
         progress = self.global_progress
-        return (progress.samples_accumulated >= self.target_batch_size
-                or max(self.global_epoch, self.trainers_epoch) > self.local_progress.epoch
-                or (progress.samples_accumulated > 0 and get_dht_time() >= progress.eta_next_epoch))
+        return (
+            progress.samples_accumulated >= self.target_batch_size
+            or max(self.global_epoch, self.trainers_epoch) > self.local_progress.epoch
+            or (progress.samples_accumulated > 0 and get_dht_time() >= progress.eta_next_epoch)
+        )
 
-    def trainers_in_epoch(self, epoch: int) -> List[bytes]:
+    def trainers_in_epoch(self, epoch: int) -> list[bytes]:
         """The training peers expected in the round of ``epoch`` (their ids): those whose record is at that epoch or one
         before it (a record lags its peer by a report, so a peer that has just moved on may still show the epoch
         before). A peer further behind loads the swarm's state instead of joining this round."""
@@ -114,9 +117,16 @@ class AnchorProgressTracker(SwarmProgressTracker):
                 expiration_time = get_dht_time() + self.metadata_expiration
                 value = self.local_progress.dict() if self.leading else None
                 try:
-                    await asyncio.wait_for(self.dht.store(
-                        key=self.training_progress_key, subkey=self._local_public_key, value=value,
-                        expiration_time=expiration_time, return_future=True), timeout=self.metadata_expiration)
+                    await asyncio.wait_for(
+                        self.dht.store(
+                            key=self.training_progress_key,
+                            subkey=self._local_public_key,
+                            value=value,
+                            expiration_time=expiration_time,
+                            return_future=True,
+                        ),
+                        timeout=self.metadata_expiration,
+                    )
                     withdrawn = value is None
                 except Exception as e:  # a busy or cut link: the next report comes as usual
                     logger.debug(f"the anchor could not publish its progress: {e!r}")
@@ -124,7 +134,7 @@ class AnchorProgressTracker(SwarmProgressTracker):
             self.should_report_progress.clear()
 
 
-def state_sources(trainer_records, epoch: int) -> Tuple[bytes, ...]:
+def state_sources(trainer_records, epoch: int) -> tuple[bytes, ...]:
     """The training peers whose state an anchor that only reduces serves for them, the newest first: those whose record
     is at the swarm's ``epoch`` or a report behind it. A joiner that has not loaded the state yet is further behind: its
     initial parameters, relayed, would be handed back to joiners as the swarm's
@@ -170,7 +180,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
         runner takes each member's announced mode: collab_kit.swarm.runners.RunnerChoiceMixin.round_modes)."""
         self.grad_averager.mode = AveragingMode.AUX if self.reduces_only else AveragingMode.NODE
 
-    def _round_only_reduced(self, control: Optional[StepControl]) -> bool:
+    def _round_only_reduced(self, control: StepControl | None) -> bool:
         if control is None:
             return False
         _, mode, _ = self.grad_averager.serializer.loads(control.data_for_gather)
@@ -187,7 +197,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
             self.state_averager.serve_state_of(sources)
         self.state_averager.allow_state_sharing = bool(sources)
 
-    _state_sources_sent: Optional[tuple] = None  # the training peers whose state it serves, as last sent
+    _state_sources_sent: tuple | None = None  # the training peers whose state it serves, as last sent
 
     def take_own_state(self, only_holder: bool = False) -> None:
         """Its parameters are the swarm's again: it serves them. ``only_holder`` (a checkpoint taken when nobody held
@@ -208,7 +218,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
         self._next_state_attempt = 0.0
         self.dropped_rounds = 0  # rounds whose averaged gradients were not finite (set to zero instead)
         self._triggered_early = None  # the round the anchor let start as soon as its group formed
-        self.state_loads: List[Tuple[int, int]] = []  # (epoch before, epoch after) of each newer state it took
+        self.state_loads: list[tuple[int, int]] = []  # (epoch before, epoch after) of each newer state it took
         super().__init__(**kwargs)
 
     @property
@@ -252,9 +262,15 @@ class AnchorOptimizer(CollaborativeOptimizer):
         return super()._trigger_gradient_round(grad_scaler)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
-        return AnchorProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                     client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                                     **kwargs)
+        return AnchorProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """hivemind's pre-scheduling, with a group that waits for its peers. The anchor leads the groups of peers in
@@ -278,12 +294,14 @@ class AnchorOptimizer(CollaborativeOptimizer):
         # counted afresh at every tick while the round is pending: a peer that joined the swarm or fell behind since
         # the round was scheduled changes the group to wait for
         anchors = [peer for peer, epoch in self.tracker.other_anchor_records if epoch >= self.local_epoch - 1]
-        self.grad_averager.expect_peers(self.tracker.trainers_in_epoch(self.local_epoch), anchors,
-                                        co_anchor_wait=self.matchmaking_time)
+        self.grad_averager.expect_peers(
+            self.tracker.trainers_in_epoch(self.local_epoch), anchors, co_anchor_wait=self.matchmaking_time
+        )
         if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
             scheduled_time = max(estimated_end, now + self.matchmaking_time) + self.next_chunk_timeout
-            self.scheduled_grads = self.grad_averager.schedule_step(scheduled_time=scheduled_time,
-                                                                    timeout=self.averaging_timeout)
+            self.scheduled_grads = self.grad_averager.schedule_step(
+                scheduled_time=scheduled_time, timeout=self.averaging_timeout
+            )
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
         return True  # nothing to accumulate: the anchor's share of every round is 0 samples
@@ -310,8 +328,10 @@ class AnchorOptimizer(CollaborativeOptimizer):
         sharers; when nobody gives it, take the swarm's epoch with the anchor's own parameters (from the monitor's
         newest checkpoint)."""
         epoch_before = self.local_epoch
-        ahead = sorted((record for record in self.tracker.trainer_records if record[1] > epoch_before),
-                       key=lambda record: -record[1])
+        ahead = sorted(
+            (record for record in self.tracker.trainer_records if record[1] > epoch_before),
+            key=lambda record: -record[1],
+        )
         if ahead:
             self.state_averager.download_first_from([peer_id for peer_id, _ in ahead])
         loaded = super().load_state_from_peers(**kwargs)
@@ -319,11 +339,15 @@ class AnchorOptimizer(CollaborativeOptimizer):
             self.take_own_state()
         if loaded and self.local_epoch > epoch_before:
             self.state_loads.append((epoch_before, self.local_epoch))
-            logger.info(f"the anchor resumes from the state of epoch {self.local_epoch}, the swarm's newest (it held "
-                        f"epoch {epoch_before})")
+            logger.info(
+                f"the anchor resumes from the state of epoch {self.local_epoch}, the swarm's newest (it held "
+                f"epoch {epoch_before})"
+            )
         if not loaded and self.local_epoch < self.swarm_epoch:
-            logger.warning(f"no peer shares the swarm's state: the anchor goes on at the swarm's epoch "
-                           f"{self.swarm_epoch} with its own parameters (from epoch {self.local_epoch})")
+            logger.warning(
+                f"no peer shares the swarm's state: the anchor goes on at the swarm's epoch "
+                f"{self.swarm_epoch} with its own parameters (from epoch {self.local_epoch})"
+            )
             self.adopt_epoch(self.swarm_epoch)
         return loaded
 
@@ -348,8 +372,10 @@ class AnchorOptimizer(CollaborativeOptimizer):
         with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
             if not all(bool(torch.isfinite(tensor).all()) for tensor in averaged):
                 self.dropped_rounds += 1
-                logger.warning(f"the averaged gradients of epoch {self.local_epoch} are not finite (a round whose "
-                               f"peers all had weight 0): the anchor steps without them")
+                logger.warning(
+                    f"the averaged gradients of epoch {self.local_epoch} are not finite (a round whose "
+                    f"peers all had weight 0): the anchor steps without them"
+                )
                 for tensor in averaged:
                     tensor.zero_()
 
@@ -370,20 +396,34 @@ class Anchor:
     :raises AnchorError: the DHT is in client mode
     """
 
-    def __init__(self, config: RunConfig, dht: hivemind.DHT, peer_gate=None, tick: float = 0.1,
-                 on_round: Optional[Callable[[int, int, Optional[str]], None]] = None,
-                 on_state: Optional[Callable[[int, int], None]] = None):
+    def __init__(
+        self,
+        config: RunConfig,
+        dht: hivemind.DHT,
+        peer_gate=None,
+        tick: float = 0.1,
+        on_round: Callable[[int, int, str | None], None] | None = None,
+        on_state: Callable[[int, int], None] | None = None,
+    ):
         if dht.client_mode:
-            raise AnchorError("an anchor must accept connections, and this peer is in client mode: run it on a "
-                              "machine others can dial (a public address, or a forwarded port)")
+            raise AnchorError(
+                "an anchor must accept connections, and this peer is in client mode: run it on a "
+                "machine others can dial (a public address, or a forwarded port)"
+            )
         self.config, self.tick, self.on_round, self.on_state = config, tick, on_round, on_state
         self.model = initial_model(config.model, config.swarm.run_id)  # the volunteers' initial parameters
         self.optimizer: AnchorOptimizer = make_optimizer(
-            self.model, dht, config.swarm.run_id, config.optimizer, client_mode=False, peer_gate=peer_gate,
-            optimizer_class=AnchorOptimizer)
+            self.model,
+            dht,
+            config.swarm.run_id,
+            config.optimizer,
+            client_mode=False,
+            peer_gate=peer_gate,
+            optimizer_class=AnchorOptimizer,
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self.rounds = 0  # gradient rounds that held at least one training peer
 
     @property
@@ -401,7 +441,7 @@ class Anchor:
         run goes on from the newest checkpoint (the monitor's ``_resume_anchor``)."""
         return not self.optimizer.state_is_swarms and not self.optimizer.tracker.trainer_records
 
-    def resume_from(self, parameters: Dict[str, torch.Tensor], epoch: int) -> None:
+    def resume_from(self, parameters: dict[str, torch.Tensor], epoch: int) -> None:
         """Start from a checkpoint of this run (the monitor's newest) rather than the initial parameters: after a
         restart, while the volunteers behind NAT train on, nobody else holds the swarm's state to give the anchor; or
         once every training peer left while it only reduced (``lost_the_swarms_state``). The optimizer's statistics
@@ -410,7 +450,7 @@ class Anchor:
             self._resume_from(parameters, max(epoch, self.local_epoch))
             self.optimizer.take_own_state(only_holder=True)
 
-    def _resume_from(self, parameters: Dict[str, torch.Tensor], epoch: int) -> None:
+    def _resume_from(self, parameters: dict[str, torch.Tensor], epoch: int) -> None:
         averager = self.optimizer.state_averager
         with torch.no_grad():
             for name, param in self.model.named_parameters():
@@ -442,8 +482,10 @@ class Anchor:
                         elif self.local_epoch != epoch:
                             self._report_round(epoch)
             except Exception as e:  # the swarm goes on: the next step tries again
-                logger.warning(f"the anchor's step failed ({type(e).__name__}: {e}); it goes on",
-                               exc_info=logger.isEnabledFor(logging.DEBUG))
+                logger.warning(
+                    f"the anchor's step failed ({type(e).__name__}: {e}); it goes on",
+                    exc_info=logger.isEnabledFor(logging.DEBUG),
+                )
             self._stop.wait(self.tick)
 
     def _report_round(self, epoch: int) -> None:
@@ -460,7 +502,7 @@ class Anchor:
         if self.on_state is not None:
             self.on_state(held_epoch, epoch)
 
-    def snapshot(self) -> Tuple[int, Dict[str, torch.Tensor]]:
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The swarm's parameters as the anchor holds them between two steps (a pending update applied) and their
         global epoch; an anchor that stands by (every training peer accepts connections) downloads them first, and one
         that only reduces gives the training peers' (AnchorOptimizer.reduces_only).
@@ -478,7 +520,7 @@ class Anchor:
             optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
             return self.local_epoch, {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
-    def _training_peers_snapshot(self) -> Tuple[int, Dict[str, torch.Tensor]]:
+    def _training_peers_snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         averager = self.optimizer.state_averager
         served = averager.served_state(timeout=self.config.optimizer.load_state_timeout)
         if served is None:

@@ -3,9 +3,8 @@
 The monitor that runs an anchor publishes its addresses at every poll (``publish_anchor``); the monitor reads every
 anchor's for the join line and the dashboard, and volunteers behind NAT read them to serve their state to each anchor.
 """
-from __future__ import annotations
 
-from typing import Dict, List, Optional
+from __future__ import annotations
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -19,7 +18,7 @@ from collab_kit.swarm.keys import anchors_key
 class AnchorsSchema(BaseModel):
     """The DHT key ``<run_id>_anchors``: each anchor's join addresses, under its public key (signed)."""
 
-    anchors: Dict[BytesWithPublicKey, Optional[conlist(constr(max_length=512), max_items=16)]]
+    anchors: dict[BytesWithPublicKey, conlist(constr(max_length=512), max_items=16) | None]
 
 
 def anchor_validators(run_id: str) -> list:
@@ -27,13 +26,13 @@ def anchor_validators(run_id: str) -> list:
     return [SchemaValidator(AnchorsSchema, prefix=run_id)]
 
 
-def publish_anchor(dht: hivemind.DHT, run_id: str, addresses: List[str], ttl: float = 60.0) -> None:
+def publish_anchor(dht: hivemind.DHT, run_id: str, addresses: list[str], ttl: float = 60.0) -> None:
     """Tell the run where this anchor can be dialled, for ``ttl`` seconds (the monitor that runs it, at every poll)."""
     subkey = RSASignatureValidator().local_public_key  # the process's key, which the DHT signs records with
     dht.store(anchors_key(run_id), subkey=subkey, value=list(addresses), expiration_time=get_dht_time() + ttl)
 
 
-def read_anchor_addresses(dht: hivemind.DHT, run_id: str) -> List[List[str]]:
+def read_anchor_addresses(dht: hivemind.DHT, run_id: str) -> list[list[str]]:
     """The join addresses of each live anchor of ``run_id``, this peer's own included."""
     found = dht.get(anchors_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):

@@ -20,6 +20,7 @@ peers averaging by the plain mean must not join).
 - ``RunnerChoiceMixin`` (collab_kit.swarm.runners): chooses the class of a round's all-reduce runner and gives it
   each member's mode (an auxiliary peer only reduces); an anchor's sends its reducers one value per part.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,7 @@ import math
 import time
 import warnings
 from collections import Counter
-from typing import AsyncIterator, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -45,8 +46,9 @@ from collab_kit.swarm.streams import CallerClosesStreamsMixin
 logger = logging.getLogger(__name__)
 
 
-def compose_averager(base: type, *mixins: type, behind: Sequence[type] = (), qualname: Optional[str] = None,
-                     **attributes) -> type:
+def compose_averager(
+    base: type, *mixins: type, behind: Sequence[type] = (), qualname: str | None = None, **attributes
+) -> type:
     """``base`` (a hivemind averager class) with ``mixins`` in front of it and ``behind`` after it, as one class.
 
     Its ``__name__``, which hivemind names the RPCs after, is ``base``'s RPC name with the ``rpc_name_prefix`` of each
@@ -105,14 +107,14 @@ class SentBytesMixin:
         send_raw_data = P2P.send_raw_data
         averager = self
 
-        async def counting_send_raw_data(data: bytes, writer, *, chunk_size: int = 2 ** 16) -> None:
+        async def counting_send_raw_data(data: bytes, writer, *, chunk_size: int = 2**16) -> None:
             averager._bytes_sent_here += len(data)
             await send_raw_data(data, writer, chunk_size=chunk_size)
 
         P2P.send_raw_data = staticmethod(counting_send_raw_data)
         super().run()
 
-    def bytes_sent(self, timeout: float = 5.0) -> Tuple[int, int]:
+    def bytes_sent(self, timeout: float = 5.0) -> tuple[int, int]:
         """Bytes this averager has sent so far, and of those the bytes of the states it served; once its process has
         ended (or does not answer within ``timeout`` seconds), the last counts read."""
         if self.is_alive():
@@ -122,21 +124,22 @@ class SentBytesMixin:
                 sent, served = future.result(timeout)
                 self._last_bytes_sent = (int(sent), int(served))
             except (OSError, EOFError, TimeoutError, BrokenPipeError) as e:
-                logger.debug(f"the averager's sent bytes could not be read ({type(e).__name__}): the last count "
-                             f"stands")
+                logger.debug(f"the averager's sent bytes could not be read ({type(e).__name__}): the last count stands")
         return self._last_bytes_sent
 
     async def _report_bytes_sent(self, future: MPFuture) -> None:
         future.set_result((getattr(self, "_bytes_sent_here", 0), getattr(self, "_bytes_served_here", 0)))
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         async for message in super().rpc_download_state(request, context):
             self._bytes_served_here = getattr(self, "_bytes_served_here", 0) + message.ByteSize()
             yield message
 
-    async def rpc_download_state_part(self, request: averaging_pb2.AveragingData, context: P2PContext
-                                      ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if not hasattr(super(), "rpc_download_state_part"):  # a gradient averager shares no state
             return
         async for message in super().rpc_download_state_part(request, context):
@@ -153,9 +156,9 @@ class DownloadRecorderMixin(DecentralizedAverager):
     class is that ``super()`` and sees the download on its way.
     """
 
-    last_downloaded_epoch: Optional[int] = None
+    last_downloaded_epoch: int | None = None
 
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
         loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
         if wait:
             metadata = loaded[0] if loaded is not None else None
@@ -207,8 +210,9 @@ class FinishServingMixin:
             self._serving_idle.set()
         return self._serving_idle
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         idle = self._serving_state()
         self._serving_streams += 1
         idle.clear()
@@ -220,7 +224,7 @@ class FinishServingMixin:
             if self._serving_streams == 0:
                 idle.set()
 
-    async def _shutdown(self, timeout: Optional[float]) -> None:
+    async def _shutdown(self, timeout: float | None) -> None:
         grace = min(self.serving_grace, 0.8 * timeout) if timeout is not None else self.serving_grace
         try:
             await asyncio.wait_for(self._serving_state().wait(), grace)
@@ -244,17 +248,25 @@ def recording_state_averager_class() -> type:
     """TrainingStateAverager with DownloadRecorderMixin behind it (and ForkedTorchThreadsMixin, SentBytesMixin,
     DirectStateMixin, FinishServingMixin, CallerClosesStreamsMixin and ClientModeMatchmakingMixin in front), under
     TrainingStateAverager's RPC name."""
-    return compose_averager(TrainingStateAverager, ForkedTorchThreadsMixin, SentBytesMixin, DirectStateMixin,
-                            FinishServingMixin, CallerClosesStreamsMixin, ClientModeMatchmakingMixin,
-                            behind=(DownloadRecorderMixin,),
-                            qualname="RecordingTrainingStateAverager")
+    return compose_averager(
+        TrainingStateAverager,
+        ForkedTorchThreadsMixin,
+        SentBytesMixin,
+        DirectStateMixin,
+        FinishServingMixin,
+        CallerClosesStreamsMixin,
+        ClientModeMatchmakingMixin,
+        behind=(DownloadRecorderMixin,),
+        qualname="RecordingTrainingStateAverager",
+    )
 
 
 # what a peer tells its group about itself in each gradient round (hivemind's all-gather): an anchor contributes no
 # samples (collab_kit.swarm.anchor), so a round with only anchors beside this peer is not training together
 TRAINER_ROLE, ANCHOR_ROLE = "trainer", "anchor"
 
-def round_member(role: str, epoch: Optional[int]) -> dict:
+
+def round_member(role: str, epoch: int | None) -> dict:
     """What a peer tells its group about itself in a gradient round (hivemind's all-gather): its role, and the local
     epoch whose gradients it brings."""
     return dict(role=role, epoch=epoch)
@@ -280,11 +292,11 @@ class RoundResult(dict):
     received: float = 1.0
     failed_senders: int = 0
 
-    def roles(self) -> List[str]:
+    def roles(self) -> list[str]:
         """Each member's role (a member of a kit that sent its role alone counts too)."""
         return [entry.get("role") if isinstance(entry, dict) else entry for entry in self.values()]
 
-    def epoch(self) -> Optional[int]:
+    def epoch(self) -> int | None:
         """The round's epoch: an anchor's when the group holds one (the organizer's peer, whose epoch is the swarm's for
         peers in client mode), else the one more than half of the members were at; None if no such epoch.
 
@@ -325,18 +337,18 @@ class RoundReportMixin(RunnerChoiceMixin):
     def sends_stand_ins(self) -> bool:
         return self.round_role == ANCHOR_ROLE
 
-    round_epoch: Callable[[], Optional[int]] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
+    round_epoch: Callable[[], int | None] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
     join_grace = 0.5  # seconds a leader with its expected group waits for peers it did not count before it starts
-    client_join_timeout: Optional[float] = None  # in client mode, a round's timeout when its caller gave none
+    client_join_timeout: float | None = None  # in client mode, a round's timeout when its caller gave none
     # in client mode, the seconds kept between the latest start a peer asks for and the end of its timeout (10% of
     # the timeout, at least this): the leader's message that starts the group must reach it within them
     client_start_margin = 2.0
-    _group_starter: Optional[asyncio.Task] = None  # in the averager's process: starts the group once all are in
+    _group_starter: asyncio.Task | None = None  # in the averager's process: starts the group once all are in
     _expected_peers: frozenset = frozenset()  # in the averager's process: the peers to wait for (PeerIDs)
     _expected_anchors: frozenset = frozenset()  # in the averager's process: the other anchors to wait for a while
     _co_anchor_wait = 0.0  # in the averager's process: the seconds to wait for them once the training peers are in
-    _follower_deadlines: Optional[dict] = None  # in the averager's process: followers let in before their time
-    _expected_sent: Optional[tuple] = None  # in this process: the last set sent to the averager's process
+    _follower_deadlines: dict | None = None  # in the averager's process: followers let in before their time
+    _expected_sent: tuple | None = None  # in this process: the last set sent to the averager's process
 
     def schedule_step(self, scheduled_time=None, **kwargs):
         kwargs.setdefault("gather", round_member(self.round_role, self.round_epoch()))
@@ -356,8 +368,9 @@ class RoundReportMixin(RunnerChoiceMixin):
                 scheduled_time = get_dht_time() + max(0.0, kwargs["timeout"] - margin)
         return super().schedule_step(scheduled_time, **kwargs)
 
-    def expect_peers(self, peer_ids: Iterable[bytes], co_anchors: Iterable[bytes] = (), co_anchor_wait: float = 0.0
-                     ) -> None:
+    def expect_peers(
+        self, peer_ids: Iterable[bytes], co_anchors: Iterable[bytes] = (), co_anchor_wait: float = 0.0
+    ) -> None:
         """The peers to wait for in the rounds this peer leads (their ids as bytes; none: hivemind's own rule, which
         starts the group at the leader's deadline), and the other anchors to wait for up to ``co_anchor_wait`` seconds
         once those are in. Sent to the averager's process when they change."""
@@ -371,8 +384,9 @@ class RoundReportMixin(RunnerChoiceMixin):
         self._expected_anchors = frozenset(PeerID(peer_id) for peer_id in co_anchors)
         self._co_anchor_wait = co_anchor_wait
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if self._expected_peers:
             if self._follower_deadlines is None:
                 self._follower_deadlines = {}
@@ -395,26 +409,38 @@ class RoundReportMixin(RunnerChoiceMixin):
         ``join_grace`` has passed for any it did not expect). Runs in the averager's process."""
         matchmaking = self._matchmaking
 
-        trainers_in_since: Optional[float] = None
+        trainers_in_since: float | None = None
 
         def ready() -> bool:
             nonlocal trainers_in_since
             expected = self._expected_peers - {matchmaking.peer_id}
-            if not (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
-                    and matchmaking.current_leader is None and bool(expected)
-                    and expected.issubset(matchmaking.current_followers)):
+            if not (
+                matchmaking.is_looking_for_group
+                and not matchmaking.assembled_group.done()
+                and matchmaking.current_leader is None
+                and bool(expected)
+                and expected.issubset(matchmaking.current_followers)
+            ):
                 trainers_in_since = None
                 return False
             trainers_in_since = trainers_in_since or time.monotonic()
-            return ((self._expected_anchors - {matchmaking.peer_id}).issubset(matchmaking.current_followers)
-                    or time.monotonic() - trainers_in_since >= self._co_anchor_wait)
+            return (self._expected_anchors - {matchmaking.peer_id}).issubset(
+                matchmaking.current_followers
+            ) or time.monotonic() - trainers_in_since >= self._co_anchor_wait
 
         def due() -> bool:  # a follower let in before its time (rpc_join_group) gives up at its own time
-            deadlines = [self._follower_deadlines[peer] for peer in matchmaking.current_followers
-                         if peer in (self._follower_deadlines or {})]
-            return (matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
-                    and matchmaking.current_leader is None and bool(deadlines)
-                    and get_dht_time() >= min(deadlines) - self.join_grace)
+            deadlines = [
+                self._follower_deadlines[peer]
+                for peer in matchmaking.current_followers
+                if peer in (self._follower_deadlines or {})
+            ]
+            return (
+                matchmaking.is_looking_for_group
+                and not matchmaking.assembled_group.done()
+                and matchmaking.current_leader is None
+                and bool(deadlines)
+                and get_dht_time() >= min(deadlines) - self.join_grace
+            )
 
         while matchmaking.is_looking_for_group and not matchmaking.assembled_group.done():
             if ready():
@@ -446,6 +472,14 @@ def round_report_averager_class(base: type, role: str) -> type:
     """``base`` (a hivemind gradient averager class) with RoundReportMixin (and ForkedTorchThreadsMixin, SentBytesMixin,
     FinishServingMixin, CallerClosesStreamsMixin and ClientModeMatchmakingMixin) in front, sending ``role``, under
     ``base``'s name (hivemind names the RPCs after the class: every peer's averager must keep the same name)."""
-    return compose_averager(base, ForkedTorchThreadsMixin, SentBytesMixin, FinishServingMixin,
-                            CallerClosesStreamsMixin, ClientModeMatchmakingMixin, RoundReportMixin,
-                            qualname=f"RoundReport{base.__name__}", round_role=role)
+    return compose_averager(
+        base,
+        ForkedTorchThreadsMixin,
+        SentBytesMixin,
+        FinishServingMixin,
+        CallerClosesStreamsMixin,
+        ClientModeMatchmakingMixin,
+        RoundReportMixin,
+        qualname=f"RoundReport{base.__name__}",
+        round_role=role,
+    )

@@ -7,13 +7,14 @@ connection's peer id in its handshake, so an averager that looks up the caller's
 the caller holds a valid token. ``AuthorizedAveragerMixin`` puts that check in front of joining a group, sending parts
 for averaging and downloading the state.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Dict, Optional, Tuple
+from typing import AsyncIterator
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -25,7 +26,6 @@ from collab_kit.auth.client import HubAuthorizer
 from collab_kit.auth.tokens import MalformedToken, binding_problem, seconds_left, sign_peer_binding
 from collab_kit.swarm.averagers import compose_averager
 from collab_kit.swarm.keys import peer_tokens_key
-
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +41,23 @@ def publish_peer_binding(dht, authorizer: HubAuthorizer, run_id: str) -> bool:
 
     peer_id = dht.peer_id.to_bytes()
     expiration = get_dht_time() + max(1.0, seconds_left(authorizer.access_token))
-    return bool(dht.store(peer_tokens_key(run_id), subkey=peer_id, value=binding_record(authorizer, peer_id),
-                          expiration_time=expiration))
+    return bool(
+        dht.store(
+            peer_tokens_key(run_id),
+            subkey=peer_id,
+            value=binding_record(authorizer, peer_id),
+            expiration_time=expiration,
+        )
+    )
 
 
-def read_binding(value) -> Tuple[AccessToken, bytes]:
+def read_binding(value) -> tuple[AccessToken, bytes]:
     """A binding record from the DHT, schema-checked; :raises MalformedToken: if it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("token"), bytes) or \
-            not isinstance(value.get("binding"), bytes):
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("token"), bytes)
+        or not isinstance(value.get("binding"), bytes)
+    ):
         raise MalformedToken("a peer binding must be {'token': bytes, 'binding': bytes}")
     token = AccessToken()
     try:
@@ -58,14 +67,15 @@ def read_binding(value) -> Tuple[AccessToken, bytes]:
     return token, value["binding"]
 
 
-def authorized_averager_class(base: type, peer_gate: Optional["PeerGate"] = None) -> type:
+def authorized_averager_class(base: type, peer_gate: PeerGate | None = None) -> type:
     """``base`` (a hivemind averager class) with ``AuthorizedAveragerMixin`` in front, under ``base``'s name.
 
     :param peer_gate: set as a class attribute, so that averagers hivemind builds and starts at once
       (``start=True``: their process forks inside ``__init__``) carry it into their process
     """
-    return compose_averager(base, AuthorizedAveragerMixin, qualname=f"Authorized{base.__qualname__}",
-                            peer_gate=peer_gate)
+    return compose_averager(
+        base, AuthorizedAveragerMixin, qualname=f"Authorized{base.__qualname__}", peer_gate=peer_gate
+    )
 
 
 class PeerGate:
@@ -82,9 +92,9 @@ class PeerGate:
     def __init__(self, dht, run_id: str, server_public_key: bytes, negative_ttl: float = 2.0):
         self.dht, self.run_id, self.negative_ttl = dht, run_id, negative_ttl
         self.server_public_key_bytes = server_public_key
-        self._cache: Dict[bytes, Tuple[bool, float]] = {}
+        self._cache: dict[bytes, tuple[bool, float]] = {}
 
-    def check_record(self, peer_id: bytes, value) -> Optional[str]:
+    def check_record(self, peer_id: bytes, value) -> str | None:
         """Why ``value`` does not prove ``peer_id`` holds a valid token, or None when it does."""
         try:
             token, signature = read_binding(value)
@@ -121,37 +131,41 @@ class AuthorizedAveragerMixin:
     reach each other's handlers by that name) and these methods keep their annotations.
     """
 
-    peer_gate: Optional[PeerGate] = None
+    peer_gate: PeerGate | None = None
 
     async def _refuses(self, context: P2PContext) -> bool:
         """True when a gate is set and the caller's peer id is not bound to a valid token."""
         return self.peer_gate is not None and not await self.peer_gate.allows(context.remote_id)
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if await self._refuses(context):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
             yield message
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         if await self._refuses(context):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if await self._refuses(context):
             return
         async for message in super().rpc_download_state(request, context):
             yield message
 
-    async def rpc_download_state_part(self, request: averaging_pb2.AveragingData, context: P2PContext
-                                      ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         # a part of the state (collab_kit.swarm.direct_state), from averagers that share their state
         if await self._refuses(context) or not hasattr(super(), "rpc_download_state_part"):
             return
@@ -174,7 +188,7 @@ class BindingKeeper:
     def __init__(self, dht, authorizer: HubAuthorizer, run_id: str, check_every: float = 10.0):
 
         self.dht, self.authorizer, self.run_id, self.check_every = dht, authorizer, run_id, check_every
-        self.published_token: Optional[AccessToken] = None
+        self.published_token: AccessToken | None = None
         self._stop = threading.Event()
         self.publish()
         self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-binding-keeper")

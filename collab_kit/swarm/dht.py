@@ -10,6 +10,7 @@ that accepts connections (the run's anchor, collab_kit.swarm.anchor), and serves
 that accepts connections answers the same checks for later peers, and its join line lists only
 addresses others can use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,15 +20,14 @@ import shlex
 import socket
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Sequence
 
 import hivemind
+import psutil
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-import psutil
 
 from collab_kit.addresses import all_on_this_machine, is_loopback_host, parse_initial_peers
-
 from collab_kit.config import RunConfig, SwarmConfig, shared_setting_options
 from collab_kit.errors import CollabKitError
 from collab_kit.swarm.keys import presence_key
@@ -105,12 +105,14 @@ class SwarmConnectionError(CollabKitError, RuntimeError):
 
 def _has_public_interface_address() -> bool:
 
-    return any(entry.family == socket.AF_INET and ipaddress.ip_address(entry.address).is_global
-               for entries in psutil.net_if_addrs().values() for entry in entries)
+    return any(
+        entry.family == socket.AF_INET and ipaddress.ip_address(entry.address).is_global
+        for entries in psutil.net_if_addrs().values()
+        for entry in entries
+    )
 
 
-def resolve_reachability(config: SwarmConfig, timeout: float = 10.0
-                         ) -> Tuple[SwarmConfig, Optional[ReachabilityVerdict]]:
+def resolve_reachability(config: SwarmConfig, timeout: float = 10.0) -> tuple[SwarmConfig, ReachabilityVerdict | None]:
     """Decide where ``config``'s peer listens and, unless set, its client mode: ask the initial peers to dial back.
 
     - the host: ``config.listen_host`` (every interface unless the whole swarm is on this machine);
@@ -133,26 +135,37 @@ def resolve_reachability(config: SwarmConfig, timeout: float = 10.0
     if not config.initial_peers or all_on_this_machine(config.initial_peers):
         return dataclasses.replace(config, client_mode=False), None
     if is_loopback_host(config.host):
-        logger.warning(f"this peer listens on {config.host} only and its initial peers are on other machines, which "
-                       f"cannot dial it: it joins in client mode (leave --host out to listen where they can)")
+        logger.warning(
+            f"this peer listens on {config.host} only and its initial peers are on other machines, which "
+            f"cannot dial it: it joins in client mode (leave --host out to listen where they can)"
+        )
         return dataclasses.replace(config, client_mode=True), None
-    verdict = probe_reachability(config.initial_peers, config.host, config.port, timeout=timeout,
-                                 extra_ports=[port for port in map(_port_of, config.announce_maddrs) if port])
+    verdict = probe_reachability(
+        config.initial_peers,
+        config.host,
+        config.port,
+        timeout=timeout,
+        extra_ports=[port for port in map(_port_of, config.announce_maddrs) if port],
+    )
     if verdict.reachable is None:
         client_mode = not _has_public_interface_address()
-        how = "in client mode (no address of this machine is routable on the Internet)" if client_mode else \
-            "as a peer that accepts connections (this machine has an address routable on the Internet)"
+        how = (
+            "in client mode (no address of this machine is routable on the Internet)"
+            if client_mode
+            else "as a peer that accepts connections (this machine has an address routable on the Internet)"
+        )
         logger.warning(f"{verdict.explain()}: joining {how}")
     else:
         client_mode = not verdict.reachable
     announce = tuple(config.announce_maddrs)
     if not client_mode and not announce:
-        announce = tuple(f"/ip4/{address}/tcp/{verdict.port}" for address in verdict.public_addresses
-                         if ":" not in address)
+        announce = tuple(
+            f"/ip4/{address}/tcp/{verdict.port}" for address in verdict.public_addresses if ":" not in address
+        )
     return dataclasses.replace(config, client_mode=client_mode, port=verdict.port, announce_maddrs=announce), verdict
 
 
-def _port_of(maddr: str) -> Optional[int]:
+def _port_of(maddr: str) -> int | None:
     parts = str(maddr).strip("/").split("/")
     return int(parts[3]) if len(parts) >= 4 and parts[2] == "tcp" and parts[3].isdigit() else None
 
@@ -199,7 +212,8 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
             raise SwarmConnectionError(
                 f"a peer of the swarm runs with this peer's identity ({config.identity_path}) now: is the same monitor "
                 f"(or peer) already running? Stop it, or give this one a database of its own (--db: a monitor keeps "
-                f"its key beside it) or a key of its own (--set swarm.identity_path=FILE)") from None
+                f"its key beside it) or a key of its own (--set swarm.identity_path=FILE)"
+            ) from None
         if initial_peers and "bootstrap" in str(e):
             raise SwarmConnectionError(
                 f"could not reach any initial peer ({', '.join(initial_peers)}): check that the first peer is "
@@ -216,7 +230,7 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
     return dht
 
 
-def initial_peer_ids(addresses: Sequence[str]) -> List[PeerID]:
+def initial_peer_ids(addresses: Sequence[str]) -> list[PeerID]:
     """The peer ids of full multiaddrs (``.../p2p/<peer id>``), each once, in order."""
     peer_ids = []
     for address in parse_initial_peers(addresses):
@@ -226,7 +240,7 @@ def initial_peer_ids(addresses: Sequence[str]) -> List[PeerID]:
     return peer_ids
 
 
-def join_addresses(dht: hivemind.DHT) -> List[str]:
+def join_addresses(dht: hivemind.DHT) -> list[str]:
     """The multiaddrs other peers can pass as ``initial_peers`` to join through this one.
 
     None for a peer in client mode (nobody can dial it); loopback addresses only when the peer has no other (a run
@@ -239,7 +253,7 @@ def join_addresses(dht: hivemind.DHT) -> List[str]:
     return others or addresses
 
 
-def join_command(config: RunConfig, addresses: Sequence[str], data: Optional[str] = None) -> str:
+def join_command(config: RunConfig, addresses: Sequence[str], data: str | None = None) -> str:
     """The command that joins ``config``'s run through ``addresses``: run id, preset, every shared setting that differs
     from the preset, the run's data (``data``: what its card names), the auth server (with a placeholder for the
     volunteer's token)."""
@@ -248,8 +262,9 @@ def join_command(config: RunConfig, addresses: Sequence[str], data: Optional[str
     return f"HF_TOKEN=hf_... {command}" if config.swarm.auth_server else command
 
 
-def join_instructions(dht: hivemind.DHT, config: RunConfig, data: Optional[str] = None,
-                      other_anchors: Sequence[str] = ()) -> str:
+def join_instructions(
+    dht: hivemind.DHT, config: RunConfig, data: str | None = None, other_anchors: Sequence[str] = ()
+) -> str:
     """One line that tells others how to join ``config``'s run (on ``data``, the run's data): through this peer (and
     ``other_anchors``, the addresses of the run's other anchors), or, when nobody can dial it, through its initial
     peers (the addresses it joined through)."""
@@ -259,8 +274,10 @@ def join_instructions(dht: hivemind.DHT, config: RunConfig, data: Optional[str] 
     if addresses:
         return f"To join this swarm: {join_command(config, addresses, data)}"
     through = list(config.swarm.initial_peers) or ["ADDRESS-OF-A-PEER-THAT-ACCEPTS-CONNECTIONS"]
-    return (f"This peer accepts no connections (others could not dial it back: behind NAT or a firewall), so nobody "
-            f"can join through it. To join this swarm: {join_command(config, through, data)}")
+    return (
+        f"This peer accepts no connections (others could not dial it back: behind NAT or a firewall), so nobody "
+        f"can join through it. To join this swarm: {join_command(config, through, data)}"
+    )
 
 
 def announce_presence(dht: hivemind.DHT, run_id: str, ttl: float = 60.0) -> None:
@@ -275,8 +292,9 @@ def count_present_peers(dht: hivemind.DHT, run_id: str) -> int:
     return len(found.value) if found is not None and isinstance(found.value, dict) else 0
 
 
-def wait_for_peers(dht: hivemind.DHT, run_id: str, count: int, timeout: float,
-                   stop: Optional[threading.Event] = None) -> int:
+def wait_for_peers(
+    dht: hivemind.DHT, run_id: str, count: int, timeout: float, stop: threading.Event | None = None
+) -> int:
     """Announce this peer, then wait until ``count`` peers (this one included) have announced themselves.
 
     Starting together matters when steps are short: a peer alone would finish global steps by itself
@@ -293,7 +311,6 @@ def wait_for_peers(dht: hivemind.DHT, run_id: str, count: int, timeout: float,
         if present >= count:
             return present
         if time.monotonic() > deadline:
-            raise SwarmConnectionError(f"only {present} of {count} peers joined run {run_id!r} within "
-                                       f"{timeout:.0f} s")
+            raise SwarmConnectionError(f"only {present} of {count} peers joined run {run_id!r} within {timeout:.0f} s")
         if stop.wait(0.2):
             raise KeyboardInterrupt

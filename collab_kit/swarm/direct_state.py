@@ -1,12 +1,13 @@
 """States passed between the peers a trainer names, beside hivemind's rule that only peers accepting connections
 share theirs: the way an anchor started again takes the newest state from the volunteers behind NAT; and states
 downloaded in parts from several peers at once, so that late joiners do not all load one peer's link."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Iterable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 STATE_PART_SOURCES = 4  # the most peers one download of the state takes parts from
 
 
-def state_parts(sizes: Sequence[int], count: int) -> List[List[int]]:
+def state_parts(sizes: Sequence[int], count: int) -> list[list[int]]:
     """The indices of tensors of ``sizes`` (values each) split into ``count`` parts of about equal total size: largest
     first, each to the part with the least so far (the first such part on a tie). Every peer computes the same parts
     for the same model, so a part asked of one peer fits with the parts asked of others."""
@@ -66,16 +67,17 @@ class DirectStateMixin:
     _state_sources: tuple = ()  # in the averager's process: peers to download from first
     _download_handler_added = False
     _proxy_sources: tuple = ()  # in the averager's process: peers whose state this one serves instead of its own
-    _proxied: Optional[tuple] = None  # in the averager's process: (time, state) of the last state downloaded to serve
+    _proxied: tuple | None = None  # in the averager's process: (time, state) of the last state downloaded to serve
     _proxied_parts: dict = {}  # in the averager's process: (part, count) -> (time, part) downloaded to serve
-    _proxy_lock: Optional[asyncio.Lock] = None
+    _proxy_lock: asyncio.Lock | None = None
     proxy_max_age = 5.0  # seconds a state downloaded to serve is served again before it is downloaded anew
 
     def serve_state_to(self, peer_ids: Iterable[PeerID]) -> None:
         """Let ``peer_ids`` download this peer's state (in client mode; a peer that accepts connections shares its
         state with every peer anyway)."""
-        self._outer_pipe.send(("_set_state_readers", [], dict(peer_ids=tuple(peer_id.to_bytes() for peer_id in
-                                                                                  peer_ids))))
+        self._outer_pipe.send(
+            ("_set_state_readers", [], dict(peer_ids=tuple(peer_id.to_bytes() for peer_id in peer_ids)))
+        )
 
     def download_first_from(self, peer_ids: Iterable[bytes]) -> None:
         """Try these peers (ids as bytes, the most promising first) before hivemind's sharers at the next download."""
@@ -86,7 +88,7 @@ class DirectStateMixin:
         this peer's own; none: this peer's own again."""
         self._outer_pipe.send(("_set_proxy_sources", [], dict(peer_ids=tuple(peer_ids))))
 
-    def served_state(self, timeout: float = 60.0) -> Optional[Tuple[dict, List[torch.Tensor]]]:
+    def served_state(self, timeout: float = 60.0) -> tuple[dict, list[torch.Tensor]] | None:
         """The state this peer serves now (metadata, tensors): with ``serve_state_of``, a source's (None when no source
         gives one), else its own."""
         future = MPFuture()
@@ -101,8 +103,9 @@ class DirectStateMixin:
     async def _report_served_state(self, future: MPFuture) -> None:
         try:
             metadata, tensors, _ = await self._get_current_state_from_host_process()
-            future.set_result((self.serializer.loads(metadata) if isinstance(metadata, bytes) else metadata,
-                               list(tensors)))
+            future.set_result(
+                (self.serializer.loads(metadata) if isinstance(metadata, bytes) else metadata, list(tensors))
+            )
         except _NoStateToServe:
             future.set_result(None)
         except Exception as e:
@@ -136,12 +139,18 @@ class DirectStateMixin:
         if self.client_mode and not self._download_handler_added:
             # hivemind registers no handler in client mode; these alone, and they answer only _state_readers
             self._download_handler_added = True
-            await self._p2p.add_protobuf_handler(self._get_handle_name(self.prefix, "rpc_download_state"),
-                                                 self.rpc_download_state, averaging_pb2.DownloadRequest,
-                                                 stream_output=True)
-            await self._p2p.add_protobuf_handler(self._get_handle_name(self.prefix, "rpc_download_state_part"),
-                                                 self.rpc_download_state_part, averaging_pb2.AveragingData,
-                                                 stream_output=True)
+            await self._p2p.add_protobuf_handler(
+                self._get_handle_name(self.prefix, "rpc_download_state"),
+                self.rpc_download_state,
+                averaging_pb2.DownloadRequest,
+                stream_output=True,
+            )
+            await self._p2p.add_protobuf_handler(
+                self._get_handle_name(self.prefix, "rpc_download_state_part"),
+                self.rpc_download_state_part,
+                averaging_pb2.AveragingData,
+                stream_output=True,
+            )
 
     async def _set_state_sources(self, peer_ids: tuple) -> None:
         self._state_sources = tuple(PeerID(peer_id) for peer_id in peer_ids)
@@ -154,15 +163,17 @@ class DirectStateMixin:
     def allow_state_sharing(self, value: bool) -> None:
         DecentralizedAverager.allow_state_sharing.fset(self, value)
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if self.client_mode and context.remote_id not in self._state_readers:
             return
         async for message in super().rpc_download_state(request, context):
             yield message
 
-    async def rpc_download_state_part(self, request: averaging_pb2.AveragingData, context: P2PContext
-                                      ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """Part ``part`` of ``count`` of this peer's state (``request.group_id``: the pair, serialized): the metadata,
         with the indices of the tensors sent (``state_parts``) and their number, then those tensors as hivemind's
         rpc_download_state streams them. Nothing to a peer this one does not share its state with, or a bad request."""
@@ -182,8 +193,13 @@ class DirectStateMixin:
         if infos is None:
             infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
         indices = state_parts([tensor.numel() for tensor in tensors], count)[part]
-        first = self.serializer.dumps(dict(state=self.serializer.loads(metadata) if isinstance(metadata, bytes)
-                                           else metadata, indices=indices, tensors=len(tensors)))
+        first = self.serializer.dumps(
+            dict(
+                state=self.serializer.loads(metadata) if isinstance(metadata, bytes) else metadata,
+                indices=indices,
+                tensors=len(tensors),
+            )
+        )
         yield averaging_pb2.DownloadData(metadata=first)
         for index in indices:
             compressed = self.state_compression.compress(tensors[index], infos[index], allow_inplace=False)
@@ -208,8 +224,9 @@ class DirectStateMixin:
                 try:
                     stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
                     stream = await stub.rpc_download_state_part(request)
-                    async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or
-                                                            self.request_timeout):
+                    async for message in aiter_with_timeout(
+                        stream, timeout=self.next_chunk_timeout or self.request_timeout
+                    ):
                         messages.append(message)
                         yield message
                 except Exception as e:  # gone or cut: what was passed on is incomplete, and the joiner asks elsewhere
@@ -221,7 +238,7 @@ class DirectStateMixin:
                     self._proxied_parts[(part, count)] = (get_dht_time(), messages)
                     return
 
-    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
+    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None):
         sources, self._state_sources = self._state_sources, ()
         for peer in sources:
             try:
@@ -242,13 +259,17 @@ class DirectStateMixin:
             return
         await super()._load_state_from_peers(future, timeout=timeout)
 
-    def _sharers_at_newest_epoch(self) -> List[PeerID]:
+    def _sharers_at_newest_epoch(self) -> list[PeerID]:
         """The peers sharing their state at the highest priority (hivemind's: their epoch), in random order."""
         found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        priorities = {PeerID(peer_id): float(info.value) for peer_id, info in entries.items()
-                      if isinstance(info, ValueWithExpiration) and isinstance(info.value, (int, float))
-                      and PeerID(peer_id) != self.peer_id}
+        priorities = {
+            PeerID(peer_id): float(info.value)
+            for peer_id, info in entries.items()
+            if isinstance(info, ValueWithExpiration)
+            and isinstance(info.value, (int, float))
+            and PeerID(peer_id) != self.peer_id
+        }
         if not priorities:
             return []
         newest = max(priorities.values())
@@ -256,7 +277,7 @@ class DirectStateMixin:
         random.shuffle(sharers)  # many joiners at once spread over the sharers
         return sharers
 
-    async def _download_state_in_parts(self) -> Optional[Tuple[dict, List[torch.Tensor]]]:
+    async def _download_state_in_parts(self) -> tuple[dict, list[torch.Tensor]] | None:
         """The state in parts from the sharers at the newest epoch, one part from each, all at once; a part whose peer
         failed, or gave another epoch than the first part's peer, is asked of the peers that gave theirs. None when
         fewer than two peers share, or a part could not be had."""
@@ -264,15 +285,21 @@ class DirectStateMixin:
         if len(sharers) < 2:
             return None
         count, started = len(sharers), get_dht_time()
-        results = await asyncio.gather(*(self._download_state_part(peer, part, count)
-                                         for part, peer in enumerate(sharers)), return_exceptions=True)
-        parts: Dict[int, Tuple[dict, Dict[int, torch.Tensor]]] = {
-            part: result for part, result in enumerate(results) if isinstance(result, tuple)}
+        results = await asyncio.gather(
+            *(self._download_state_part(peer, part, count) for part, peer in enumerate(sharers)), return_exceptions=True
+        )
+        parts: dict[int, tuple[dict, dict[int, torch.Tensor]]] = {
+            part: result for part, result in enumerate(results) if isinstance(result, tuple)
+        }
         if not parts:
             return None
         reference = parts[min(parts)][0]
-        parts = {part: got for part, got in parts.items() if got[0]["state"].get("epoch") == reference["state"].get("epoch")
-                 and got[0]["tensors"] == reference["tensors"]}
+        parts = {
+            part: got
+            for part, got in parts.items()
+            if got[0]["state"].get("epoch") == reference["state"].get("epoch")
+            and got[0]["tensors"] == reference["tensors"]
+        }
         givers = [sharers[part] for part in sorted(parts)]
         for part in range(count):
             for peer in givers:
@@ -287,7 +314,7 @@ class DirectStateMixin:
                     parts[part] = got
             if part not in parts:
                 return None
-        tensors: Dict[int, torch.Tensor] = {}
+        tensors: dict[int, torch.Tensor] = {}
         for _, got in parts.values():
             tensors.update(got)
         if sorted(tensors) != list(range(reference["tensors"])):
@@ -295,7 +322,7 @@ class DirectStateMixin:
         logger.info(f"downloaded the state in {count} parts from {count} peers in {get_dht_time() - started:.1f} s")
         return reference["state"], [tensors[index] for index in range(reference["tensors"])]
 
-    async def _read_state_stream(self, stream) -> Tuple[Optional[dict], List[torch.Tensor]]:
+    async def _read_state_stream(self, stream) -> tuple[dict | None, list[torch.Tensor]]:
         """The metadata and the tensors of a state as hivemind's rpc_download_state streams them (a message with a
         tensor part of a dtype begins the next tensor), waiting at most a chunk's timeout for each message."""
         metadata, tensors, chunks = None, [], []
@@ -312,8 +339,7 @@ class DirectStateMixin:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
         return metadata, tensors
 
-    async def _download_state_part(self, peer: PeerID, part: int, count: int
-                                   ) -> Tuple[dict, Dict[int, torch.Tensor]]:
+    async def _download_state_part(self, peer: PeerID, part: int, count: int) -> tuple[dict, dict[int, torch.Tensor]]:
         """Part ``part`` of ``count`` of ``peer``'s state: (the part's metadata, its tensors by index)."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         request = averaging_pb2.AveragingData(group_id=self.serializer.dumps([part, count]))
@@ -321,15 +347,21 @@ class DirectStateMixin:
         if not isinstance(metadata, dict) or not isinstance(metadata.get("state"), dict):
             raise ValueError(f"{peer} gave no part of its state")
         indices = metadata.get("indices")
-        if not isinstance(indices, list) or len(indices) != len(tensors) or not isinstance(metadata.get("tensors"), int):
+        if (
+            not isinstance(indices, list)
+            or len(indices) != len(tensors)
+            or not isinstance(metadata.get("tensors"), int)
+        ):
             raise ValueError(f"{peer} gave a part that does not match its own description")
         return metadata, dict(zip(indices, tensors))
 
-    async def _download_state_from(self, peer: PeerID) -> Optional[Tuple[dict, List[torch.Tensor]]]:
+    async def _download_state_from(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
         """``peer``'s state (metadata, tensors) by hivemind's download protocol, or None when it gives none."""
         started = get_dht_time()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        metadata, tensors = await self._read_state_stream(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
+        metadata, tensors = await self._read_state_stream(
+            await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        )
         if not metadata:
             return None
         logger.info(f"downloaded the state of {peer} in {get_dht_time() - started:.1f} s")

@@ -22,14 +22,14 @@ Blocks align with hivemind's parts: ``estimate_compression_ratio`` says 4 bits a
 1/32 left out), so a part holds 2^20 values of a 2^19-byte part, a whole number of blocks, and a block is the same
 64 values whether the peer rounds the whole tensor (``ErrorFeedback``) or the averager rounds its parts.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.compression import serialization
+from hivemind.compression import CompressionBase, CompressionInfo, serialization
 from hivemind.compression.quantization import BlockwiseQuantization
 from hivemind.proto import runtime_pb2
 
@@ -40,7 +40,7 @@ MARKER = "collab_kit.4bit:"  # how a 4-bit part's dtype starts (the rest: the te
 AVERAGE_MARKER = "collab_kit.4bit-average:"
 
 
-def _rounded_codes(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _rounded_codes(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor``'s bf16 scales (one per block of BLOCK_SIZE values) and its codes, as floats in [-LEVELS, LEVELS]."""
     flat = tensor.detach().reshape(-1).float()
     padding = (-flat.numel()) % BLOCK_SIZE
@@ -52,7 +52,7 @@ def _rounded_codes(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return scales, (blocks / divisors).round_().clamp_(-LEVELS, LEVELS)
 
 
-def quantize_4bit(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_4bit(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor``'s values as (bf16 scales, one per block of BLOCK_SIZE; uint8 bytes, two 4-bit codes each)."""
     scales, codes = _rounded_codes(tensor)
     codes = codes.add_(8).to(torch.uint8).view(-1)
@@ -70,7 +70,7 @@ def round_4bit(tensor: torch.Tensor) -> torch.Tensor:
     """What ``tensor`` becomes after a trip in 4 bits (``dequantize_4bit`` of ``quantize_4bit``, without the packing).
     Rounding it again changes nothing (its blocks' scales come out the same), which keeps error feedback exact."""
     scales, codes = _rounded_codes(tensor)
-    return codes.mul_(scales.float()[:, None]).view(-1)[:tensor.numel()].view(tensor.shape).to(tensor.dtype)
+    return codes.mul_(scales.float()[:, None]).view(-1)[: tensor.numel()].view(tensor.shape).to(tensor.dtype)
 
 
 class Blockwise4BitQuantization(CompressionBase):
@@ -86,10 +86,13 @@ class Blockwise4BitQuantization(CompressionBase):
         if not torch.is_floating_point(tensor):
             raise ValueError(f"4-bit quantization takes floating-point tensors, not {tensor.dtype}")
         scales, packed = quantize_4bit(tensor)
-        return runtime_pb2.Tensor(compression=self.compression_type,
-                                  buffer=scales.view(torch.int16).numpy().tobytes() + packed.numpy().tobytes(),
-                                  size=tensor.shape, dtype=MARKER + str(tensor.dtype).replace("torch.", ""),
-                                  requires_grad=tensor.requires_grad)
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=scales.view(torch.int16).numpy().tobytes() + packed.numpy().tobytes(),
+            size=tensor.shape,
+            dtype=MARKER + str(tensor.dtype).replace("torch.", ""),
+            requires_grad=tensor.requires_grad,
+        )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         marker = next((m for m in (MARKER, AVERAGE_MARKER) if serialized_tensor.dtype.startswith(m)), None)
@@ -101,7 +104,7 @@ class Blockwise4BitQuantization(CompressionBase):
         buffer = bytearray(serialized_tensor.buffer)
         scales = torch.frombuffer(buffer, dtype=torch.int16, count=scale_bytes // 2).view(torch.bfloat16)
         packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=scale_bytes)
-        dtype = getattr(torch, serialized_tensor.dtype[len(marker):])
+        dtype = getattr(torch, serialized_tensor.dtype[len(marker) :])
         values = dequantize_4bit(scales, packed, numel).view(shape).to(dtype)
         values.is_whole_average = marker == AVERAGE_MARKER  # read by collab_kit.swarm.runners.SharedFourBitAverageMixin
         return values.requires_grad_(serialized_tensor.requires_grad)
@@ -117,7 +120,7 @@ def serialize_average(average: torch.Tensor) -> runtime_pb2.Tensor:
     """A reducer's reply for a part that travels in 4 bits: the part's average itself, already on the 4-bit grid (so
     sent exactly), which the sender turns into a difference with the part it sent."""
     message = _CODEC.compress(average, CompressionInfo.from_tensor(average))
-    message.dtype = AVERAGE_MARKER + message.dtype[len(MARKER):]
+    message.dtype = AVERAGE_MARKER + message.dtype[len(MARKER) :]
     return message
 
 
@@ -154,10 +157,10 @@ class ErrorFeedback:
 
     def __init__(self, threshold: int):
         self.threshold = threshold
-        self.residuals: Dict[int, torch.Tensor] = {}  # by the tensor's index: what its last rounding dropped
+        self.residuals: dict[int, torch.Tensor] = {}  # by the tensor's index: what its last rounding dropped
 
     @torch.no_grad()
-    def quantize_(self, tensors: Sequence[torch.Tensor], sent: Optional[Sequence[int]] = None) -> None:
+    def quantize_(self, tensors: Sequence[torch.Tensor], sent: Sequence[int] | None = None) -> None:
         """Add each large tensor's residual to it, round it to the 4-bit grid in place, and keep the new residual.
 
         :param sent: the indices of the tensors this round sends (fragments); None: all

@@ -14,10 +14,11 @@ the model.
 - ``FragmentStepMixin``, in front of the state averager: a step copies into the model only the fragment it stepped
   (``step_fragment``); a download still copies everything.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
@@ -26,7 +27,7 @@ from collab_kit.swarm.averagers import RoundResult
 logger = logging.getLogger(__name__)
 
 
-def fragment_of_tensors(sizes: Sequence[int], fragments: int) -> Tuple[int, ...]:
+def fragment_of_tensors(sizes: Sequence[int], fragments: int) -> tuple[int, ...]:
     """The fragment (0 .. ``fragments`` - 1) of each tensor of ``sizes`` (their numbers of elements, in order):
     contiguous runs of about ``total / fragments`` elements each, none empty while there are as many tensors as
     fragments (tests/swarm/test_fragments.py::test_fragments_are_contiguous_even_and_never_empty)."""
@@ -42,7 +43,7 @@ def fragment_of_tensors(sizes: Sequence[int], fragments: int) -> Tuple[int, ...]
     return tuple(assignment)
 
 
-def round_fragment(epoch: Optional[int], fragments: int) -> int:
+def round_fragment(epoch: int | None, fragments: int) -> int:
     """The fragment the round ending ``epoch`` averages (0 when its epoch is unknown)."""
     return (epoch or 0) % fragments
 
@@ -67,8 +68,11 @@ class FragmentRoundsMixin:
 
 def fragment_rounds_mixin(fragments: int) -> type:
     """FragmentRoundsMixin for ``fragments``, whose RPC prefix names them: peers of different F never meet."""
-    return type(f"Fragments{fragments}RoundsMixin", (FragmentRoundsMixin,),
-                {"__module__": __name__, "fragments": fragments, "rpc_name_prefix": f"Fragments{fragments}"})
+    return type(
+        f"Fragments{fragments}RoundsMixin",
+        (FragmentRoundsMixin,),
+        {"__module__": __name__, "fragments": fragments, "rpc_name_prefix": f"Fragments{fragments}"},
+    )
 
 
 class FragmentStepMixin:
@@ -76,7 +80,7 @@ class FragmentStepMixin:
     (a mask over the parameters, by the optimizer's order), the global parameters copied into the model after a step
     are that fragment's alone; the model's others keep the progress of their inner steps."""
 
-    step_fragment: Optional[Sequence[bool]] = None
+    step_fragment: Sequence[bool] | None = None
 
     @torch.no_grad()
     def _apply_optimizer_parameters_(self):

@@ -9,10 +9,11 @@ state in the same layout.
   where 8-bit quantization would cost more accuracy than it saves bytes. Pseudo-gradients of the local-update mode
   may travel in 4 bits instead (collab_kit.swarm.four_bit).
 """
+
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterable, List, Optional
+from typing import Iterable
 
 import torch
 from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
@@ -60,10 +61,10 @@ class LAMB8bit(HoldableStepMixin, bnb.optim.AdamW8bit):
     :param kwargs: passed to ``bitsandbytes.optim.AdamW8bit`` (lr, betas, eps, weight_decay, min_8bit_size)
     """
 
-    def __init__(self, params, max_grad_norm: Optional[float] = None, **kwargs):
+    def __init__(self, params, max_grad_norm: float | None = None, **kwargs):
         super().__init__(params, **kwargs)
         self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: Optional[float] = None
+        self.last_grad_norm: float | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -97,7 +98,7 @@ def linear_warmup_then_decay(step: int, warmup_steps: int, total_steps: int) -> 
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: matrices and embeddings decay and adapt their step to their norm (LAMB);
     biases and norm weights (1-d tensors) do neither."""
     decay, no_decay = [], []
@@ -105,7 +106,10 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
         if not param.requires_grad:
             continue
         (no_decay if param.ndim < 2 else decay).append(param)
-    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0, layer_adaptation=False)]
+    return [
+        dict(params=decay, weight_decay=weight_decay),
+        dict(params=no_decay, weight_decay=0.0, layer_adaptation=False),
+    ]
 
 
 def gradient_compression(threshold: int, bits: int = 8) -> SizeAdaptiveCompression:
@@ -117,8 +121,15 @@ def gradient_compression(threshold: int, bits: int = 8) -> SizeAdaptiveCompressi
 
 def make_lamb8bit(params: Iterable, config: OptimizerConfig) -> LAMB8bit:
     """The bare 8-bit LAMB with the paper's hyperparameters (also the baseline of the benchmarks)."""
-    return LAMB8bit(params, max_grad_norm=config.max_grad_norm, lr=config.learning_rate, betas=config.betas,
-                           eps=config.eps, weight_decay=config.weight_decay, min_8bit_size=config.min_8bit_size)
+    return LAMB8bit(
+        params,
+        max_grad_norm=config.max_grad_norm,
+        lr=config.learning_rate,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        min_8bit_size=config.min_8bit_size,
+    )
 
 
 def make_scheduler_factory(config: OptimizerConfig):

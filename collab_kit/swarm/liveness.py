@@ -8,12 +8,13 @@ the peer's process dies, however it died: so a peer killed with SIGKILL stops an
 metrics record (five minutes) and hivemind's progress record (a minute) still say it lives.
 ``tests/roles/test_live_page.py`` shows it with a volunteer killed mid-run.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 from functools import partial
-from typing import Dict, List, Sequence
+from typing import Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -21,7 +22,7 @@ from hivemind.p2p import PeerID
 logger = logging.getLogger(__name__)
 
 
-def peers_answering(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float) -> Dict[str, bool]:
+def peers_answering(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float) -> dict[str, bool]:
     """Whether each peer (a base58 peer id) is connected to ``dht``'s daemon, or could be dialled within ``timeout``.
 
     The dials go at the same time, from the daemon's own address book (the addresses the peer announced): nobody's
@@ -33,7 +34,7 @@ def peers_answering(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float) 
     return dht.run_coroutine(partial(_answering, list(peer_ids), timeout))
 
 
-async def _answering(peer_ids: List[str], timeout: float, _dht, node) -> Dict[str, bool]:
+async def _answering(peer_ids: list[str], timeout: float, _dht, node) -> dict[str, bool]:
     connected = {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
 
     async def answers(peer_id: str) -> bool:

@@ -28,12 +28,13 @@ everything the synchronous mode does keeps working:
 Peers of the two modes must not average together (a gradient and a pseudo-gradient are not the same quantity, and
 the outer optimizer's state is not LAMB's): the averagers of this mode carry ``LocalUpdateRoundsMixin``'s RPC prefix.
 """
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Iterable
 
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -61,7 +62,7 @@ class OuterNesterovSGD(HoldableStepMixin, torch.optim.SGD):
         self.dropped_steps = 0  # outer steps dropped for a non-finite pseudo-gradient
         # with fragments (collab_kit.swarm.fragments): the parameters the next steps move, by the groups' order; the
         # others, and their momentum, stay as they are. None: all
-        self.fragment_mask: Optional[List[bool]] = None
+        self.fragment_mask: list[bool] | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -128,7 +129,7 @@ class AppliedRound:
 
     group_size: int  # training peers in the round, this one included
     anchors: int
-    problem: Optional[str]
+    problem: str | None
     averaged: bool  # with at least one other training peer
 
 
@@ -149,7 +150,7 @@ class LocalUpdatesMixin:
 
     local_config: OptimizerConfig  # set by with_local_updates
 
-    def __init__(self, inner_param_groups: Optional[List[dict]] = None, **kwargs):
+    def __init__(self, inner_param_groups: list[dict] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.inner_optimizer = None
         if inner_param_groups is not None and self.round_role != ANCHOR_ROLE:
@@ -158,25 +159,26 @@ class LocalUpdatesMixin:
         self.dropped_pseudo_gradients = 0  # rounds whose own pseudo-gradient was not finite (sent as zero weight)
         self.overlap = bool(self.local_config.overlap_rounds and self.inner_optimizer is not None)
         # the round averaging in the background (overlap): (its StepControl, the epoch it ends), until applied
-        self._round_in_flight: Optional[Tuple[StepControl, int]] = None
+        self._round_in_flight: tuple[StepControl, int] | None = None
         # overlap: the model's parameters when the round in flight was sent (on the CPU), to keep the progress since
-        self._sent_parameters: Optional[List[torch.Tensor]] = None
+        self._sent_parameters: list[torch.Tensor] | None = None
         self.overlapped_steps = 0  # inner steps taken while a round of this peer averaged in the background
         # 4-bit pseudo-gradients: what rounding dropped from this peer's last one, added to its next
-        self.error_feedback: Optional[ErrorFeedback] = None
+        self.error_feedback: ErrorFeedback | None = None
         if self.local_config.pseudo_gradient_bits == 4 and self.inner_optimizer is not None:
             self.error_feedback = ErrorFeedback(self.local_config.compression_threshold)
         self.applied_rounds = 0  # rounds whose outcome this peer has applied (an outer step taken, alone or not)
         # why this peer's global parameters are an epoch older than its epoch (a download hivemind moved on), until a
         # download at its epoch replaces them
-        self._behind_swarm: Optional[str] = None
-        self.applied_in_background: Dict[int, AppliedRound] = {}  # by epoch, until the volunteer reports it (pop)
+        self._behind_swarm: str | None = None
+        self.applied_in_background: dict[int, AppliedRound] = {}  # by epoch, until the volunteer reports it (pop)
         # fragments (collab_kit.swarm.fragments): the fragment of each parameter, by the optimizer's order
-        self._fragment_of: Optional[Tuple[int, ...]] = None
-        self._step_mask: Optional[List[bool]] = None  # the fragment the next outer steps move (None: all)
+        self._fragment_of: tuple[int, ...] | None = None
+        self._step_mask: list[bool] | None = None  # the fragment the next outer steps move (None: all)
         if self.local_config.fragments > 1:
-            self._fragment_of = fragment_of_tensors([param.numel() for param in self.state_averager.main_parameters],
-                                                    self.local_config.fragments)
+            self._fragment_of = fragment_of_tensors(
+                [param.numel() for param in self.state_averager.main_parameters], self.local_config.fragments
+            )
 
     @property
     def local_epoch(self) -> int:
@@ -185,7 +187,7 @@ class LocalUpdatesMixin:
         return self.state_averager.local_epoch + (getattr(self, "_round_in_flight", None) is not None)
 
     @property
-    def epoch_in_flight(self) -> Optional[int]:
+    def epoch_in_flight(self) -> int | None:
         """The epoch of the round averaging in the background, if any (its outcome is not known yet)."""
         return None if self._round_in_flight is None else self._round_in_flight[1]
 
@@ -203,8 +205,9 @@ class LocalUpdatesMixin:
         if self.inner_optimizer is None:
             return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
         config = self.local_config
-        rate = config.learning_rate * linear_warmup_then_decay(self.global_batch, config.warmup_steps,
-                                                               config.total_steps)
+        rate = config.learning_rate * linear_warmup_then_decay(
+            self.global_batch, config.warmup_steps, config.total_steps
+        )
         for group in self.inner_optimizer.param_groups:
             group["lr"] = rate
         self.inner_optimizer.step()
@@ -229,11 +232,16 @@ class LocalUpdatesMixin:
 
     def _should_load_state_from_peers(self) -> bool:
         allowed_lag = 1 if self.overlap and self._loaded is None else 0
-        if self.inner_optimizer is not None and not self._resync_requested \
-                and self.local_epoch < self.tracker.global_epoch - allowed_lag:
+        if (
+            self.inner_optimizer is not None
+            and not self._resync_requested
+            and self.local_epoch < self.tracker.global_epoch - allowed_lag
+        ):
             self._loaded = None  # a download that the swarm overtook is not gone on from, as the synchronous mode does
-            self.request_resync(f"the swarm is at epoch {self.tracker.global_epoch}, this peer at {self.local_epoch}: "
-                                f"its next outer step must start from the swarm's global parameters")
+            self.request_resync(
+                f"the swarm is at epoch {self.tracker.global_epoch}, this peer at {self.local_epoch}: "
+                f"its next outer step must start from the swarm's global parameters"
+            )
         return super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs) -> bool:
@@ -258,8 +266,10 @@ class LocalUpdatesMixin:
 
     def _follow_round_epoch(self, result, parameters_from_swarm: bool) -> None:
         if self.inner_optimizer is not None and result.epoch() == self.local_epoch + 1:
-            self.request_resync(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1}, and its "
-                                f"global parameters were of epoch {self.local_epoch}")
+            self.request_resync(
+                f"this peer's round was the swarm's round of epoch {self.local_epoch + 1}, and its "
+                f"global parameters were of epoch {self.local_epoch}"
+            )
             return
         epochs = [member.get("epoch") for member in result.values() if isinstance(member, dict)]
         later = [epoch for epoch in epochs if isinstance(epoch, int) and epoch > self.local_epoch]
@@ -331,13 +341,16 @@ class LocalUpdatesMixin:
             averaged_before = self.averaged_rounds
             self._take_outer_step(control, epoch)
             self.applied_in_background[epoch] = AppliedRound(
-                self.last_group_size, self.last_anchors_in_group, self.last_round_problem,
-                averaged=self.averaged_rounds > averaged_before)
+                self.last_group_size,
+                self.last_anchors_in_group,
+                self.last_round_problem,
+                averaged=self.averaged_rounds > averaged_before,
+            )
             for progress, param in stepped:
                 param.add_(progress.to(param.device))
             self.grad_averager.local_samples_accumulated = samples  # this round's, so far
 
-    def _select_fragment(self, epoch: Optional[int]) -> Optional[List[bool]]:
+    def _select_fragment(self, epoch: int | None) -> list[bool] | None:
         """With fragments: the next outer steps (of the round that ends ``epoch``) move that round's fragment alone,
         and copy it alone into the model; ``epoch`` None: every parameter (a download). Returns the mask, None without
         fragments."""
@@ -388,14 +401,17 @@ class LocalUpdatesMixin:
         global_parameters = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
         local_parameters = self.state_averager.main_parameters
         finite = True
-        for accumulator, global_param, local_param in zip(averager._grad_accumulators(), global_parameters,
-                                                           local_parameters):
+        for accumulator, global_param, local_param in zip(
+            averager._grad_accumulators(), global_parameters, local_parameters
+        ):
             accumulator.copy_(global_param).sub_(local_param.to(accumulator.device))
             finite = finite and bool(torch.isfinite(accumulator).all())
         if not finite:
             self.dropped_pseudo_gradients += 1
-            logger.warning(f"this peer's pseudo-gradient of round {self.local_epoch} is not finite: it takes part "
-                           f"in the round with weight 0, and goes on from the swarm's parameters")
+            logger.warning(
+                f"this peer's pseudo-gradient of round {self.local_epoch} is not finite: it takes part "
+                f"in the round with weight 0, and goes on from the swarm's parameters"
+            )
             # every fragment's: an outer step copies only the fragment it moves, and an overlapped one keeps progress
             for global_param, local_param in zip(global_parameters, local_parameters):
                 local_param.copy_(global_param.to(local_param.device))
@@ -417,8 +433,11 @@ class LocalUpdatesMixin:
 
 def with_local_updates(optimizer_class: type, config: OptimizerConfig) -> type:
     """``optimizer_class`` (CollaborativeOptimizer or a subclass) in local-update mode with ``config``'s settings."""
-    return type(f"LocalUpdates{optimizer_class.__name__}", (LocalUpdatesMixin, optimizer_class),
-                {"__module__": __name__, "local_config": config})
+    return type(
+        f"LocalUpdates{optimizer_class.__name__}",
+        (LocalUpdatesMixin, optimizer_class),
+        {"__module__": __name__, "local_config": config},
+    )
 
 
 def local_update_kwargs(config: OptimizerConfig) -> dict:
@@ -430,5 +449,9 @@ def local_update_kwargs(config: OptimizerConfig) -> dict:
     - ``delay_optimizer_step`` and ``delay_state_averaging`` off: a step or a state round applied later would write the
       global parameters over the model's in the middle of the next round's inner steps.
     """
-    return dict(target_batch_size=config.round_samples, offload_optimizer=True, delay_optimizer_step=False,
-                delay_state_averaging=False)
+    return dict(
+        target_batch_size=config.round_samples,
+        offload_optimizer=True,
+        delay_optimizer_step=False,
+        delay_state_averaging=False,
+    )

@@ -14,11 +14,11 @@ A volunteer and the monitor both join a swarm in these steps, and leave it in th
     with SwarmMembership(config) as membership:
         optimizer = make_optimizer(model, membership.dht, ..., peer_gate=membership.peer_gate)
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
 
 from collab_kit.auth.client import AuthorizationError, HubAuthorizer, login
 from collab_kit.config import RunConfig, SwarmConfig
@@ -29,7 +29,7 @@ from collab_kit.swarm.run_card import RunCard, RunCardKeeper, check_fits_run, fi
 logger = logging.getLogger(__name__)
 
 
-def authorize(swarm_config: SwarmConfig) -> Optional[HubAuthorizer]:
+def authorize(swarm_config: SwarmConfig) -> HubAuthorizer | None:
     """A HubAuthorizer holding this peer's first token when the run has an authentication server, else None.
 
     :raises AuthorizationError: no Hugging Face token, or the server refused (its message says why)
@@ -57,7 +57,7 @@ class SwarmMembership:
     :raises collab_kit.swarm.run_card.RunMismatch: the swarm trains another run, or this one with other settings
     """
 
-    def __init__(self, config: RunConfig, authorizer: Optional[HubAuthorizer] = None, **dht_kwargs):
+    def __init__(self, config: RunConfig, authorizer: HubAuthorizer | None = None, **dht_kwargs):
         self.authorizer = authorizer if authorizer is not None else authorize(config.swarm)
         swarm_config, self.reachability = resolve_reachability(config.swarm)
         self.config = dataclasses.replace(config, swarm=swarm_config)
@@ -65,24 +65,25 @@ class SwarmMembership:
             dht_kwargs["authorizer"] = self.authorizer
         dht_kwargs["record_validators"] = [*dht_kwargs.get("record_validators", ()), *run_card_validators()]
         self.dht = start_dht(swarm_config, **dht_kwargs)
-        self.binding_keeper: Optional[BindingKeeper] = None
-        self.peer_gate: Optional[PeerGate] = None
+        self.binding_keeper: BindingKeeper | None = None
+        self.peer_gate: PeerGate | None = None
         # the run's card: read from the swarm by a peer that joins, made by the first peer (announce_run)
-        self.run_card: Optional[RunCard] = None
-        self._card_keeper: Optional[RunCardKeeper] = None
+        self.run_card: RunCard | None = None
+        self._card_keeper: RunCardKeeper | None = None
         self._closed = False
         try:
             if swarm_config.initial_peers:
                 self.run_card = find_run_card(self.dht, swarm_config.run_id, swarm_config.initial_peers)
                 if self.run_card is None:
-                    logger.warning(f"the swarm publishes no settings for run {swarm_config.run_id!r} (peers of an "
-                                   f"older collab_kit?): this peer cannot check that its own fit the run")
+                    logger.warning(
+                        f"the swarm publishes no settings for run {swarm_config.run_id!r} (peers of an "
+                        f"older collab_kit?): this peer cannot check that its own fit the run"
+                    )
                 else:
                     check_fits_run(self.config, self.run_card, swarm_config.initial_peers)
             if self.authorizer is not None:
                 self.binding_keeper = BindingKeeper(self.dht, self.authorizer, swarm_config.run_id)
-                self.peer_gate = PeerGate(self.dht, swarm_config.run_id,
-                                          self.authorizer.server_public_key.to_bytes())
+                self.peer_gate = PeerGate(self.dht, swarm_config.run_id, self.authorizer.server_public_key.to_bytes())
         except BaseException:
             self.close()
             raise
@@ -92,7 +93,7 @@ class SwarmMembership:
         """Whether this peer started the swarm (it joined through no initial peer)."""
         return not self.config.swarm.initial_peers
 
-    def announce_run(self, data: Optional[str]) -> RunCard:
+    def announce_run(self, data: str | None) -> RunCard:
         """Publish this run's card with ``data`` (the run's data as peers elsewhere name it) and keep it in the DHT
         until ``close``: what the run's first peer and its monitor do."""
         if self._card_keeper is not None:
@@ -102,7 +103,7 @@ class SwarmMembership:
         return self.run_card
 
     @property
-    def username(self) -> Optional[str]:
+    def username(self) -> str | None:
         """The Hugging Face user this peer trains for, in an authorized run (None in an open one)."""
         return self.authorizer.username if self.authorizer is not None else None
 
@@ -119,7 +120,7 @@ class SwarmMembership:
         finally:
             self.dht.shutdown()
 
-    def __enter__(self) -> "SwarmMembership":
+    def __enter__(self) -> SwarmMembership:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -20,12 +20,12 @@ from the peer's start; the monitor turns their growth into the contributors' tab
 ``username`` is what the peer says it is; the monitor credits a username only when the peer's
 binding record (collab_kit.auth.client) proves that peer id holds that user's access token.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -44,7 +44,7 @@ class PeerMetrics(BaseModel):
     """One training peer's report, as published in the DHT (a plain dict of these fields on the wire)."""
 
     peer_id: constr(strict=True, min_length=1, max_length=128)  # base58 libp2p peer id, for display
-    username: Optional[constr(strict=True, min_length=1, max_length=96)] = None  # claimed; see the module docstring
+    username: constr(strict=True, min_length=1, max_length=96) | None = None  # claimed; see the module docstring
     epoch: conint(ge=0, strict=True)  # the global epoch (optimizer step) the peer is at
     samples_per_second: confloat(ge=0.0, strict=True)  # the peer's recent throughput
     samples_accumulated: conint(ge=0, strict=True)  # samples this peer has processed since it started
@@ -54,15 +54,15 @@ class PeerMetrics(BaseModel):
     time: StrictFloat  # DHT time of the report
     # its last gradient round: how many other training peers it was averaged with (0: alone), how many global epochs
     # in a row went unaveraged while others trained, and why (None for peers that do not report it)
-    averaged_with: Optional[conint(ge=0, strict=True)] = None
-    lone_epochs: Optional[conint(ge=0, strict=True)] = None
-    lone_reason: Optional[constr(strict=True, max_length=300)] = None
+    averaged_with: conint(ge=0, strict=True) | None = None
+    lone_epochs: conint(ge=0, strict=True) | None = None
+    lone_reason: constr(strict=True, max_length=300) | None = None
     # where it trains and in what precision ("Tesla T4", "fp16"; collab_kit.model.device), for the leaderboard
-    device: Optional[constr(strict=True, max_length=64)] = None
-    precision: Optional[constr(strict=True, regex=r"^(fp32|bf16|fp16)$")] = None
+    device: constr(strict=True, max_length=64) | None = None
+    precision: constr(strict=True, regex=r"^(fp32|bf16|fp16)$") | None = None
     # what it is busy with instead of training, said as it starts ("downloading_state": the swarm's state), until its
     # next epoch's record
-    activity: Optional[constr(strict=True, regex=r"^downloading_state$")] = None
+    activity: constr(strict=True, regex=r"^downloading_state$") | None = None
 
     @validator("loss", "samples_per_second", "compute_seconds", "time")
     def _finite(cls, value: float) -> float:
@@ -77,10 +77,10 @@ class PeerMetrics(BaseModel):
 class MetricsSchema(BaseModel):
     """The DHT key ``<run_id>_metrics``: one record per peer, under that peer's public key."""
 
-    metrics: Dict[BytesWithPublicKey, Optional[PeerMetrics]]
+    metrics: dict[BytesWithPublicKey, PeerMetrics | None]
 
 
-def metrics_validators(run_id: str, signature_validator: Optional[RSASignatureValidator] = None) -> list:
+def metrics_validators(run_id: str, signature_validator: RSASignatureValidator | None = None) -> list:
     """The record validators a DHT needs to write or read ``run_id``'s metrics.
 
     :param signature_validator: the peer's own (it holds the key records are signed with); default: a
@@ -95,14 +95,14 @@ class SwarmSnapshot:
 
     time: float  # DHT time of the reading
     epoch: int  # the highest global epoch any peer reports
-    loss: Optional[float]  # mean of the alive peers' losses, weighted by their local steps (None: no peer)
+    loss: float | None  # mean of the alive peers' losses, weighted by their local steps (None: no peer)
     alive_peers: int
     samples_per_second: float  # the whole swarm's throughput
-    anchors: Optional[int] = None  # the run's anchors alive (None: not counted)
-    samples: Optional[int] = None  # every sample credited to the contributors so far (set when the poll is stored)
+    anchors: int | None = None  # the run's anchors alive (None: not counted)
+    samples: int | None = None  # every sample credited to the contributors so far (set when the poll is stored)
 
 
-def summarize(records: List[PeerMetrics], now: Optional[float] = None) -> SwarmSnapshot:
+def summarize(records: list[PeerMetrics], now: float | None = None) -> SwarmSnapshot:
     """Aggregate alive peers' records into one point of the run's time series."""
     now = get_dht_time() if now is None else now
     if not records:
@@ -110,8 +110,13 @@ def summarize(records: List[PeerMetrics], now: Optional[float] = None) -> SwarmS
     trained = [record for record in records if record.mini_steps > 0]  # a joiner's first record says no loss yet
     weights = [record.mini_steps for record in trained]
     loss = sum(weight * record.loss for weight, record in zip(weights, trained)) / sum(weights) if trained else None
-    return SwarmSnapshot(time=now, epoch=max(record.epoch for record in records), loss=loss,
-                         alive_peers=len(records), samples_per_second=sum(r.samples_per_second for r in records))
+    return SwarmSnapshot(
+        time=now,
+        epoch=max(record.epoch for record in records),
+        loss=loss,
+        alive_peers=len(records),
+        samples_per_second=sum(r.samples_per_second for r in records),
+    )
 
 
 class MetricsPublisher:
@@ -123,25 +128,35 @@ class MetricsPublisher:
     :param expiration: seconds each record stays alive
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, username: Optional[str] = None,
-                 expiration: float = DEFAULT_EXPIRATION):
+    def __init__(
+        self, dht: hivemind.DHT, run_id: str, username: str | None = None, expiration: float = DEFAULT_EXPIRATION
+    ):
         self.dht, self.run_id, self.username, self.expiration = dht, run_id, username, expiration
         self._signature_validator = RSASignatureValidator()
         dht.add_validators(metrics_validators(run_id, self._signature_validator))
         self.public_key_subkey: bytes = self._signature_validator.local_public_key
         self.samples_accumulated = 0
         self.compute_seconds = 0.0
-        self._last_report: Optional[dict] = None  # the last epoch's figures (publish's arguments)
+        self._last_report: dict | None = None  # the last epoch's figures (publish's arguments)
 
     def add_work(self, samples: int, seconds: float) -> None:
         """Count samples processed and seconds spent on them (called as training goes)."""
         self.samples_accumulated += int(samples)
         self.compute_seconds += float(seconds)
 
-    def publish(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float,
-                wait: bool = True, averaged_with: Optional[int] = None, lone_epochs: Optional[int] = None,
-                lone_reason: Optional[str] = None, device: Optional[str] = None,
-                precision: Optional[str] = None) -> bool:
+    def publish(
+        self,
+        epoch: int,
+        loss: float,
+        mini_steps: int,
+        samples_per_second: float,
+        wait: bool = True,
+        averaged_with: int | None = None,
+        lone_epochs: int | None = None,
+        lone_reason: str | None = None,
+        device: str | None = None,
+        precision: str | None = None,
+    ) -> bool:
         """Store this peer's record now; returns whether the DHT accepted it.
 
         A non-finite loss is not published (the schema would refuse it): the record is skipped with a
@@ -157,33 +172,78 @@ class MetricsPublisher:
         if not math.isfinite(loss):
             logger.warning(f"not publishing metrics for epoch {epoch}: the loss is {loss}")
             return False
-        self._last_report = dict(epoch=epoch, loss=loss, mini_steps=mini_steps, samples_per_second=samples_per_second,
-                                 averaged_with=averaged_with, lone_epochs=lone_epochs, lone_reason=lone_reason,
-                                 device=device, precision=precision)
+        self._last_report = dict(
+            epoch=epoch,
+            loss=loss,
+            mini_steps=mini_steps,
+            samples_per_second=samples_per_second,
+            averaged_with=averaged_with,
+            lone_epochs=lone_epochs,
+            lone_reason=lone_reason,
+            device=device,
+            precision=precision,
+        )
         return self._store_record(activity=None, wait=wait, **self._last_report)
 
-    def publish_activity(self, activity: str, epoch: int, device: Optional[str] = None,
-                         precision: Optional[str] = None) -> bool:
+    def publish_activity(
+        self, activity: str, epoch: int, device: str | None = None, precision: str | None = None
+    ) -> bool:
         """Say what this peer is busy with now (``"downloading_state"``), with its last epoch's figures (none yet: no
         loss, zero local steps); its next epoch's record ends it. Stored in the background."""
-        report = dict(self._last_report or dict(loss=0.0, mini_steps=0, samples_per_second=0.0, averaged_with=None,
-                                                lone_epochs=None, lone_reason=None, device=device,
-                                                precision=precision), epoch=epoch)
+        report = dict(
+            self._last_report
+            or dict(
+                loss=0.0,
+                mini_steps=0,
+                samples_per_second=0.0,
+                averaged_with=None,
+                lone_epochs=None,
+                lone_reason=None,
+                device=device,
+                precision=precision,
+            ),
+            epoch=epoch,
+        )
         return self._store_record(activity=activity, wait=False, **report)
 
-    def _store_record(self, epoch: int, loss: float, mini_steps: int, samples_per_second: float, wait: bool,
-               averaged_with: Optional[int], lone_epochs: Optional[int], lone_reason: Optional[str],
-               device: Optional[str], precision: Optional[str], activity: Optional[str]) -> bool:
+    def _store_record(
+        self,
+        epoch: int,
+        loss: float,
+        mini_steps: int,
+        samples_per_second: float,
+        wait: bool,
+        averaged_with: int | None,
+        lone_epochs: int | None,
+        lone_reason: str | None,
+        device: str | None,
+        precision: str | None,
+        activity: str | None,
+    ) -> bool:
         record = PeerMetrics(
-            peer_id=self.dht.peer_id.to_base58(), username=self.username, epoch=int(epoch),
-            samples_per_second=float(samples_per_second), samples_accumulated=self.samples_accumulated,
-            loss=float(loss), mini_steps=int(mini_steps), compute_seconds=self.compute_seconds, time=get_dht_time(),
+            peer_id=self.dht.peer_id.to_base58(),
+            username=self.username,
+            epoch=int(epoch),
+            samples_per_second=float(samples_per_second),
+            samples_accumulated=self.samples_accumulated,
+            loss=float(loss),
+            mini_steps=int(mini_steps),
+            compute_seconds=self.compute_seconds,
+            time=get_dht_time(),
             averaged_with=None if averaged_with is None else max(0, int(averaged_with)),
             lone_epochs=None if lone_epochs is None else int(lone_epochs),
             lone_reason=None if lone_reason is None else str(lone_reason)[:300],
-            device=None if device is None else str(device)[:64], precision=precision, activity=activity)
-        stored = self.dht.store(metrics_key(self.run_id), subkey=self.public_key_subkey, value=record.dict(),
-                                expiration_time=get_dht_time() + self.expiration, return_future=not wait)
+            device=None if device is None else str(device)[:64],
+            precision=precision,
+            activity=activity,
+        )
+        stored = self.dht.store(
+            metrics_key(self.run_id),
+            subkey=self.public_key_subkey,
+            value=record.dict(),
+            expiration_time=get_dht_time() + self.expiration,
+            return_future=not wait,
+        )
         if not wait:
             return True
         if not stored:
@@ -191,14 +251,14 @@ class MetricsPublisher:
         return bool(stored)
 
 
-def read_metrics(dht: hivemind.DHT, run_id: str) -> List[Tuple[bytes, PeerMetrics]]:
+def read_metrics(dht: hivemind.DHT, run_id: str) -> list[tuple[bytes, PeerMetrics]]:
     """The alive peers' records: (the subkey, i.e. the signer's public key marker, the record).
 
     The DHT has already checked signatures and schema (with ``metrics_validators`` added to it); the
     records are parsed again here so that a DHT without the validators cannot hand over garbage.
     """
     found = dht.get(metrics_key(run_id), latest=True)
-    records: List[Tuple[bytes, PeerMetrics]] = []
+    records: list[tuple[bytes, PeerMetrics]] = []
     if found is None or not isinstance(found.value, dict):
         return records
     for subkey, entry in found.value.items():

@@ -15,11 +15,12 @@ What each piece is for:
 The averagers it builds, and how they are composed, are collab_kit.swarm.averagers. With
 ``OptimizerConfig.local_steps`` > 0 it trains in local-update mode (DiLoCo, collab_kit.swarm.local_updates).
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable
 
 import hivemind
 import torch
@@ -32,22 +33,32 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from collab_kit.config import OptimizerConfig, SwarmConfig
 from collab_kit.swarm import robust
 from collab_kit.swarm.anchor_records import anchor_validators, read_anchor_addresses
-from collab_kit.swarm.averagers import (ANCHOR_ROLE, CLIENT_JOIN_ANSWER_TIMEOUT, RoundResult,
-                                        STATE_DOWNLOAD_PART_TIMEOUT, TRAINER_ROLE, recording_state_averager_class,
-                                        round_report_averager_class)
+from collab_kit.swarm.averagers import (
+    ANCHOR_ROLE,
+    CLIENT_JOIN_ANSWER_TIMEOUT,
+    STATE_DOWNLOAD_PART_TIMEOUT,
+    TRAINER_ROLE,
+    RoundResult,
+    recording_state_averager_class,
+    round_report_averager_class,
+)
 from collab_kit.swarm.bindings import authorized_averager_class
 from collab_kit.swarm.dht import initial_peer_ids
 from collab_kit.swarm.keys import state_averager_prefix
 from collab_kit.swarm.lamb import gradient_compression, parameter_groups
-from collab_kit.swarm.local_updates import (local_update_kwargs, mode_averager_class, swarm_optimizer_factory,
-                                            swarm_scheduler_factory, with_local_updates)
+from collab_kit.swarm.local_updates import (
+    local_update_kwargs,
+    mode_averager_class,
+    swarm_optimizer_factory,
+    swarm_scheduler_factory,
+    with_local_updates,
+)
 from collab_kit.swarm.progress import SwarmProgressTracker
-
 
 logger = logging.getLogger(__name__)
 
 
-NO_STATE_AVERAGING = 2 ** 62  # an average_state_every no epoch reaches
+NO_STATE_AVERAGING = 2**62  # an average_state_every no epoch reaches
 
 
 class CollaborativeOptimizer(hivemind.Optimizer):
@@ -71,10 +82,10 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     round_role = TRAINER_ROLE
 
-    def __init__(self, peer_gate=None, on_averaging_start: Optional[Callable[[int, str], None]] = None, **kwargs):
+    def __init__(self, peer_gate=None, on_averaging_start: Callable[[int, str], None] | None = None, **kwargs):
         self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
         self.on_averaging_start = on_averaging_start
-        self.on_state_download: Optional[Callable[[], None]] = None  # called as each download of the state begins
+        self.on_state_download: Callable[[], None] | None = None  # called as each download of the state begins
         super().__init__(**kwargs)
         if self.client_mode or self.round_role == ANCHOR_ROLE:
             # Averaging parameters needs a peer that accepts connections to lead each round: for a peer in client mode,
@@ -92,19 +103,19 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         # training peers in the last gradient round, this one included when it trains (anchors are not counted)
         self.last_group_size = int(self.round_role != ANCHOR_ROLE)
         self.last_anchors_in_group = 0  # anchors in the last gradient round
-        self.last_round_problem: Optional[str] = None  # why the last gradient round failed (None: it did not)
+        self.last_round_problem: str | None = None  # why the last gradient round failed (None: it did not)
         self.last_received = 1.0  # the share of the last round's average that came back to this peer
         # the epoch the last global step ended: this peer's own, or the next one when its round was the next one's
-        self.last_round_epoch: Optional[int] = None
+        self.last_round_epoch: int | None = None
         self._resync_requested = False
-        self._resync_reason: Optional[str] = None
-        self._loaded: Optional[tuple] = None  # (epoch, seconds) of a state just loaded, until the next step's check
+        self._resync_reason: str | None = None
+        self._loaded: tuple | None = None  # (epoch, seconds) of a state just loaded, until the next step's check
         self._parameters_from_swarm = False  # a state loaded (or an epoch adopted with it) since the last global step
-        self._load_reason: Optional[str] = None  # why a step decided to load the swarm's state, until it did
+        self._load_reason: str | None = None  # why a step decided to load the swarm's state, until it did
         # the loads that steps decided on (this peer behind or apart from the swarm), each a dict with the reason
         # ("problem"), whether a peer gave its state ("loaded"), and the epochs before and after; for the caller to
         # take (a volunteer reports each one as it reports the state it loads at its start)
-        self.step_loads: List[dict] = []
+        self.step_loads: list[dict] = []
 
     # hivemind reads average_state_every at each global step, after the gradient round is known: a step whose round
     # failed or came back in part (or whose peer was asked to resync) takes no state averaging round. The peer loads the
@@ -124,9 +135,15 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         # hivemind.Optimizer._make_progress_tracker (1.1.12), with the counting tracker
-        return SwarmProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                    client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                                    **kwargs)
+        return SwarmProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def load_state_from_peers(self, **kwargs) -> bool:
         """Download the newest parameters and optimizer state from a peer of the run (hivemind's method).
@@ -155,8 +172,9 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             self._loaded = (self.local_epoch, time.monotonic() - started)
             self._parameters_from_swarm = True
         if reason is not None:
-            self.step_loads.append(dict(problem=reason, loaded=loaded, epoch_before=epoch_before,
-                                        epoch_after=self.local_epoch))
+            self.step_loads.append(
+                dict(problem=reason, loaded=loaded, epoch_before=epoch_before, epoch_after=self.local_epoch)
+            )
         return loaded
 
     def adopt_epoch(self, epoch: int, parameters_from_swarm: bool = False) -> None:
@@ -177,7 +195,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         """The state averager's class before the authorization gate (the local-update mode names it apart)."""
         return recording_state_averager_class()
 
-    def sent_bytes(self) -> Tuple[int, int]:
+    def sent_bytes(self) -> tuple[int, int]:
         """Bytes this peer's averagers have sent to other peers so far: its gradient (or pseudo-gradient) rounds, its
         state averaging rounds and the states it served to peers that downloaded them; and of those, the states served
         (collab_kit.swarm.averagers.SentBytesMixin). Read from the averagers' processes; once they have shut down, the
@@ -209,12 +227,20 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped and the wait for
         # a download's next part set for thin links (STATE_DOWNLOAD_PART_TIMEOUT)
         return averager_class(
-            dht=self.dht, prefix=state_averager_prefix(self.run_id), min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            dht=self.dht,
+            prefix=state_averager_prefix(self.run_id),
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel,
             next_chunk_timeout=max(self.next_chunk_timeout, STATE_DOWNLOAD_PART_TIMEOUT),
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **round_timeouts)
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **round_timeouts,
+        )
 
     # hivemind 1.1.12 (pinned in pyproject): these hooks are methods of hivemind.Optimizer
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
@@ -262,15 +288,18 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             self.last_received = float(getattr(result, "received", 1.0))
             if self.last_received < 1.0:
                 share = f"{self.last_received:.1%}" if self.last_received < 0.9995 else "not all"
-                self.last_round_problem = (f"only {share} of the average came back (a peer that reduces part of it "
-                                           f"failed, or gave up waiting for this one)")
+                self.last_round_problem = (
+                    f"only {share} of the average came back (a peer that reduces part of it "
+                    f"failed, or gave up waiting for this one)"
+                )
         others = self.last_group_size - (self.round_role != ANCHOR_ROLE)
         if others >= 1 and self.last_received >= 0.5:
             self.averaged_rounds += 1
         # this peer's step differs from the swarm's when its round failed or came back in part, or when it stepped on
         # its own gradients while others trained (and no anchor took its step too): it loads the swarm's state next
         diverged = self.last_round_problem is not None or (
-            others == 0 and self.last_anchors_in_group == 0 and self.tracker.training_peers > 1)
+            others == 0 and self.last_anchors_in_group == 0 and self.tracker.training_peers > 1
+        )
         if diverged and self.round_role != ANCHOR_ROLE:
             self._resync_requested = True
         elif self.round_role != ANCHOR_ROLE and self.last_round_problem is None:
@@ -295,12 +324,16 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         if result.epoch() != self.local_epoch + 1:  # one epoch ahead only: the reading lags by a moment, no more
             return
         if not parameters_from_swarm:
-            logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
-                        f"{self.local_epoch}, with parameters of its own): it stays a round behind and loads the "
-                        f"swarm's state")
+            logger.info(
+                f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
+                f"{self.local_epoch}, with parameters of its own): it stays a round behind and loads the "
+                f"swarm's state"
+            )
             return
-        logger.info(f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
-                    f"{self.local_epoch}): it ends that epoch with the others")
+        logger.info(
+            f"this peer's round was the swarm's round of epoch {self.local_epoch + 1} (this peer was at "
+            f"{self.local_epoch}): it ends that epoch with the others"
+        )
         # not adopt_epoch: hivemind's step, under way, reports the epoch it ends at (this one plus one)
         self.state_averager.local_epoch += 1
         self.last_round_epoch = self.local_epoch  # the epoch this step ends: what its losses are reported under
@@ -321,8 +354,9 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             self.dht.add_validators(anchor_validators(swarm.run_id))  # the anchors' records are signed
             self._reads_anchor_records = True
         try:
-            anchors = initial_peer_ids([address for each in read_anchor_addresses(self.dht, swarm.run_id)
-                                        for address in each])
+            anchors = initial_peer_ids(
+                [address for each in read_anchor_addresses(self.dht, swarm.run_id) for address in each]
+            )
         except Exception as e:  # a busy link: the join line's anchors still read it, the next call tries again
             logger.debug(f"the run's anchors could not be read: {e!r}")
             anchors = []
@@ -331,7 +365,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     _reads_anchor_records = False  # whether this peer's DHT validates the anchors' records (serve_state_to_anchors)
 
     # a round runs in the background only in the local-update mode, with overlap_rounds (collab_kit.swarm.local_updates)
-    epoch_in_flight: Optional[int] = None  # the epoch of the round averaging in the background, if any
+    epoch_in_flight: int | None = None  # the epoch of the round averaging in the background, if any
     overlapped_steps = 0  # local steps taken while a round of this peer averaged in the background
 
     def finish_round_in_flight(self) -> None:
@@ -348,8 +382,11 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     def _should_load_state_from_peers(self) -> bool:
         self._load_reason = None  # set by _wants_swarm_state for the load that hivemind's step makes when this is True
-        if (self._loaded is not None and self._loaded[0] == self.local_epoch > self.tracker.global_epoch
-                and not self._resync_requested):
+        if (
+            self._loaded is not None
+            and self._loaded[0] == self.local_epoch > self.tracker.global_epoch
+            and not self._resync_requested
+        ):
             # The state just downloaded is newer than the swarm's progress this peer last read: hivemind's tracker reads
             # nothing during a download, which on a slow link lasts epochs. hivemind's rule (this peer's epoch equal to
             # the swarm's, checked once an epoch) would download again at once, for nothing newer: in the network lab
@@ -365,24 +402,26 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             # behind; this peer does so further behind too: its parameters miss the few updates made during the
             # download (as a delayed update does), and from now on it applies the same averaged steps as everyone.
             epoch, seconds = loaded
-            logger.warning(f"the swarm moved from epoch {epoch} to {self.tracker.global_epoch} while this peer "
-                           f"downloaded its state ({seconds:.0f} s): it goes on at epoch {self.tracker.global_epoch} "
-                           f"without downloading again (its parameters miss {self.tracker.global_epoch - epoch} "
-                           f"update(s))")
+            logger.warning(
+                f"the swarm moved from epoch {epoch} to {self.tracker.global_epoch} while this peer "
+                f"downloaded its state ({seconds:.0f} s): it goes on at epoch {self.tracker.global_epoch} "
+                f"without downloading again (its parameters miss {self.tracker.global_epoch - epoch} "
+                f"update(s))"
+            )
             self.adopt_epoch(self.tracker.global_epoch, parameters_from_swarm=True)  # the download's, a few behind
             self._load_reason = None  # no load follows
             return False
         if wanted and self._load_reason is None:
-            self._load_reason = (f"the swarm was at epoch {self.tracker.global_epoch}, this peer at "
-                                 f"{self.local_epoch}")
+            self._load_reason = f"the swarm was at epoch {self.tracker.global_epoch}, this peer at {self.local_epoch}"
         return wanted
 
     def _wants_swarm_state(self) -> bool:
         """Whether this peer's parameters are behind or apart from the swarm's (hivemind's rule and the kit's)."""
         if self._resync_requested:
             self._resync_requested = False
-            reason = self._resync_reason or (f"its last global step was not the swarm's "
-                                             f"({self.last_round_problem or 'no group'})")
+            reason = self._resync_reason or (
+                f"its last global step was not the swarm's ({self.last_round_problem or 'no group'})"
+            )
             self._resync_reason = None
             logger.info(f"this peer loads the swarm's state: {reason}")
             self._load_reason = reason
@@ -392,16 +431,26 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             # is over: a peer behind it missed that round (it loaded the state while the round ran, or was left out of
             # the group). hivemind lets a peer one epoch behind go on, for peers that end an epoch a moment apart;
             # here that would keep this peer one epoch (and one update) behind the others for good.
-            self._load_reason = (f"the anchor was at epoch {self.tracker.global_epoch}, this peer at "
-                                 f"{self.local_epoch} (it missed a round)")
+            self._load_reason = (
+                f"the anchor was at epoch {self.tracker.global_epoch}, this peer at "
+                f"{self.local_epoch} (it missed a round)"
+            )
             logger.info(f"this peer loads the swarm's state: {self._load_reason}")
             return True
         return super()._should_load_state_from_peers()
 
 
-def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, config: OptimizerConfig,
-                   client_mode: bool = False, verbose: bool = False, peer_gate=None,
-                   optimizer_class: type = CollaborativeOptimizer, **kwargs) -> CollaborativeOptimizer:
+def make_optimizer(
+    model: torch.nn.Module,
+    dht: hivemind.DHT,
+    run_id: str,
+    config: OptimizerConfig,
+    client_mode: bool = False,
+    verbose: bool = False,
+    peer_gate=None,
+    optimizer_class: type = CollaborativeOptimizer,
+    **kwargs,
+) -> CollaborativeOptimizer:
     """Build the collaborative optimizer for ``model``, connected to the swarm through ``dht``.
 
     :param model: the model whose parameters the swarm trains
@@ -424,8 +473,9 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
     # costs the round. So its wait is set by the link, not by the preset's matchmaking time
     request_timeout = CLIENT_JOIN_ANSWER_TIMEOUT if client_mode else min(3.0, config.matchmaking_time / 2)
     # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
-    averager_class = mode_averager_class(round_report_averager_class(GradientAverager, optimizer_class.round_role),
-                                         config)
+    averager_class = mode_averager_class(
+        round_report_averager_class(GradientAverager, optimizer_class.round_role), config
+    )
     mode_settings = {}
     if config.local_updates:  # collab_kit.swarm.local_updates: DiLoCo's rounds on the same averagers
         mode_settings = local_update_kwargs(config)
@@ -434,15 +484,17 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         optimizer_class = with_local_updates(optimizer_class, config)
     if peer_gate is not None:
         averager_class = authorized_averager_class(averager_class, peer_gate)
-    averager_kwargs = dict(request_timeout=request_timeout,
-                           # in local-update mode the accumulators hold the pseudo-gradient, global (CPU) minus local
-                           # parameters: computed on the CPU, tensor by tensor, so no second device copy of the model
-                           # exists (synchronous training accumulates gradients where they are computed)
-                           **(dict(accumulate_grads_on=torch.device("cpu")) if config.local_updates else {}),
-                           # hivemind would have a peer that loads the swarm's state download the last averaged
-                           # gradients too (as many bytes again as the parameters, in fp32), which nothing uses after
-                           # a download: on a slow link that made catching up take 1.7x as long
-                           allow_state_sharing=False)
+    averager_kwargs = dict(
+        request_timeout=request_timeout,
+        # in local-update mode the accumulators hold the pseudo-gradient, global (CPU) minus local
+        # parameters: computed on the CPU, tensor by tensor, so no second device copy of the model
+        # exists (synchronous training accumulates gradients where they are computed)
+        **(dict(accumulate_grads_on=torch.device("cpu")) if config.local_updates else {}),
+        # hivemind would have a peer that loads the swarm's state download the last averaged
+        # gradients too (as many bytes again as the parameters, in fp32), which nothing uses after
+        # a download: on a slow link that made catching up take 1.7x as long
+        allow_state_sharing=False,
+    )
     if client_mode:
         # hivemind sends a peer in client mode its averaged parts only once it has sent all of its own, and gives up on
         # its reducer when no part comes back within reducer_timeout of that (by default 2 x next_chunk_timeout). Its
@@ -454,8 +506,12 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         # the anchor reduces the whole vector of every volunteer behind NAT, each sending over its own slow link; a
         # sender that stalls for next_chunk_timeout is dropped from the round, and it loses the round
         averager_kwargs["sender_timeout"] = max(config.chunk_timeout, config.averaging_timeout / 2)
-    kwargs.setdefault("grad_averager_factory", robust.grad_averager_factory(
-        config.aggregation, config.clip_tau, config.clip_iterations, averager_class, **averager_kwargs))
+    kwargs.setdefault(
+        "grad_averager_factory",
+        robust.grad_averager_factory(
+            config.aggregation, config.clip_tau, config.clip_iterations, averager_class, **averager_kwargs
+        ),
+    )
     settings = dict(
         peer_gate=peer_gate,
         dht=dht,
@@ -476,10 +532,12 @@ def make_optimizer(model: torch.nn.Module, dht: hivemind.DHT, run_id: str, confi
         next_chunk_timeout=config.chunk_timeout,
         load_state_timeout=config.load_state_timeout,
         averager_opts=dict(request_timeout=request_timeout),
-        tracker_opts=dict(default_refresh_period=config.progress_refresh_period,
-                          min_refresh_period=config.progress_refresh_period / 6,
-                          max_refresh_period=config.progress_refresh_period * 10 / 3,
-                          min_report_period=config.progress_refresh_period / 2),
+        tracker_opts=dict(
+            default_refresh_period=config.progress_refresh_period,
+            min_refresh_period=config.progress_refresh_period / 6,
+            max_refresh_period=config.progress_refresh_period * 10 / 3,
+            min_report_period=config.progress_refresh_period / 2,
+        ),
         client_mode=client_mode,
         verbose=verbose,
     )

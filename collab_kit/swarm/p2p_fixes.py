@@ -8,12 +8,12 @@
 docs/hivemind.md has both as reports for hivemind's tracker (what happens, a reproduction with hivemind alone, the
 fix); tests/swarm/test_p2p_fixes.py runs the reproductions and shows the fixes hold.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 from functools import wraps
-
 from multiprocessing.reduction import ForkingPickler
 
 from hivemind.dht import DHT
@@ -49,8 +49,10 @@ class DHTRequestPipe:
         try:
             return ForkingPickler.loads(message)
         except EOFError as error:
-            raise ConnectionError("a request to the DHT was dropped: the process that sent it ended while the DHT "
-                                  "fetched the pipe end for its answer") from error
+            raise ConnectionError(
+                "a request to the DHT was dropped: the process that sent it ended while the DHT "
+                "fetched the pipe end for its answer"
+            ) from error
 
     def __getattr__(self, name):  # poll, fileno, close: the connection's own
         return getattr(self._connection, name)

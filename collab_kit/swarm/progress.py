@@ -4,12 +4,12 @@ hivemind's tracker reads every peer's progress record (epoch, samples, throughpu
 next global step is due. The kit's tracker also tells the records of anchors (collab_kit.swarm.anchor: peers that
 accept connections and reduce for volunteers behind NAT, training nothing) from those of training peers.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from typing import Optional
 
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -48,7 +48,7 @@ class SwarmProgressTracker(ProgressTracker):
         if local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated:
             self.urgent_report.set()
 
-    def shutdown(self, timeout: Optional[float] = None):
+    def shutdown(self, timeout: float | None = None):
         self.urgent_report.set()
         super().shutdown(timeout)
 
@@ -81,10 +81,18 @@ class SwarmProgressTracker(ProgressTracker):
                     last_report_epoch = self.global_epoch
                 if last_report_epoch >= self.global_epoch - 1:  # as hivemind: a peer in sync and contributing
                     last_store_time = last_report_time
-                    store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
-                        key=self.training_progress_key, subkey=self._local_public_key, value=local_progress.dict(),
-                        expiration_time=last_report_time + self.metadata_expiration, return_future=True),
-                        timeout=self.metadata_expiration))
+                    store_task = asyncio.create_task(
+                        asyncio.wait_for(
+                            self.dht.store(
+                                key=self.training_progress_key,
+                                subkey=self._local_public_key,
+                                value=local_progress.dict(),
+                                expiration_time=last_report_time + self.metadata_expiration,
+                                return_future=True,
+                            ),
+                            timeout=self.metadata_expiration,
+                        )
+                    )
         finally:
             logger.debug(f"No longer reporting progress for {self.prefix}")
             if store_task is not None:
@@ -97,8 +105,9 @@ class SwarmProgressTracker(ProgressTracker):
             # samples for the swarm's count and drop the steps taken since, so a lone peer's epoch ran 1-3 micro-
             # batches past the target; its progress as it is now stands in for that copy
             metadata = dict(metadata)
-            metadata[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(),
-                                                                   own_entry.expiration_time)
+            metadata[self._local_public_key] = ValueWithExpiration(
+                self.local_progress.dict(), own_entry.expiration_time
+            )
         progress = super()._parse_swarm_progress_data(metadata)
         trainers, anchors, other_anchors, clients = [], 0, [], 0
         if isinstance(metadata, dict):

@@ -18,6 +18,7 @@ A helper only ever dials the address the request came from (the rule that keeps 
 used to scan third parties), at most ``MAX_PORTS`` ports, each with a short deadline. Every peer that
 accepts connections serves checks (``serve_reachability_checks``, called by collab_kit.swarm.dht).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Sequence
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -53,12 +54,12 @@ class HelperAnswer:
     """
 
     helper: str
-    observed_address: Optional[str] = None
+    observed_address: str | None = None
     results: dict = field(default_factory=dict)
-    problem: Optional[str] = None
+    problem: str | None = None
 
     @property
-    def reachable(self) -> Optional[bool]:
+    def reachable(self) -> bool | None:
         if self.problem is not None or not self.results:
             return None
         return any(result == "reachable" for result in self.results.values())
@@ -73,35 +74,43 @@ class ReachabilityVerdict:
     :param answers: each helper's answer
     """
 
-    reachable: Optional[bool]
+    reachable: bool | None
     port: int
-    answers: List[HelperAnswer]
+    answers: list[HelperAnswer]
 
     @property
-    def public_addresses(self) -> Tuple[str, ...]:
+    def public_addresses(self) -> tuple[str, ...]:
         """The addresses helpers that got through saw this peer at (what others should dial)."""
-        return tuple(sorted({answer.observed_address for answer in self.answers
-                             if answer.reachable and answer.observed_address}))
+        return tuple(
+            sorted({answer.observed_address for answer in self.answers if answer.reachable and answer.observed_address})
+        )
 
     def explain(self) -> str:
         """One sentence: what was checked and what the helpers found."""
         answered = [answer for answer in self.answers if answer.reachable is not None]
         if not answered:
-            problems = "; ".join(f"{answer.helper[:12]}...: {answer.problem}" for answer in self.answers) or "none asked"
+            problems = (
+                "; ".join(f"{answer.helper[:12]}...: {answer.problem}" for answer in self.answers) or "none asked"
+            )
             return f"no peer of the swarm could check whether others can dial this one ({problems})"
         seen = ", ".join(sorted({answer.observed_address for answer in answered if answer.observed_address}))
         got_through = sum(bool(answer.reachable) for answer in answered)
         if self.reachable:
-            return (f"{got_through} of {len(answered)} peers of the swarm dialled this one back at {seen} port "
-                    f"{self.port}: others can connect to it")
+            return (
+                f"{got_through} of {len(answered)} peers of the swarm dialled this one back at {seen} port "
+                f"{self.port}: others can connect to it"
+            )
         results = sorted({result for answer in answered for result in answer.results.values()})
-        return (f"peers of the swarm could not dial this one back at {seen} port {self.port} "
-                f"({', '.join(results)}): it is behind NAT or a firewall")
+        return (
+            f"peers of the swarm could not dial this one back at {seen} port {self.port} "
+            f"({', '.join(results)}): it is behind NAT or a firewall"
+        )
 
 
 # -- the helper's side ---------------------------------------------------------------------------------------
 
-def _observed_ip(address: Multiaddr) -> Optional[str]:
+
+def _observed_ip(address: Multiaddr) -> str | None:
     for protocol in ("ip4", "ip6"):
         try:
             return address.value_for_protocol(protocol)
@@ -131,8 +140,13 @@ async def _dial_back(ip: str, port: int, timeout: float) -> str:
         writer.close()
 
 
-async def _handle_check(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        timeout: float = 3.0, read_timeout: float = 10.0) -> None:
+async def _handle_check(
+    stream_info,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    timeout: float = 3.0,
+    read_timeout: float = 10.0,
+) -> None:
     try:
         # the asker writes its request as soon as the stream opens; on a busy machine it may take seconds to come
         request = json.loads(await asyncio.wait_for(reader.readline(), read_timeout) or b"{}")
@@ -162,6 +176,7 @@ def serve_reachability_checks(dht: hivemind.DHT) -> None:
 
 # -- the asking side -----------------------------------------------------------------------------------------
 
+
 def free_port(host: str = "0.0.0.0") -> int:
     """A TCP port free on ``host`` now (to check it, then listen on it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -170,7 +185,7 @@ def free_port(host: str = "0.0.0.0") -> int:
         return probe.getsockname()[1]
 
 
-def _helper_ids(initial_peers: Sequence[str], max_helpers: int) -> List[PeerID]:
+def _helper_ids(initial_peers: Sequence[str], max_helpers: int) -> list[PeerID]:
     ids = []
     for address in initial_peers:
         try:
@@ -207,13 +222,15 @@ async def _ask(p2p: P2P, helper: PeerID, ports: Sequence[int], timeout: float) -
     return answer
 
 
-async def _ask_again_unless_answered(p2p: P2P, helper: PeerID, answer: HelperAnswer, ports: Sequence[int],
-                                     timeout: float) -> HelperAnswer:
+async def _ask_again_unless_answered(
+    p2p: P2P, helper: PeerID, answer: HelperAnswer, ports: Sequence[int], timeout: float
+) -> HelperAnswer:
     return answer if answer.reachable is not None else await _ask(p2p, helper, ports, timeout)
 
 
-async def _probe(initial_peers: Sequence[str], host: str, port: int, extra_ports: Sequence[int], timeout: float,
-                 max_helpers: int) -> ReachabilityVerdict:
+async def _probe(
+    initial_peers: Sequence[str], host: str, port: int, extra_ports: Sequence[int], timeout: float, max_helpers: int
+) -> ReachabilityVerdict:
     listen = f"/ip{'6' if ':' in host else '4'}/{host}/tcp/{port}"
     try:
         p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=[listen], startup_timeout=timeout)
@@ -225,8 +242,14 @@ async def _probe(initial_peers: Sequence[str], host: str, port: int, extra_ports
         answers = list(await asyncio.gather(*(_ask(p2p, helper, ports, timeout) for helper in helpers)))
         # a helper busy with a round may drop one check: those that gave no answer are asked once more, since an anchor
         # that no helper could check must not start (it would join in client mode)
-        answers = list(await asyncio.gather(*(_ask_again_unless_answered(p2p, helper, answer, ports, timeout)
-                                              for helper, answer in zip(helpers, answers))))
+        answers = list(
+            await asyncio.gather(
+                *(
+                    _ask_again_unless_answered(p2p, helper, answer, ports, timeout)
+                    for helper, answer in zip(helpers, answers)
+                )
+            )
+        )
     finally:
         await p2p.shutdown()
     votes = [answer.reachable for answer in answers if answer.reachable is not None]
@@ -234,9 +257,14 @@ async def _probe(initial_peers: Sequence[str], host: str, port: int, extra_ports
     return ReachabilityVerdict(reachable, port, answers)
 
 
-def probe_reachability(initial_peers: Sequence[str], host: str = "0.0.0.0", port: int = 0,
-                       extra_ports: Sequence[int] = (), timeout: float = 10.0,
-                       max_helpers: int = 3) -> ReachabilityVerdict:
+def probe_reachability(
+    initial_peers: Sequence[str],
+    host: str = "0.0.0.0",
+    port: int = 0,
+    extra_ports: Sequence[int] = (),
+    timeout: float = 10.0,
+    max_helpers: int = 3,
+) -> ReachabilityVerdict:
     """Ask peers of the swarm whether they can dial this machine at ``port`` (see the module's docstring).
 
     Runs in a thread of its own (with its own event loop), so it works inside a notebook's running loop too.
@@ -250,7 +278,7 @@ def probe_reachability(initial_peers: Sequence[str], host: str = "0.0.0.0", port
     """
     port = port or free_port(host)
     install_p2p_fixes()  # its temporary host's calls time out like any other
-    outcome: List[ReachabilityVerdict] = []
+    outcome: list[ReachabilityVerdict] = []
 
     def run():
         outcome.append(asyncio.run(_probe(initial_peers, host, port, extra_ports, timeout, max_helpers)))

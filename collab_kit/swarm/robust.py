@@ -63,11 +63,12 @@ Limits:
   weighted mean and their median: CenteredClip is the mean only when every vector lies within the
   radius of the result.
 """
+
 from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Optional, Sequence, Type
+from typing import Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -90,13 +91,17 @@ MIN_GROUP_SIZE = 3  # the smallest averaging group in which one attacker can be 
 
 def _check_vectors_and_weights(vectors: torch.Tensor, weights: torch.Tensor) -> None:
     if not isinstance(vectors, torch.Tensor) or vectors.ndim != 2 or vectors.shape[0] == 0:
-        raise ValueError(f"vectors must be a tensor [n, d] with n >= 1 (one row per peer), "
-                         f"got {getattr(vectors, 'shape', type(vectors).__name__)}")
+        raise ValueError(
+            f"vectors must be a tensor [n, d] with n >= 1 (one row per peer), "
+            f"got {getattr(vectors, 'shape', type(vectors).__name__)}"
+        )
     if not vectors.is_floating_point():
         raise ValueError(f"vectors must be floating point, got {vectors.dtype}")
     if not isinstance(weights, torch.Tensor) or weights.shape != (vectors.shape[0],):
-        raise ValueError(f"weights must be a tensor [n] with one weight per row of vectors ({vectors.shape[0]}), "
-                         f"got {getattr(weights, 'shape', type(weights).__name__)}")
+        raise ValueError(
+            f"weights must be a tensor [n] with one weight per row of vectors ({vectors.shape[0]}), "
+            f"got {getattr(weights, 'shape', type(weights).__name__)}"
+        )
     if not torch.isfinite(weights).all() or (weights < 0).any() or weights.sum() <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all zero, got {weights.tolist()}")
 
@@ -128,8 +133,9 @@ def weighted_median(vectors: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return (values.gather(0, lower) + values.gather(0, upper)).squeeze(0) / 2
 
 
-def centered_clip(vectors: torch.Tensor, weights: torch.Tensor, tau: float, iterations: int,
-                  start: Optional[torch.Tensor] = None) -> torch.Tensor:
+def centered_clip(
+    vectors: torch.Tensor, weights: torch.Tensor, tau: float, iterations: int, start: torch.Tensor | None = None
+) -> torch.Tensor:
     """CenteredClip: a weighted mean in which every row's pull is clipped to ``tau``.
 
     Repeats ``iterations`` times ``v <- v + sum_i w_i (x_i - v) min(1, tau / ||x_i - v||) / sum_i w_i``.
@@ -167,8 +173,9 @@ def centered_clip(vectors: torch.Tensor, weights: torch.Tensor, tau: float, iter
         differences = vectors - v
         distances = differences.norm(dim=1)
         # min(1, tau / ||x_i - v||), written so that a row at v (distance 0) gets 1 rather than 0/0
-        scales = torch.where(distances > tau, tau / distances.clamp_min(torch.finfo(distances.dtype).tiny),
-                             torch.ones_like(distances))
+        scales = torch.where(
+            distances > tau, tau / distances.clamp_min(torch.finfo(distances.dtype).tiny), torch.ones_like(distances)
+        )
         v = v + (weights * scales) @ differences / total
     return v
 
@@ -185,8 +192,9 @@ def cap_weights(weights: torch.Tensor) -> torch.Tensor:
     return torch.minimum(weights, positive.median())
 
 
-def clipped_aggregate(vectors: torch.Tensor, weights: torch.Tensor, relative_tau: float,
-                      iterations: int) -> torch.Tensor:
+def clipped_aggregate(
+    vectors: torch.Tensor, weights: torch.Tensor, relative_tau: float, iterations: int
+) -> torch.Tensor:
     """CenteredClip with a relative radius: what each part of an all-reduce is reduced with.
 
     Caps the weights at the median sender's (``cap_weights``), starts at the weighted coordinate-wise
@@ -229,7 +237,7 @@ class _PartCollector:
         self.shape = shape
         self.parts, self.weights = [], []
 
-    def add_(self, tensor_part: torch.Tensor, alpha: float = 1.0) -> "_PartCollector":
+    def add_(self, tensor_part: torch.Tensor, alpha: float = 1.0) -> _PartCollector:
         self.parts.append(tensor_part.expand(self.shape))
         self.weights.append(float(alpha))
         return self
@@ -248,8 +256,7 @@ class CenteredClipReducer(TensorPartReducer):
     :param iterations: CenteredClip iterations per part
     """
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, relative_tau: float,
-                 iterations: int):
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, relative_tau: float, iterations: int):
         self.relative_tau, self.iterations = relative_tau, iterations
         super().__init__(part_shapes, num_senders)
 
@@ -290,8 +297,9 @@ class CenteredClipAllReduceRunner(StandInAllReduceRunner):
         # discarded one does not warn, when collected, that it "received 0.0% of input tensors"
         unused = self.tensor_part_reducer
         unused.finished.set()
-        self.tensor_part_reducer = CenteredClipReducer(unused.part_shapes, unused.num_senders,
-                                                       relative_tau=clip_tau, iterations=clip_iterations)
+        self.tensor_part_reducer = CenteredClipReducer(
+            unused.part_shapes, unused.num_senders, relative_tau=clip_tau, iterations=clip_iterations
+        )
 
 
 class CenteredClipAveragerMixin(RunnerChoiceMixin):
@@ -337,13 +345,15 @@ class CenteredClipAveragerMixin(RunnerChoiceMixin):
 
 
 # a DecentralizedAverager, and hivemind's GradientAverager, that average with CenteredClip
-CenteredClipAverager = compose_averager(DecentralizedAverager, CenteredClipAveragerMixin,
-                                        qualname="CenteredClipAverager")
-CenteredClipGradientAverager = compose_averager(GradientAverager, CenteredClipAveragerMixin,
-                                                qualname="CenteredClipGradientAverager")
+CenteredClipAverager = compose_averager(
+    DecentralizedAverager, CenteredClipAveragerMixin, qualname="CenteredClipAverager"
+)
+CenteredClipGradientAverager = compose_averager(
+    GradientAverager, CenteredClipAveragerMixin, qualname="CenteredClipGradientAverager"
+)
 
 
-def with_centered_clip(averager_class: Type[DecentralizedAverager]) -> Type[DecentralizedAverager]:
+def with_centered_clip(averager_class: type[DecentralizedAverager]) -> type[DecentralizedAverager]:
     """``averager_class`` with CenteredClipAveragerMixin in front (itself if it already has it)."""
     if issubclass(averager_class, CenteredClipAveragerMixin):
         return averager_class
@@ -353,8 +363,9 @@ def with_centered_clip(averager_class: Type[DecentralizedAverager]) -> Type[Dece
     return compose_averager(averager_class, CenteredClipAveragerMixin)
 
 
-def robust_grad_averager_factory(tau: float, iterations: int,
-                                 averager_class: Type[GradientAverager] = GradientAverager, **averager_kwargs):
+def robust_grad_averager_factory(
+    tau: float, iterations: int, averager_class: type[GradientAverager] = GradientAverager, **averager_kwargs
+):
     """A ``grad_averager_factory`` for hivemind.Optimizer whose gradient averager uses CenteredClip.
 
     :param tau: relative clipping radius (see the module docstring)
@@ -365,8 +376,13 @@ def robust_grad_averager_factory(tau: float, iterations: int,
     return partial(with_centered_clip(averager_class), clip_tau=tau, clip_iterations=iterations, **averager_kwargs)
 
 
-def grad_averager_factory(aggregation: str, tau: float, iterations: int,
-                          averager_class: Type[GradientAverager] = GradientAverager, **averager_kwargs):
+def grad_averager_factory(
+    aggregation: str,
+    tau: float,
+    iterations: int,
+    averager_class: type[GradientAverager] = GradientAverager,
+    **averager_kwargs,
+):
     """The ``grad_averager_factory`` for an OptimizerConfig's ``aggregation`` ("mean" or "centered_clip").
 
     "mean" is ``averager_class`` itself, untouched: hivemind's weighted mean, exactly.

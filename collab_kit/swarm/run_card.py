@@ -16,6 +16,7 @@ run's data when it names none of its own (``choose_data``). Its join line carrie
 Shown by tests/swarm/test_run_card.py (a card kept, read and compared on real DHTs) and
 tests/cli/test_join_errors.py (every way a pasted line can fail before training, one sentence each).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ import os
 import shlex
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -62,7 +63,7 @@ class RunCardRecord(BaseModel):
     run_id: constr(strict=True, min_length=1, max_length=128)
     preset: constr(strict=True, min_length=1, max_length=32)
     settings: constr(strict=True, max_length=32768)  # JSON: {"model": {...}, "optimizer": {...}, "data": {...}}
-    data: Optional[constr(strict=True, min_length=1, max_length=1024)] = None
+    data: constr(strict=True, min_length=1, max_length=1024) | None = None
     author: constr(strict=True, min_length=1, max_length=128)  # the author's libp2p peer id, base58
     time: StrictFloat
 
@@ -70,7 +71,7 @@ class RunCardRecord(BaseModel):
 class RunCardSchema(BaseModel):
     """The DHT key ``collab_kit_runs``: one card per author, under the author's public key."""
 
-    runs: Dict[BytesWithPublicKey, Optional[RunCardRecord]]
+    runs: dict[BytesWithPublicKey, RunCardRecord | None]
 
 
 def run_card_validators() -> list:
@@ -93,34 +94,52 @@ class RunCard:
 
     run_id: str
     preset: str
-    settings: Dict[str, Dict[str, Any]]
-    data: Optional[str] = None
+    settings: dict[str, dict[str, Any]]
+    data: str | None = None
     author: str = ""
     time: float = 0.0
 
     @classmethod
-    def of(cls, config: RunConfig, data: Optional[str], author: str) -> "RunCard":
+    def of(cls, config: RunConfig, data: str | None, author: str) -> RunCard:
         """The card of ``config``'s run, with ``data`` as peers elsewhere can name it (a local path made absolute)."""
-        settings: Dict[str, Dict[str, Any]] = {}
+        settings: dict[str, dict[str, Any]] = {}
         for (section, name), value in shared_settings(config).items():
             settings.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
         preset = config.preset if config.preset in PRESETS else "paper"
-        return cls(run_id=config.swarm.run_id, preset=preset, settings=settings, data=published_data(data),
-                   author=author, time=get_dht_time())
+        return cls(
+            run_id=config.swarm.run_id,
+            preset=preset,
+            settings=settings,
+            data=published_data(data),
+            author=author,
+            time=get_dht_time(),
+        )
 
     def to_record(self) -> dict:
-        return RunCardRecord(run_id=self.run_id, preset=self.preset, settings=json.dumps(self.settings),
-                             data=self.data, author=self.author, time=float(self.time)).dict()
+        return RunCardRecord(
+            run_id=self.run_id,
+            preset=self.preset,
+            settings=json.dumps(self.settings),
+            data=self.data,
+            author=self.author,
+            time=float(self.time),
+        ).dict()
 
     @classmethod
-    def from_record(cls, value) -> "RunCard":
+    def from_record(cls, value) -> RunCard:
         """:raises ValueError: a value that is not a card (pydantic's ValidationError, or settings that are not JSON)"""
         record = RunCardRecord.parse_obj(value)
         settings = json.loads(record.settings)
         if not isinstance(settings, dict) or not all(isinstance(fields, dict) for fields in settings.values()):
             raise ValueError("a card's settings must map each section to its fields")
-        return cls(run_id=record.run_id, preset=record.preset, settings=settings, data=record.data,
-                   author=record.author, time=record.time)
+        return cls(
+            run_id=record.run_id,
+            preset=record.preset,
+            settings=settings,
+            data=record.data,
+            author=record.author,
+            time=record.time,
+        )
 
     def run_config(self) -> RunConfig:
         """The run's configuration: its preset with its settings (this peer's own swarm section is the preset's).
@@ -131,16 +150,18 @@ class RunCard:
             sections = {section: dict(fields) for section, fields in self.settings.items()}
             return get_preset(self.preset, **sections, swarm=dict(run_id=self.run_id))
         except (ValueError, TypeError) as e:
-            raise RunMismatch(f"run {self.run_id!r} uses settings this collab_kit does not know ({e}): upgrade "
-                              f"collab_kit (pip install -U collab_kit)") from None
+            raise RunMismatch(
+                f"run {self.run_id!r} uses settings this collab_kit does not know ({e}): upgrade "
+                f"collab_kit (pip install -U collab_kit)"
+            ) from None
 
-    def join_options(self) -> List[str]:
+    def join_options(self) -> list[str]:
         """The options of ``collab-kit join`` that join this run (its line without the addresses)."""
         options = shared_setting_options(self.run_config())
         return options + (["--data", shlex.quote(self.data)] if self.data else [])
 
 
-def published_data(data: Optional[str]) -> Optional[str]:
+def published_data(data: str | None) -> str | None:
     """``data`` as a run publishes it: a local folder or file made absolute (peers started elsewhere on this machine
     find it), a Hub dataset id, a glob or ``synthetic`` as they are; None for none."""
     if data and data != SYNTHETIC and not is_hub_dataset(data) and os.path.exists(data):
@@ -151,12 +172,18 @@ def published_data(data: Optional[str]) -> Optional[str]:
 # -- the author's side -----------------------------------------------------------------------------------------
 
 
-def publish_run_card(dht: hivemind.DHT, card: RunCard, signer: RSASignatureValidator,
-                     lifetime: float = CARD_LIFETIME, wait: bool = True) -> bool:
+def publish_run_card(
+    dht: hivemind.DHT, card: RunCard, signer: RSASignatureValidator, lifetime: float = CARD_LIFETIME, wait: bool = True
+) -> bool:
     """Store ``card`` under this peer's public key; returns whether the DHT took it (True at once without ``wait``)."""
     card = dataclasses.replace(card, time=get_dht_time())
-    stored = dht.store(RUNS_KEY, subkey=signer.local_public_key, value=card.to_record(),
-                       expiration_time=get_dht_time() + lifetime, return_future=not wait)
+    stored = dht.store(
+        RUNS_KEY,
+        subkey=signer.local_public_key,
+        value=card.to_record(),
+        expiration_time=get_dht_time() + lifetime,
+        return_future=not wait,
+    )
     return True if not wait else bool(stored)
 
 
@@ -172,8 +199,9 @@ class RunCardKeeper:
         self._signer = RSASignatureValidator()
         self._stop = threading.Event()
         if not publish_run_card(dht, card, self._signer):
-            logger.warning("the DHT did not take this run's card yet (no peer stored it): trying again in "
-                           f"{refresh_every:g} s")
+            logger.warning(
+                f"the DHT did not take this run's card yet (no peer stored it): trying again in {refresh_every:g} s"
+            )
         self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-run-card")
         self._thread.start()
 
@@ -192,7 +220,7 @@ class RunCardKeeper:
 # -- the joining peer's side -----------------------------------------------------------------------------------
 
 
-def read_run_cards(dht: hivemind.DHT) -> List[RunCard]:
+def read_run_cards(dht: hivemind.DHT) -> list[RunCard]:
     """Every well-formed card the DHT holds (its validators have checked signatures and the schema already)."""
     found = dht.get(RUNS_KEY, latest=True)
     cards = []
@@ -206,7 +234,7 @@ def read_run_cards(dht: hivemind.DHT) -> List[RunCard]:
     return cards
 
 
-def _peer_ids(addresses: Sequence[str]) -> List[str]:
+def _peer_ids(addresses: Sequence[str]) -> list[str]:
     ids = []
     for address in addresses:
         try:
@@ -216,8 +244,7 @@ def _peer_ids(addresses: Sequence[str]) -> List[str]:
     return ids
 
 
-def find_run_card(dht: hivemind.DHT, run_id: str, initial_peers: Sequence[str], timeout: float = 8.0
-                  ) -> Optional[RunCard]:
+def find_run_card(dht: hivemind.DHT, run_id: str, initial_peers: Sequence[str], timeout: float = 8.0) -> RunCard | None:
     """The card of ``run_id`` in the swarm this peer joined through ``initial_peers``.
 
     Of several cards of one run (its monitor restarted, say), the one an initial peer wrote comes first, then the
@@ -239,7 +266,8 @@ def find_run_card(dht: hivemind.DHT, run_id: str, initial_peers: Sequence[str], 
             raise RunMismatch(
                 f"the swarm at {', '.join(initial_peers)} trains run {' and '.join(map(repr, runs))}, not "
                 f"{run_id!r}: join with the line the run printed, e.g. collab-kit join "
-                f"{' '.join(example.join_options())} --initial-peers {' '.join(initial_peers)}")
+                f"{' '.join(example.join_options())} --initial-peers {' '.join(initial_peers)}"
+            )
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.5)
@@ -249,7 +277,7 @@ def _shown(value) -> str:
     return repr(tuple(value) if isinstance(value, list) else value)
 
 
-def settings_mismatch(config: RunConfig, card: RunCard) -> Optional[str]:
+def settings_mismatch(config: RunConfig, card: RunCard) -> str | None:
     """What in ``config`` does not fit ``card``'s run, in words (None: it fits): the preset, the training mode, then
     every other shared setting that differs."""
     preset = config.preset if config.preset in PRESETS else "paper"  # a config of no preset is the paper's, changed
@@ -259,12 +287,20 @@ def settings_mismatch(config: RunConfig, card: RunCard) -> Optional[str]:
     ours = shared_settings(config)
     mine, run = ours[("optimizer", "local_steps")], theirs[("optimizer", "local_steps")]
     if bool(mine) != bool(run):
+
         def mode(steps: int) -> str:
-            return f"in the local-update mode (optimizer.local_steps={steps})" if steps else \
-                "synchronously (optimizer.local_steps=0)"
+            return (
+                f"in the local-update mode (optimizer.local_steps={steps})"
+                if steps
+                else "synchronously (optimizer.local_steps=0)"
+            )
+
         return f"this peer would train {mode(mine)} and run {card.run_id!r} trains {mode(run)}"
-    differing = [f"{section}.{name}={_shown(ours[(section, name)])} where the run has {_shown(value)}"
-                 for (section, name), value in theirs.items() if ours.get((section, name)) != value]
+    differing = [
+        f"{section}.{name}={_shown(ours[(section, name)])} where the run has {_shown(value)}"
+        for (section, name), value in theirs.items()
+        if ours.get((section, name)) != value
+    ]
     if differing:
         return f"this peer's settings differ from run {card.run_id!r}'s: {'; '.join(differing)}"
     return None
@@ -274,16 +310,23 @@ def check_fits_run(config: RunConfig, card: RunCard, initial_peers: Sequence[str
     """:raises RunMismatch: ``config`` does not fit ``card``'s run (``settings_mismatch``), with the line that fits"""
     problem = settings_mismatch(config, card)
     if problem is not None:
-        raise RunMismatch(f"{problem}: join with the run's settings, as in the line it printed: collab-kit join "
-                          f"{' '.join(card.join_options())} --initial-peers {' '.join(initial_peers)} (in the join "
-                          f"notebook: PRESET, RUN_ID, OPTIMIZER_SETTINGS and LOCAL_STEPS)")
+        raise RunMismatch(
+            f"{problem}: join with the run's settings, as in the line it printed: collab-kit join "
+            f"{' '.join(card.join_options())} --initial-peers {' '.join(initial_peers)} (in the join "
+            f"notebook: PRESET, RUN_ID, OPTIMIZER_SETTINGS and LOCAL_STEPS)"
+        )
 
 
 # -- the data a peer trains on ---------------------------------------------------------------------------------
 
 
-def choose_data(given: Optional[str], card: Optional[RunCard], config: RunConfig, setting: str = "--data",
-                synthetic_fallback: bool = False) -> str:
+def choose_data(
+    given: str | None,
+    card: RunCard | None,
+    config: RunConfig,
+    setting: str = "--data",
+    synthetic_fallback: bool = False,
+) -> str:
     """The data source this peer trains on: its own (``given``), else the run's (the card's), else, where allowed,
     synthetic data for a swarm of its own or one on this machine. Synthetic data never feeds a run elsewhere that
     did not choose it.
@@ -301,14 +344,20 @@ def choose_data(given: Optional[str], card: Optional[RunCard], config: RunConfig
     if synthetic_fallback and (not initial_peers or all_on_this_machine(initial_peers)):
         return SYNTHETIC
     if card is not None:
-        raise DataMismatch(f"run {card.run_id!r} names no data (its organizer started it without --data): pass "
-                           f"{setting} with shards made for it (ask its organizer which), or ask them to name the "
-                           f"run's data")
+        raise DataMismatch(
+            f"run {card.run_id!r} names no data (its organizer started it without --data): pass "
+            f"{setting} with shards made for it (ask its organizer which), or ask them to name the "
+            f"run's data"
+        )
     if initial_peers:
-        raise DataMismatch(f"the swarm at {', '.join(initial_peers)} publishes no data for run "
-                           f"{config.swarm.run_id!r}: pass {setting} with shards made for it")
-    raise DataMismatch(f"a new swarm needs data: pass {setting} with a folder of parquet shards, a glob or a Hub "
-                       f"dataset id (collab-kit preprocess makes them), or {setting} synthetic for made-up shapes")
+        raise DataMismatch(
+            f"the swarm at {', '.join(initial_peers)} publishes no data for run "
+            f"{config.swarm.run_id!r}: pass {setting} with shards made for it"
+        )
+    raise DataMismatch(
+        f"a new swarm needs data: pass {setting} with a folder of parquet shards, a glob or a Hub "
+        f"dataset id (collab-kit preprocess makes them), or {setting} synthetic for made-up shapes"
+    )
 
 
 def check_data_fits(source: str, config: RunConfig, label: str, setting: str = "--data") -> None:
@@ -324,8 +373,7 @@ def check_data_fits(source: str, config: RunConfig, label: str, setting: str = "
     try:
         paths = list_shards(source)
     except DataSourceError as e:
-        raise DataMismatch(f"{label}: {e}; or point {setting} at shards made for run {config.swarm.run_id!r}") \
-            from None
+        raise DataMismatch(f"{label}: {e}; or point {setting} at shards made for run {config.swarm.run_id!r}") from None
     try:
         misfit = misfit_for_run(paths, model.codebook_size, model.image_side, config.data.tokenizer)
     except DataSourceError as e:
@@ -334,12 +382,14 @@ def check_data_fits(source: str, config: RunConfig, label: str, setting: str = "
         logger.debug(f"could not read the metadata of {source}: {e}")
         misfit = None
     if misfit is not None:
-        raise DataMismatch(f"{label} does not fit run {config.swarm.run_id!r}: {misfit}; point {setting} at shards "
-                           f"made for this run")
+        raise DataMismatch(
+            f"{label} does not fit run {config.swarm.run_id!r}: {misfit}; point {setting} at shards made for this run"
+        )
 
 
-def ready_data(source: str, config: RunConfig, label: str, setting: str = "--data",
-               synthetic_samples: int = SYNTHETIC_SAMPLES) -> str:
+def ready_data(
+    source: str, config: RunConfig, label: str, setting: str = "--data", synthetic_samples: int = SYNTHETIC_SAMPLES
+) -> str:
     """``source`` checked against the run (``check_data_fits``) and as a stream reads it: synthetic data made for the
     model's grid and codebook (a folder), anything else as it is.
 
@@ -361,8 +411,14 @@ class PeerData:
     description: str
 
 
-def data_for_peer(given: Optional[str], card: Optional[RunCard], config: RunConfig, setting: str = "--data",
-                  synthetic_fallback: bool = False, synthetic_samples: int = SYNTHETIC_SAMPLES) -> PeerData:
+def data_for_peer(
+    given: str | None,
+    card: RunCard | None,
+    config: RunConfig,
+    setting: str = "--data",
+    synthetic_fallback: bool = False,
+    synthetic_samples: int = SYNTHETIC_SAMPLES,
+) -> PeerData:
     """The data a peer trains on (``choose_data``), checked against the run and made ready (``ready_data``).
 
     :raises DataMismatch: none named, out of reach, or shards of another model (one sentence naming ``setting``)

@@ -6,10 +6,11 @@
 - ``SharedFourBitAverageMixin``: parts sent in 4 bits come back to every member as one and the same 4-bit average.
 - ``StreamedResultsMixin``: a kit peer in client mode gets its averages while it still sends its parts.
 """
+
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional, Sequence, Tuple
+from typing import AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -48,8 +49,12 @@ class StandInRunnerMixin:
             # compressed as the part would be: the reducer sends the average back in the sender's compression
             stand_in = container.compression.compress(torch.zeros(1, dtype=part.dtype), info)
             if part_index == 0:
-                yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
-                                                  tensor_part=stand_in, weight=self.weight)
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING,
+                    group_id=self.group_id,
+                    tensor_part=stand_in,
+                    weight=self.weight,
+                )
             else:
                 yield averaging_pb2.AveragingData(tensor_part=stand_in, weight=self.weight)
 
@@ -73,8 +78,9 @@ class SharedFourBitAverageMixin:
         # the parts this member sends each reducer (hivemind empties its lists as it sends them)
         self._parts_sent = [tuple(part for part, _ in parts) for parts in container._input_parts_by_peer]
         reduced = container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
-        self._four_bit_parts = frozenset(index for index, (_, info) in enumerate(reduced)
-                                         if sends_4_bits(container.compression, info))
+        self._four_bit_parts = frozenset(
+            index for index, (_, info) in enumerate(reduced) if sends_4_bits(container.compression, info)
+        )
         register = container.register_processed_part
 
         def register_difference(peer_index: int, part_index: int, part: torch.Tensor) -> None:
@@ -103,11 +109,14 @@ class SharedFourBitAverageMixin:
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
-                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                    stream, max_prefetch=self.tensor_part_container.prefetch):
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight)
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
                     rounded = part_index in self._four_bit_parts
                     part_index += 1
                 except BannedException:
@@ -116,7 +125,8 @@ class SharedFourBitAverageMixin:
                     serialized = await loop.run_in_executor(None, serialize_average, averaged_part)
                 else:
                     serialized = await loop.run_in_executor(
-                        None, lambda: serialize_torch_tensor(averaged_part - tensor_part, part_compression))
+                        None, lambda: serialize_torch_tensor(averaged_part - tensor_part, part_compression)
+                    )
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
@@ -175,7 +185,7 @@ class RunnerChoiceMixin:
         """The runner of one round (hivemind's AllReduceRunner arguments)."""
         return StandInAllReduceRunner(**kwargs)
 
-    def round_modes(self, group_info, peer_fractions: Sequence[float]) -> Tuple[AveragingMode, ...]:
+    def round_modes(self, group_info, peer_fractions: Sequence[float]) -> tuple[AveragingMode, ...]:
         """Each member's mode in a round: auxiliary where its all-gather says so, else hivemind's rule (client mode for
         a member that reduces nothing, a node otherwise).
 
@@ -184,18 +194,32 @@ class RunnerChoiceMixin:
         reduces: it sends nothing of its own and gets nothing back
         (tests/swarm/test_robust.py::test_an_auxiliary_anchor_only_reduces)."""
         announced = [AveragingMode(self.serializer.loads(entry)[1]) for entry in group_info.gathered]
-        return tuple(AveragingMode.AUX if mode == AveragingMode.AUX
-                     else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
-                     for mode, fraction in zip(announced, peer_fractions))
+        return tuple(
+            AveragingMode.AUX
+            if mode == AveragingMode.AUX
+            else AveragingMode.CLIENT
+            if fraction == 0
+            else AveragingMode.NODE
+            for mode, fraction in zip(announced, peer_fractions)
+        )
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None,
-                                      **kwargs):
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info, group_id: bytes | None = None, **kwargs
+    ):
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.setdefault("modes", self.round_modes(group_info, kwargs["peer_fractions"]))
         streamed = tuple(reads_averages_as_they_come(self.serializer, entry) for entry in group_info.gathered)
-        runner = self.make_allreduce_runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
-                                            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                            stand_ins=self.sends_stand_ins, streamed_results=streamed, **kwargs)
+        runner = self.make_allreduce_runner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            stand_ins=self.sends_stand_ins,
+            streamed_results=streamed,
+            **kwargs,
+        )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
 

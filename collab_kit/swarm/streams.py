@@ -21,12 +21,13 @@ The side that knows the stream is done closes it instead, once it has read every
 A state download (``rpc_download_state``) is left as hivemind has it: its caller cannot tell the last part (it reads
 to the end), and a download cut short fails its size check and is tried again.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import suppress
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -53,8 +54,9 @@ class _CountedRequests:
         return request
 
 
-async def _answers_until_complete(answers: AsyncIterator[averaging_pb2.AveragingData], sent: _CountedRequests,
-                                  all_sent: asyncio.Event) -> AsyncIterator[averaging_pb2.AveragingData]:
+async def _answers_until_complete(
+    answers: AsyncIterator[averaging_pb2.AveragingData], sent: _CountedRequests, all_sent: asyncio.Event
+) -> AsyncIterator[averaging_pb2.AveragingData]:
     """Yield the server's answers until every part sent is answered (then close the stream), or until its end."""
     received, next_answer, sending_done = 0, None, None
     try:
@@ -99,8 +101,9 @@ class _StubClosingAnsweredStreams:
     def __getattr__(self, name: str):
         return getattr(self._stub, name)
 
-    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData],
-                                 timeout: Optional[float] = None) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], timeout: float | None = None
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         all_sent = asyncio.Event()
 
         async def requests_then_done():
@@ -125,17 +128,20 @@ class CallerClosesStreamsMixin:
     answered_stream_linger: float = 60.0  # seconds an answered stream waits for its caller to close it
 
     @classmethod
-    def get_stub(cls, p2p, peer: PeerID, *, namespace: Optional[str] = None):
+    def get_stub(cls, p2p, peer: PeerID, *, namespace: str | None = None):
         return stub_closing_answered_streams(super().get_stub(p2p, peer, namespace=namespace))
 
     async def _wait_for_caller_to_close(self, what: str, context: P2PContext) -> None:
         # the caller's close ends the stream: hivemind then cancels this handler, here
         await asyncio.sleep(self.answered_stream_linger)
-        logger.debug(f"{what} answered in full but not closed by {context.remote_id} in {self.answered_stream_linger}"
-                     f" s: closing it")
+        logger.debug(
+            f"{what} answered in full but not closed by {context.remote_id} in {self.answered_stream_linger}"
+            f" s: closing it"
+        )
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         requests, answered = _CountedRequests(stream), 0
         async for message in super().rpc_aggregate_part(requests, context):
             answered += message.code == averaging_pb2.AVERAGED_PART
@@ -143,8 +149,9 @@ class CallerClosesStreamsMixin:
         if requests.ended and requests.count == answered > 0:
             await self._wait_for_caller_to_close("all-reduce stream", context)
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         last_code = None
         async for message in super().rpc_join_group(request, context):
             last_code = message.code

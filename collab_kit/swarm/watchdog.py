@@ -5,6 +5,7 @@ hivemind removes a neighbour from the routing table as soon as one request to it
 ``wait_timeout``; with its only neighbour gone, nothing fills the table again. ``SwarmWatchdog`` dials the initial
 peers again then, and tells a link that is really cut (and its return) from one that is only slow.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -21,7 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 logger = logging.getLogger(__name__)
 
 
-def _tcp_endpoint(maddr: Multiaddr) -> Optional[Tuple[str, int]]:
+def _tcp_endpoint(maddr: Multiaddr) -> tuple[str, int] | None:
     """(host, port) of a multiaddr's TCP transport, or None (a relayed or non-TCP address)."""
     if "p2p-circuit" in str(maddr):
         return None
@@ -33,7 +34,7 @@ def _tcp_endpoint(maddr: Multiaddr) -> Optional[Tuple[str, int]]:
     return None
 
 
-async def _tcp_answers(endpoint: Optional[Tuple[str, int]], timeout: float) -> bool:
+async def _tcp_answers(endpoint: tuple[str, int] | None, timeout: float) -> bool:
     """Whether a TCP connection to ``endpoint`` opens within ``timeout`` (None: cannot tell, counted as yes).
 
     A plain TCP dial, outside libp2p: it says whether the link works without adding to libp2p's dial backoff, which
@@ -63,8 +64,15 @@ def _is_another_peer(error: BaseException) -> bool:
     return "peer id mismatch" in str(error) or "remote key matches" in str(error)
 
 
-async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: bool, timeout: float, probe_link: bool,
-                            impostors_before: Sequence[str], _dht, node) -> Tuple[int, bool, List[str]]:
+async def _check_swarm_link(
+    initial_peers: Sequence[str],
+    fresh_connections: bool,
+    timeout: float,
+    probe_link: bool,
+    impostors_before: Sequence[str],
+    _dht,
+    node,
+) -> tuple[int, bool, list[str]]:
     """In the DHT's process: tell whether the link to the swarm works, and with no peer left in the routing table,
     dial the initial peers that a TCP connection reaches and ping them (which puts them back in the table).
 
@@ -96,9 +104,11 @@ async def _check_swarm_link(initial_peers: Sequence[str], fresh_connections: boo
                 await asyncio.wait_for(node.p2p._client.disconnect(peer_id), timeout)
             except Exception as e:  # already gone
                 logger.debug(f"could not drop the connection to {peer_id}: {e!r}")
-    answers = await asyncio.gather(*(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers),
-                                   *(_ping_answers(node, peer_id, timeout) for peer_id in neighbours))
-    tcp_answers, ping_answers = list(answers[:len(peers)]), answers[len(peers):]
+    answers = await asyncio.gather(
+        *(_tcp_answers(endpoint, timeout) for _, _, endpoint in peers),
+        *(_ping_answers(node, peer_id, timeout) for peer_id in neighbours),
+    )
+    tcp_answers, ping_answers = list(answers[: len(peers)]), answers[len(peers) :]
     if fresh_connections or not neighbours or not any(ping_answers):
         # dial the initial peers whose port answers: it puts them back in the table, and tells the right peer answering
         # from another one that listens there now (a peer started again with a new identity), which is no link back
@@ -149,17 +159,24 @@ class SwarmWatchdog:
     :param on_link_back: called (in the watchdog's thread) when the swarm answers again after that
     """
 
-    def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str], period: float = 1.0, timeout: float = 4.0,
-                 probe_every: float = 5.0, down_after: float = 8.0,
-                 on_link_down: Optional[Callable[[], None]] = None,
-                 on_link_back: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        initial_peers: Sequence[str],
+        period: float = 1.0,
+        timeout: float = 4.0,
+        probe_every: float = 5.0,
+        down_after: float = 8.0,
+        on_link_down: Callable[[], None] | None = None,
+        on_link_back: Callable[[], None] | None = None,
+    ):
         self.dht, self.initial_peers, self.period, self.timeout = dht, list(initial_peers), period, timeout
         self.probe_every, self.down_after = probe_every, down_after
         self.on_link_down, self.on_link_back = on_link_down, on_link_back
         self.rejoins = 0  # times the routing table was empty and the initial peers were dialled again with success
         self.link_outages = 0  # times the link went down
         self.link_down = threading.Event()  # set while nothing of the swarm answers
-        self.link_down_since: Optional[float] = None  # time.time() when the link went down
+        self.link_down_since: float | None = None  # time.time() when the link went down
         self._impostors = set()  # initial peers at whose address another peer answers now
         self._told_impostors = set()  # those said already, once each
         self._stop = threading.Event()
@@ -174,9 +191,16 @@ class SwarmWatchdog:
             started = time.monotonic()
             probe = self.link_down.is_set() or unanswered_since is not None or started >= next_probe
             try:
-                known, reachable, impostors = self.dht.run_coroutine(partial(
-                    _check_swarm_link, self.initial_peers, self.link_down.is_set(), self.timeout, probe,
-                    sorted(self._impostors)))
+                known, reachable, impostors = self.dht.run_coroutine(
+                    partial(
+                        _check_swarm_link,
+                        self.initial_peers,
+                        self.link_down.is_set(),
+                        self.timeout,
+                        probe,
+                        sorted(self._impostors),
+                    )
+                )
             except Exception as e:  # the DHT is shutting down, or busy: the next check comes as usual
                 logger.debug(f"the swarm watchdog could not check the DHT: {e!r}")
                 continue
@@ -194,10 +218,12 @@ class SwarmWatchdog:
             self._impostors = set(impostors)
             for address in self._impostors - self._told_impostors:
                 self._told_impostors.add(address)
-                logger.warning(f"another peer answers at the address of initial peer {address}: the peer there was "
-                               f"started again with a new identity, and this line no longer reaches the run. Its "
-                               f"organizer keeps the identity by starting it with the same --db (the key file beside "
-                               f"it); otherwise ask for the new join line")
+                logger.warning(
+                    f"another peer answers at the address of initial peer {address}: the peer there was "
+                    f"started again with a new identity, and this line no longer reaches the run. Its "
+                    f"organizer keeps the identity by starting it with the same --db (the key file beside "
+                    f"it); otherwise ask for the new join line"
+                )
             if self.link_down.is_set():
                 if known and reachable:
                     logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")
@@ -208,12 +234,14 @@ class SwarmWatchdog:
                 self.link_outages += 1
                 self.link_down_since = time.time()
                 self.link_down.set()
-                logger.warning("the link to the swarm is down: no initial peer accepts a connection and no neighbour "
-                               "answers (a cut link, or the peers are gone). Waiting for it to come back")
+                logger.warning(
+                    "the link to the swarm is down: no initial peer accepts a connection and no neighbour "
+                    "answers (a cut link, or the peers are gone). Waiting for it to come back"
+                )
                 self._call(self.on_link_down)
 
     @staticmethod
-    def _call(callback: Optional[Callable[[], None]]) -> None:
+    def _call(callback: Callable[[], None] | None) -> None:
         if callback is None:
             return
         try:

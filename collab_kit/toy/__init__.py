@@ -8,11 +8,21 @@ nothing trains at demo time:
 - ``dataset``: ``prepare_toy_dataset``, the world's pictures through ``collab_kit.data.preprocess``, cached.
 - ``assets/``: the trained weights of both, with the figures their training measured.
 """
+
 from collab_kit.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {
-    "vqgan": ["load_toy_vqgan", "train_toy_vqgan", "evaluate_toy_vqgan", "toy_vqgan_metrics", "TOY_VQGAN_DIR",
-              "ToyVQGANMissing"],
-    "clip": ["load_toy_clip", "train_toy_clip", "evaluate_toy_clip", "toy_clip_metrics", "TOY_CLIP_DIR"],
-    "dataset": ["prepare_toy_dataset", "default_cache_dir"],
-})
+__getattr__, __all__ = lazy_exports(
+    __name__,
+    {
+        "vqgan": [
+            "load_toy_vqgan",
+            "train_toy_vqgan",
+            "evaluate_toy_vqgan",
+            "toy_vqgan_metrics",
+            "TOY_VQGAN_DIR",
+            "ToyVQGANMissing",
+        ],
+        "clip": ["load_toy_clip", "train_toy_clip", "evaluate_toy_clip", "toy_clip_metrics", "TOY_CLIP_DIR"],
+        "dataset": ["prepare_toy_dataset", "default_cache_dir"],
+    },
+)

@@ -21,6 +21,7 @@ score above 7 captions of other pictures (``retrieval_accuracy_of_8``), and abov
 in each of the 7 other colours (``colour_accuracy_of_8``)? Shapes, sizes and positions are measured
 the same way. ``train_toy_clip`` writes these figures to ``metrics.json`` next to the weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,15 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-from transformers import CLIPConfig, CLIPModel
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
+from tqdm.auto import tqdm
+from transformers import CLIPConfig, CLIPModel
 
 from collab_kit.data import synthetic
 from collab_kit.data.tokenizers import ToyTokenizer
@@ -55,26 +56,47 @@ HELD_OUT_COUNT = 512
 TRAIN_SEED_BASE = 1_000_000_000
 NUM_CANDIDATES = 8  # captions a picture is matched against in the retrieval accuracy
 # the attributes a caption names, and the field of synthetic.Scene that holds each
-ATTRIBUTES = {"colour": ("color", tuple(synthetic.COLORS)), "shape": ("shape", tuple(synthetic.SHAPES)),
-              "size": ("size", tuple(synthetic.SIZES)), "position": ("position", tuple(synthetic.POSITIONS))}
+ATTRIBUTES = {
+    "colour": ("color", tuple(synthetic.COLORS)),
+    "shape": ("shape", tuple(synthetic.SHAPES)),
+    "size": ("size", tuple(synthetic.SIZES)),
+    "position": ("position", tuple(synthetic.POSITIONS)),
+}
 
 
-def toy_clip_config(vocab_size: Optional[int] = None) -> CLIPConfig:
+def toy_clip_config(vocab_size: int | None = None) -> CLIPConfig:
     """The toy CLIP's shape: a ViT of 4 layers (hidden 128) over 64x64 pictures in 8x8 patches, a text encoder of 2
     layers (hidden 64) over up to 16 word tokens, both projected to 64 dimensions. About 0.94M parameters (3.8 MB).
 
     :param vocab_size: the caption vocabulary (default: ``ToyTokenizer().vocab_size``)
     """
     vocab_size = vocab_size if vocab_size is not None else ToyTokenizer().vocab_size
-    ids = dict(pad_token_id=ToyTokenizer.pad_token_id, eos_token_id=ToyTokenizer.eos_token_id,
-               bos_token_id=ToyTokenizer.eos_token_id)  # no start token: captions start with their first word
+    ids = dict(
+        pad_token_id=ToyTokenizer.pad_token_id,
+        eos_token_id=ToyTokenizer.eos_token_id,
+        bos_token_id=ToyTokenizer.eos_token_id,
+    )  # no start token: captions start with their first word
     # the text encoder pools the hidden state of the first eos_token_id; 1 is [EOS] here (2 would mean "argmax")
     return CLIPConfig(
-        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=MAX_TEXT_LENGTH, **ids),
-        vision_config=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                           image_size=synthetic.IMAGE_SIZE, patch_size=8),
-        projection_dim=64)
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=MAX_TEXT_LENGTH,
+            **ids,
+        ),
+        vision_config=dict(
+            hidden_size=128,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            image_size=synthetic.IMAGE_SIZE,
+            patch_size=8,
+        ),
+        projection_dim=64,
+    )
 
 
 def toy_clip_tokenizer():
@@ -88,12 +110,18 @@ def toy_clip_tokenizer():
 
     words = ToyTokenizer()
     backend = Tokenizer.from_str(words.tokenizer.to_str())  # a copy: ToyTokenizer's own stays without [EOS]
-    backend.post_processor = TemplateProcessing(single=f"$A {words.eos_token}",
-                                                special_tokens=[(words.eos_token, words.eos_token_id)])
+    backend.post_processor = TemplateProcessing(
+        single=f"$A {words.eos_token}", special_tokens=[(words.eos_token, words.eos_token_id)]
+    )
     # model_input_names: CLIP's text encoder takes no token_type_ids
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=words.pad_token, eos_token=words.eos_token,
-                                   unk_token=words.unk_token, model_max_length=MAX_TEXT_LENGTH,
-                                   model_input_names=["input_ids", "attention_mask"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=words.pad_token,
+        eos_token=words.eos_token,
+        unk_token=words.unk_token,
+        model_max_length=MAX_TEXT_LENGTH,
+        model_input_names=["input_ids", "attention_mask"],
+    )
 
 
 def new_toy_clip(seed: int = 0) -> ClipRanker:
@@ -168,9 +196,9 @@ def fixed_blur(pixels: torch.Tensor) -> torch.Tensor:
     return _gaussian_blur(F.interpolate(small, size=pixels.shape[-1], mode="bilinear", align_corners=False), 1.0)
 
 
-def training_scenes(batch_size: int, seed: int, step: int) -> List[synthetic.Scene]:
+def training_scenes(batch_size: int, seed: int, step: int) -> list[synthetic.Scene]:
     """``batch_size`` scenes with distinct captions (as far as the world allows) for training step ``step``."""
-    scenes_seed = TRAIN_SEED_BASE + seed * 10 ** 6 + step
+    scenes_seed = TRAIN_SEED_BASE + seed * 10**6 + step
     chosen, seen = [], set()
     for scene in synthetic.scenes(4 * batch_size, seed=scenes_seed):
         if scene.caption not in seen:
@@ -179,7 +207,7 @@ def training_scenes(batch_size: int, seed: int, step: int) -> List[synthetic.Sce
             if len(chosen) == batch_size:
                 return chosen
     # a batch larger than the world's captions (400) repeats some: top it up with pictures of repeated captions
-    extra = synthetic.scenes(batch_size - len(chosen), seed=scenes_seed + 10 ** 9)
+    extra = synthetic.scenes(batch_size - len(chosen), seed=scenes_seed + 10**9)
     return chosen + extra
 
 
@@ -191,8 +219,13 @@ def training_scenes(batch_size: int, seed: int, step: int) -> List[synthetic.Sce
 def _embed_texts(ranker: ClipRanker, captions: Sequence[str], batch_size: int = 256) -> torch.Tensor:
     out = []
     for start in range(0, len(captions), batch_size):
-        text = ranker.tokenizer(list(captions[start:start + batch_size]), padding=True, truncation=True,
-                                max_length=ranker.max_text_length, return_tensors="pt").to(ranker.device)
+        text = ranker.tokenizer(
+            list(captions[start : start + batch_size]),
+            padding=True,
+            truncation=True,
+            max_length=ranker.max_text_length,
+            return_tensors="pt",
+        ).to(ranker.device)
         embedding = ranker.model.get_text_features(**text)
         embedding = embedding if isinstance(embedding, torch.Tensor) else embedding.pooler_output
         out.append(F.normalize(embedding.float(), dim=-1).cpu())
@@ -203,14 +236,15 @@ def _embed_texts(ranker: ClipRanker, captions: Sequence[str], batch_size: int = 
 def _embed_images(ranker: ClipRanker, pixels: torch.Tensor, batch_size: int = 128) -> torch.Tensor:
     out = []
     for start in range(0, len(pixels), batch_size):
-        embedding = ranker.model.get_image_features(pixel_values=ranker.preprocess(pixels[start:start + batch_size]))
+        embedding = ranker.model.get_image_features(pixel_values=ranker.preprocess(pixels[start : start + batch_size]))
         embedding = embedding if isinstance(embedding, torch.Tensor) else embedding.pooler_output
         out.append(F.normalize(embedding.float(), dim=-1).cpu())
     return torch.cat(out)
 
 
-def evaluate_toy_clip(ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int = HELD_OUT_SEED,
-                      blurred: bool = False) -> Dict[str, float]:
+def evaluate_toy_clip(
+    ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int = HELD_OUT_SEED, blurred: bool = False
+) -> dict[str, float]:
     """How often the right caption of a held-out picture scores highest (cosines, as ``ClipRanker.score``).
 
     ``retrieval_accuracy_of_8``: against 7 captions of other held-out pictures (distinct, seeded); then
@@ -228,11 +262,18 @@ def evaluate_toy_clip(ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int
     captions = [scene.caption for scene in scenes]
     distinct = sorted(set(captions))
     if len(distinct) < NUM_CANDIDATES:
-        raise ValueError(f"count={count} held-out pictures have {len(distinct)} distinct captions; the retrieval "
-                         f"accuracy needs at least {NUM_CANDIDATES}: measure more pictures")
+        raise ValueError(
+            f"count={count} held-out pictures have {len(distinct)} distinct captions; the retrieval "
+            f"accuracy needs at least {NUM_CANDIDATES}: measure more pictures"
+        )
     # every caption that can be asked about: the world's 400, so each is embedded once
-    world = [synthetic.Scene(shape, color, size, position, "sand").caption for shape in synthetic.SHAPES
-             for color in synthetic.COLORS for size in synthetic.SIZES for position in synthetic.POSITIONS]
+    world = [
+        synthetic.Scene(shape, color, size, position, "sand").caption
+        for shape in synthetic.SHAPES
+        for color in synthetic.COLORS
+        for size in synthetic.SIZES
+        for position in synthetic.POSITIONS
+    ]
     text_index = {caption: i for i, caption in enumerate(world)}
     unknown = set(captions) - set(text_index)
     if unknown:
@@ -241,7 +282,7 @@ def evaluate_toy_clip(ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int
     image_embeddings = _embed_images(ranker, fixed_blur(pixels) if blurred else pixels)
     similarity = image_embeddings @ _embed_texts(ranker, world).T  # [count, 400]
 
-    def accuracy(candidates: List[List[str]]) -> float:
+    def accuracy(candidates: list[list[str]]) -> float:
         # candidates[i][0] is picture i's own caption; it must beat every other one strictly
         index = torch.tensor([[text_index[c] for c in row] for row in candidates])
         scores = similarity.gather(1, index)
@@ -254,8 +295,15 @@ def evaluate_toy_clip(ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int
         retrieval.append([caption] + [others[i] for i in rng.choice(len(others), NUM_CANDIDATES - 1, replace=False)])
     metrics = {f"retrieval_accuracy_of_{NUM_CANDIDATES}": accuracy(retrieval)}
     for name, (field, values) in ATTRIBUTES.items():
-        rows = [[scene.caption] + [dataclasses.replace(scene, **{field: value}).caption
-                                   for value in values if value != getattr(scene, field)] for scene in scenes]
+        rows = [
+            [scene.caption]
+            + [
+                dataclasses.replace(scene, **{field: value}).caption
+                for value in values
+                if value != getattr(scene, field)
+            ]
+            for scene in scenes
+        ]
         metrics[f"{name}_accuracy_of_{len(values)}"] = accuracy(rows)
     return metrics
 
@@ -264,9 +312,17 @@ def evaluate_toy_clip(ranker: ClipRanker, count: int = HELD_OUT_COUNT, seed: int
 # training
 
 
-def train_toy_clip(output_folder: str, steps: int = 1500, batch_size: int = 128, seed: int = 0, lr: float = 1e-3,
-                   progress: bool = True, held_out: int = HELD_OUT_COUNT, held_out_seed: int = HELD_OUT_SEED,
-                   degrade_share: float = 0.6) -> Dict[str, object]:
+def train_toy_clip(
+    output_folder: str,
+    steps: int = 1500,
+    batch_size: int = 128,
+    seed: int = 0,
+    lr: float = 1e-3,
+    progress: bool = True,
+    held_out: int = HELD_OUT_COUNT,
+    held_out_seed: int = HELD_OUT_SEED,
+    degrade_share: float = 0.6,
+) -> dict[str, object]:
     """Train the toy CLIP contrastively on toy pictures, measure it on held-out ones, save it with its figures.
 
     Writes ``output_folder``: the model and tokenizer (``ClipRanker.save_pretrained``, loadable offline with
@@ -283,21 +339,33 @@ def train_toy_clip(output_folder: str, steps: int = 1500, batch_size: int = 128,
     :param degrade_share: the share of each batch degraded to look like a VQGAN's reconstruction
     """
     if steps < 1 or batch_size < 2:
-        raise ValueError(f"steps={steps}, batch_size={batch_size}: expected steps >= 1 and batch_size >= 2 "
-                         f"(contrastive learning needs other pictures in the batch)")
+        raise ValueError(
+            f"steps={steps}, batch_size={batch_size}: expected steps >= 1 and batch_size >= 2 "
+            f"(contrastive learning needs other pictures in the batch)"
+        )
     if held_out_seed >= TRAIN_SEED_BASE:
-        raise ValueError(f"held_out_seed={held_out_seed} may collide with the training seeds "
-                         f"(from {TRAIN_SEED_BASE}): choose a smaller one")
+        raise ValueError(
+            f"held_out_seed={held_out_seed} may collide with the training seeds "
+            f"(from {TRAIN_SEED_BASE}): choose a smaller one"
+        )
     ranker = new_toy_clip(seed)
     model, tokenizer = ranker.model.train(), ranker.tokenizer
     # no weight decay on biases, norms, embeddings of positions and the temperature, as CLIP
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embedding" not in n)]
-    optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
-                                  lr=lr, betas=(0.9, 0.98), eps=1e-6)
+    optimizer = torch.optim.AdamW(
+        [dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-6,
+    )
     warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(1.0, max(0, s + 1 - warmup) / max(1, steps - warmup))))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(
+            (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s + 1 - warmup) / max(1, steps - warmup))))
+        ),
+    )
     generator = torch.Generator().manual_seed(seed)
     started, losses = time.perf_counter(), []
     bar = tqdm(range(steps), desc="toy CLIP", disable=not progress)
@@ -321,12 +389,20 @@ def train_toy_clip(output_folder: str, steps: int = 1500, batch_size: int = 128,
 
     sharp = evaluate_toy_clip(ranker, held_out, held_out_seed)
     blurred = evaluate_toy_clip(ranker, held_out, held_out_seed, blurred=True)
-    metrics: Dict[str, object] = dict(sharp)
+    metrics: dict[str, object] = dict(sharp)
     metrics["colour_accuracy_of_8"] = sharp["colour_accuracy_of_8"]  # (named here too: the figure the demo needs)
     metrics.update({f"blurred_{name}": value for name, value in blurred.items()})
-    metrics.update(held_out=held_out, held_out_seed=held_out_seed, steps=steps, batch_size=batch_size, seed=seed,
-                   lr=lr, final_loss=float(np.mean(losses[-50:])), train_seconds=round(train_seconds, 1),
-                   parameters=sum(p.numel() for p in model.parameters()))
+    metrics.update(
+        held_out=held_out,
+        held_out_seed=held_out_seed,
+        steps=steps,
+        batch_size=batch_size,
+        seed=seed,
+        lr=lr,
+        final_loss=float(np.mean(losses[-50:])),
+        train_seconds=round(train_seconds, 1),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
     os.makedirs(output_folder, exist_ok=True)
     ranker.save_pretrained(output_folder)
     with open(os.path.join(output_folder, METRICS_FILE + ".tmp"), "w") as f:
@@ -336,12 +412,15 @@ def train_toy_clip(output_folder: str, steps: int = 1500, batch_size: int = 128,
     mode = os.stat(os.path.join(output_folder, METRICS_FILE)).st_mode  # what this umask gives a plain file
     for name in os.listdir(output_folder):
         os.chmod(os.path.join(output_folder, name), mode)
-    print(f"toy CLIP: steps={steps} batch={batch_size} {train_seconds:.0f}s loss={metrics['final_loss']:.3f} "
-          f"held_out={held_out} retrieval_of_8={sharp['retrieval_accuracy_of_8']:.3f} "
-          f"colour_of_8={sharp['colour_accuracy_of_8']:.3f} shape_of_5={sharp['shape_accuracy_of_5']:.3f} "
-          f"size_of_2={sharp['size_accuracy_of_2']:.3f} position_of_5={sharp['position_accuracy_of_5']:.3f} "
-          f"blurred_retrieval_of_8={blurred['retrieval_accuracy_of_8']:.3f} "
-          f"blurred_colour_of_8={blurred['colour_accuracy_of_8']:.3f} -> {output_folder}", flush=True)
+    print(
+        f"toy CLIP: steps={steps} batch={batch_size} {train_seconds:.0f}s loss={metrics['final_loss']:.3f} "
+        f"held_out={held_out} retrieval_of_8={sharp['retrieval_accuracy_of_8']:.3f} "
+        f"colour_of_8={sharp['colour_accuracy_of_8']:.3f} shape_of_5={sharp['shape_accuracy_of_5']:.3f} "
+        f"size_of_2={sharp['size_accuracy_of_2']:.3f} position_of_5={sharp['position_accuracy_of_5']:.3f} "
+        f"blurred_retrieval_of_8={blurred['retrieval_accuracy_of_8']:.3f} "
+        f"blurred_colour_of_8={blurred['colour_accuracy_of_8']:.3f} -> {output_folder}",
+        flush=True,
+    )
     return metrics
 
 
@@ -349,14 +428,14 @@ def train_toy_clip(output_folder: str, steps: int = 1500, batch_size: int = 128,
 # the shipped CLIP
 
 
-def _missing(folder: str) -> Optional[str]:
+def _missing(folder: str) -> str | None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", METRICS_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
             return name
     return None
 
 
-def load_toy_clip(folder: str = TOY_CLIP_DIR, device: Optional[str] = None) -> ClipRanker:
+def load_toy_clip(folder: str = TOY_CLIP_DIR, device: str | None = None) -> ClipRanker:
     """The toy CLIP shipped with the package (or trained into ``folder``) as a :class:`ClipRanker`, offline.
 
     :param folder: a folder written by :func:`train_toy_clip` (default: the one shipped in the package)
@@ -364,22 +443,25 @@ def load_toy_clip(folder: str = TOY_CLIP_DIR, device: Optional[str] = None) -> C
     """
     missing = _missing(folder)
     if missing is not None:
-        raise FileNotFoundError(f"no toy CLIP in {folder} ({missing} is missing): train one with "
-                                f"`collab-kit toy train-clip --output {folder}` (about 17 minutes on one CPU core)")
+        raise FileNotFoundError(
+            f"no toy CLIP in {folder} ({missing} is missing): train one with "
+            f"`collab-kit toy train-clip --output {folder}` (about 17 minutes on one CPU core)"
+        )
     return ClipRanker.from_pretrained(folder, device=device)
 
 
-def toy_clip_metrics(folder: str = TOY_CLIP_DIR) -> Dict[str, object]:
+def toy_clip_metrics(folder: str = TOY_CLIP_DIR) -> dict[str, object]:
     """The figures :func:`train_toy_clip` measured for the CLIP in ``folder`` (``metrics.json``)."""
     path = os.path.join(folder, METRICS_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {METRICS_FILE} in {folder}: train a toy CLIP with "
-                                f"`collab-kit toy train-clip --output {folder}`")
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} in {folder}: train a toy CLIP with `collab-kit toy train-clip --output {folder}`"
+        )
     with open(path) as f:
         return json.load(f)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``collab-kit toy train-clip``: train the toy CLIP and write it with its held-out figures."""
     parser = argparse.ArgumentParser(prog="collab-kit toy train-clip", description=main.__doc__)
     parser.add_argument("--output", default=TOY_CLIP_DIR, help="the folder to write (default: the package's own)")
@@ -394,8 +476,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    train_toy_clip(args.output, steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
-                   progress=not args.no_progress, held_out=args.held_out)
+    train_toy_clip(
+        args.output,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        lr=args.lr,
+        progress=not args.no_progress,
+        held_out=args.held_out,
+    )
     return 0
 
 

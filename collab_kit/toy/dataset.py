@@ -4,13 +4,13 @@
 ``collab_kit.data.preprocess``, and keeps the shards in a cache folder keyed by (samples, seed, VQGAN), so the demo
 makes them once and every later run reads them at once.
 """
+
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import os
 import shutil
-from typing import Optional
 
 from collab_kit.data.preprocess import preprocess
 from collab_kit.data.synthetic import make_synthetic_images
@@ -22,8 +22,14 @@ def default_cache_dir() -> str:
     return os.environ.get("COLLAB_KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "collab_kit")
 
 
-def prepare_toy_dataset(num_samples: int = 4096, seed: int = 0, cache_dir: Optional[str] = None, vqgan=None,
-                        rows_per_shard: int = 1024, progress: bool = True) -> str:
+def prepare_toy_dataset(
+    num_samples: int = 4096,
+    seed: int = 0,
+    cache_dir: str | None = None,
+    vqgan=None,
+    rows_per_shard: int = 1024,
+    progress: bool = True,
+) -> str:
     """Shards of ``num_samples`` toy pictures made by ``collab_kit.data.preprocess`` (VQGAN codes, Brotli, parquet).
 
     Made once per (samples, seed, VQGAN) in the cache folder and reused; an interrupted run is resumed
@@ -37,8 +43,9 @@ def prepare_toy_dataset(num_samples: int = 4096, seed: int = 0, cache_dir: Optio
     for name, tensor in sorted(vqgan.state_dict().items()):
         fingerprint.update(name.encode())
         fingerprint.update(tensor.detach().cpu().numpy().tobytes())
-    folder = os.path.join(cache_dir or default_cache_dir(), "toy",
-                          f"{num_samples}-seed{seed}-vqgan{fingerprint.hexdigest()[:12]}")
+    folder = os.path.join(
+        cache_dir or default_cache_dir(), "toy", f"{num_samples}-seed{seed}-vqgan{fingerprint.hexdigest()[:12]}"
+    )
     shards = os.path.join(folder, "shards")
     done_marker = os.path.join(folder, "complete")
     if os.path.exists(done_marker):
@@ -53,8 +60,15 @@ def prepare_toy_dataset(num_samples: int = 4096, seed: int = 0, cache_dir: Optio
         pictures_folder = os.path.join(folder, "pictures")
         if not os.path.exists(os.path.join(pictures_folder, "captions.jsonl")):
             make_synthetic_images(pictures_folder, num_samples, seed=seed)
-        preprocess(pictures_folder, shards, vqgan, rows_per_shard=rows_per_shard, batch_size=256, progress=progress,
-                   tokenizer="toy")
+        preprocess(
+            pictures_folder,
+            shards,
+            vqgan,
+            rows_per_shard=rows_per_shard,
+            batch_size=256,
+            progress=progress,
+            tokenizer="toy",
+        )
         with open(done_marker, "w") as f:
             f.write("preprocess finished\n")
         shutil.rmtree(pictures_folder, ignore_errors=True)  # the shards hold all a volunteer reads

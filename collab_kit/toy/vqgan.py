@@ -17,6 +17,7 @@ that no picture uses are moved onto encoder outputs now and then, so the whole c
 The held-out pictures (``synthetic.scenes(count, seed=HELD_OUT_SEED)``) are never trained on: training
 draws from other seeds and skips any scene that the held-out set contains.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -52,8 +53,16 @@ TOY_VQGAN_CONFIG = {
         "embed_dim": 32,
         "n_embed": 512,
         "ddconfig": {
-            "double_z": False, "z_channels": 32, "resolution": synthetic.IMAGE_SIZE, "in_channels": 3, "out_ch": 3,
-            "ch": 32, "ch_mult": [1, 1, 2, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0,
+            "double_z": False,
+            "z_channels": 32,
+            "resolution": synthetic.IMAGE_SIZE,
+            "in_channels": 3,
+            "out_ch": 3,
+            "ch": 32,
+            "ch_mult": [1, 1, 2, 2],
+            "num_res_blocks": 1,
+            "attn_resolutions": [],
+            "dropout": 0.0,
         },
         "lossconfig": {"target": "taming.modules.losses.vqperceptual.DummyLoss"},
     },
@@ -80,7 +89,7 @@ class ToyVQGANMissing(CollabKitError, FileNotFoundError):
 # the shipped model
 
 
-def load_toy_vqgan(folder: Optional[str] = None, map_location="cpu") -> VQGAN:
+def load_toy_vqgan(folder: str | None = None, map_location="cpu") -> VQGAN:
     """The toy VQGAN shipped with the package (or trained into ``folder``), in eval mode.
 
     :param folder: a folder written by ``train_toy_vqgan``; by default ``TOY_VQGAN_DIR``
@@ -89,20 +98,24 @@ def load_toy_vqgan(folder: Optional[str] = None, map_location="cpu") -> VQGAN:
     folder = folder or TOY_VQGAN_DIR
     missing = [name for name in (CHECKPOINT_NAME, CONFIG_NAME) if not os.path.isfile(os.path.join(folder, name))]
     if missing:
-        raise ToyVQGANMissing(f"the toy VQGAN is missing from {folder} (no {', '.join(missing)}): train it with "
-                              f"`collab-kit toy train-vqgan --output {folder}` (about 18 minutes on one CPU core)")
+        raise ToyVQGANMissing(
+            f"the toy VQGAN is missing from {folder} (no {', '.join(missing)}): train it with "
+            f"`collab-kit toy train-vqgan --output {folder}` (about 18 minutes on one CPU core)"
+        )
     return load_vqgan(folder, map_location=map_location)
 
 
-def toy_vqgan_metrics(folder: Optional[str] = None) -> Dict:
+def toy_vqgan_metrics(folder: str | None = None) -> dict:
     """What training measured on the held-out pictures (``metrics.json``): ``psnr_db``, ``color_match``, ...
 
     :param folder: a folder written by ``train_toy_vqgan``; by default ``TOY_VQGAN_DIR``
     """
     path = os.path.join(folder or TOY_VQGAN_DIR, METRICS_NAME)
     if not os.path.isfile(path):
-        raise ToyVQGANMissing(f"no {METRICS_NAME} in {folder or TOY_VQGAN_DIR}: train the toy VQGAN with "
-                              f"`collab-kit toy train-vqgan --output {folder or TOY_VQGAN_DIR}`")
+        raise ToyVQGANMissing(
+            f"no {METRICS_NAME} in {folder or TOY_VQGAN_DIR}: train the toy VQGAN with "
+            f"`collab-kit toy train-vqgan --output {folder or TOY_VQGAN_DIR}`"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -124,8 +137,9 @@ def psnr_db(reconstructions: torch.Tensor, images: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def evaluate_toy_vqgan(model: VQGAN, count: int = HELD_OUT_COUNT, seed: int = HELD_OUT_SEED,
-                       batch_size: int = 64) -> Dict:
+def evaluate_toy_vqgan(
+    model: VQGAN, count: int = HELD_OUT_COUNT, seed: int = HELD_OUT_SEED, batch_size: int = 64
+) -> dict:
     """Reconstruct ``count`` held-out pictures, ``decode(encode(x))``, and measure them against ``x``.
 
     :param model: the VQGAN (put in eval mode for the measure, then back as it was)
@@ -143,7 +157,7 @@ def evaluate_toy_vqgan(model: VQGAN, count: int = HELD_OUT_COUNT, seed: int = HE
     psnrs, matches, used = [], 0, set()
     try:
         for start in range(0, count, batch_size):
-            batch = scenes[start: start + batch_size]
+            batch = scenes[start : start + batch_size]
             images = scenes_to_tensor(batch)
             codes = model.encode(images)
             reconstructions = model.decode(codes).cpu()
@@ -153,15 +167,20 @@ def evaluate_toy_vqgan(model: VQGAN, count: int = HELD_OUT_COUNT, seed: int = HE
                 matches += synthetic.dominant_color(picture) == scene.color
     finally:
         model.train(was_training)
-    return dict(psnr_db=round(float(torch.cat(psnrs).mean()), 3), color_match=round(matches / count, 4),
-                codes_used=len(used), held_out=count, held_out_seed=seed)
+    return dict(
+        psnr_db=round(float(torch.cat(psnrs).mean()), 3),
+        color_match=round(matches / count, 4),
+        codes_used=len(used),
+        held_out=count,
+        held_out_seed=seed,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # training
 
 
-def training_scenes(batch_size: int, step: int, seed: int, excluded: set) -> List[synthetic.Scene]:
+def training_scenes(batch_size: int, step: int, seed: int, excluded: set) -> list[synthetic.Scene]:
     """The scenes of training batch ``step``: ``synthetic.scenes`` of a training seed, held-out scenes left out.
 
     The world holds about 59k distinct scenes (jitter included), so a training stream would meet
@@ -223,10 +242,17 @@ def _restart_codes(codebook: torch.Tensor, dead: torch.Tensor, z: torch.Tensor, 
     return len(indices)
 
 
-def train_toy_vqgan(output_folder: Union[str, os.PathLike], steps: int = DEFAULT_STEPS,
-                    batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0, lr: float = DEFAULT_LR,
-                    progress: bool = True, config: Optional[dict] = None, held_out: int = HELD_OUT_COUNT,
-                    restart_every: int = 20) -> Dict:
+def train_toy_vqgan(
+    output_folder: str | os.PathLike,
+    steps: int = DEFAULT_STEPS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int = 0,
+    lr: float = DEFAULT_LR,
+    progress: bool = True,
+    config: dict | None = None,
+    held_out: int = HELD_OUT_COUNT,
+    restart_every: int = 20,
+) -> dict:
     """Train the toy VQGAN from scratch on toy pictures, measure it on held-out ones, save it with its metrics.
 
     Loss: L1 + L2 between pictures and their reconstructions (in taming's [-1, 1]) plus the quantizer's
@@ -278,36 +304,51 @@ def train_toy_vqgan(output_folder: Union[str, os.PathLike], steps: int = DEFAULT
             if step == 0:
                 # taming starts the codebook near zero, where one code is nearest to everything: start it
                 # on encoder outputs instead, so that every code is in use from the first step
-                _restart_codes(codebook.data, torch.ones(model.codebook_size, dtype=torch.bool),
-                               z.detach().permute(0, 2, 3, 1).reshape(-1, z.shape[1]), generator)
+                _restart_codes(
+                    codebook.data,
+                    torch.ones(model.codebook_size, dtype=torch.bool),
+                    z.detach().permute(0, 2, 3, 1).reshape(-1, z.shape[1]),
+                    generator,
+                )
             loss, y, indices = _optimize_on(model, optimizer, x, z, _learning_rate(step, steps, lr, warmup))
             usage += torch.bincount(indices.flatten(), minlength=model.codebook_size)
             if (step + 1) % restart_every == 0:
                 in_use = int((usage > 0).sum())
                 if step < restart_until:
-                    restarted += _restart_codes(codebook.data, usage == 0,
-                                                z.detach().permute(0, 2, 3, 1).reshape(-1, z.shape[1]), generator)
+                    restarted += _restart_codes(
+                        codebook.data, usage == 0, z.detach().permute(0, 2, 3, 1).reshape(-1, z.shape[1]), generator
+                    )
                 usage.zero_()
                 # the batch's PSNR is free: the training reconstruction is decode(encode(x)) exactly
                 batch_psnr = float(psnr_db(((y.detach() + 1) / 2).clamp(0, 1), (x + 1) / 2).mean())
                 bar.set_postfix(loss=f"{loss.item():.4f}", psnr=f"{batch_psnr:.1f}dB", codes=in_use)
                 if (step + 1) % max(restart_every, steps // 10 // restart_every * restart_every) == 0:
-                    logger.info(f"step {step + 1}/{steps}: loss={loss.item():.4f} batch_psnr={batch_psnr:.2f}dB "
-                                f"codes_in_use={in_use}/{model.codebook_size} restarted_so_far={restarted}")
+                    logger.info(
+                        f"step {step + 1}/{steps}: loss={loss.item():.4f} batch_psnr={batch_psnr:.2f}dB "
+                        f"codes_in_use={in_use}/{model.codebook_size} restarted_so_far={restarted}"
+                    )
         bar.close()
         train_seconds = time.perf_counter() - started
 
     model.eval()
     metrics = evaluate_toy_vqgan(model, count=held_out)
-    metrics.update(codebook_size=model.codebook_size, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
-                   train_seconds=round(train_seconds, 1), codes_restarted=restarted,
-                   torch_threads=torch.get_num_threads())
+    metrics.update(
+        codebook_size=model.codebook_size,
+        steps=steps,
+        batch_size=batch_size,
+        seed=seed,
+        lr=lr,
+        train_seconds=round(train_seconds, 1),
+        codes_restarted=restarted,
+        torch_threads=torch.get_num_threads(),
+    )
     _save_with_metrics(model, output_folder, metrics)
     return metrics
 
 
-def _optimize_on(model: VQGAN, optimizer: torch.optim.Optimizer, x: torch.Tensor, z: torch.Tensor,
-                 lr: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _optimize_on(
+    model: VQGAN, optimizer: torch.optim.Optimizer, x: torch.Tensor, z: torch.Tensor, lr: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Adam step on pictures ``x`` whose encoder output is ``z``: quantize, decode, L1 + L2 against ``x`` plus the
     quantizer's codebook and commitment loss. Returns (the loss, the reconstruction, the codes chosen)."""
     z_q, codebook_loss, (_, _, indices) = model.quantize(z)
@@ -321,7 +362,7 @@ def _optimize_on(model: VQGAN, optimizer: torch.optim.Optimizer, x: torch.Tensor
     return loss, y, indices
 
 
-def _save_with_metrics(model: VQGAN, output_folder: str, metrics: Dict) -> None:
+def _save_with_metrics(model: VQGAN, output_folder: str, metrics: dict) -> None:
     """The model as ``load_toy_vqgan`` reads it, with what training measured beside it (``metrics.json``)."""
     save_vqgan(model, output_folder)
     with open(os.path.join(output_folder, METRICS_NAME), "w") as f:
@@ -330,34 +371,51 @@ def _save_with_metrics(model: VQGAN, output_folder: str, metrics: Dict) -> None:
     logger.info(f"toy VQGAN saved to {output_folder}: {summary_line(metrics)}")
 
 
-def summary_line(metrics: Dict) -> str:
+def summary_line(metrics: dict) -> str:
     """One line of what training reached, as ``collab-kit toy train-vqgan`` prints it."""
-    return (f"toy vqgan: psnr={metrics['psnr_db']:.2f}dB color_match={metrics['color_match']:.3f} "
-            f"codes_used={metrics['codes_used']}/{metrics['codebook_size']} held_out={metrics['held_out']} "
-            f"(seed {metrics['held_out_seed']}) steps={metrics['steps']} batch={metrics['batch_size']} "
-            f"time={metrics['train_seconds']:.0f}s")
+    return (
+        f"toy vqgan: psnr={metrics['psnr_db']:.2f}dB color_match={metrics['color_match']:.3f} "
+        f"codes_used={metrics['codes_used']}/{metrics['codebook_size']} held_out={metrics['held_out']} "
+        f"(seed {metrics['held_out_seed']}) steps={metrics['steps']} batch={metrics['batch_size']} "
+        f"time={metrics['train_seconds']:.0f}s"
+    )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``collab-kit toy train-vqgan``: train the toy VQGAN, save it, print its held-out PSNR in one line."""
     parser = argparse.ArgumentParser(prog="collab-kit toy train-vqgan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", required=True,
-                        help=f"the folder to write last.ckpt, model.yaml and metrics.json to "
-                             f"(the shipped model lives in {TOY_VQGAN_DIR})")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help=f"the folder to write last.ckpt, model.yaml and metrics.json to "
+        f"(the shipped model lives in {TOY_VQGAN_DIR})",
+    )
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default: {DEFAULT_STEPS})")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help=f"pictures per step (default: {DEFAULT_BATCH_SIZE})")
+    parser.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=f"pictures per step (default: {DEFAULT_BATCH_SIZE})"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights' and training pictures' seed (default: 0)")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"peak learning rate (default: {DEFAULT_LR})")
-    parser.add_argument("--held-out", type=int, default=HELD_OUT_COUNT,
-                        help=f"held-out pictures to measure on (default: {HELD_OUT_COUNT})")
+    parser.add_argument(
+        "--held-out",
+        type=int,
+        default=HELD_OUT_COUNT,
+        help=f"held-out pictures to measure on (default: {HELD_OUT_COUNT})",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    metrics = train_toy_vqgan(args.output, steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
-                              progress=not args.no_progress, held_out=args.held_out)
+    metrics = train_toy_vqgan(
+        args.output,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        lr=args.lr,
+        progress=not args.no_progress,
+        held_out=args.held_out,
+    )
     print(summary_line(metrics), flush=True)
     return 0
 

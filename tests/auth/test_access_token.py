@@ -1,12 +1,23 @@
 """Access tokens: signed by the run's server, checked by every peer; a peer id bound to a token."""
+
 import datetime
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collab_kit.auth.tokens import (MalformedToken, binding_problem, issue_token, load_or_create_private_key,
-                                     public_key_from_text, public_key_to_text, seconds_left, sign_peer_binding,
-                                     token_from_json, token_problem, token_to_json)
+from collab_kit.auth.tokens import (
+    MalformedToken,
+    binding_problem,
+    issue_token,
+    load_or_create_private_key,
+    public_key_from_text,
+    public_key_to_text,
+    seconds_left,
+    sign_peer_binding,
+    token_from_json,
+    token_problem,
+    token_to_json,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +37,11 @@ def test_a_token_is_valid_until_it_expires_and_only_with_the_servers_signature(k
     assert "signature" in token_problem(token, other.get_public_key(), now=now)
     forged = issue_token(other, "alice", peer.get_public_key().to_bytes(), now=now)
     assert "signature" in token_problem(forged, server.get_public_key(), now=now)
-    for field, value in (("username", "mallory"), ("expiration_time", "2030-01-01T00:00:00+00:00"),
-                         ("public_key", other.get_public_key().to_bytes())):
+    for field, value in (
+        ("username", "mallory"),
+        ("expiration_time", "2030-01-01T00:00:00+00:00"),
+        ("public_key", other.get_public_key().to_bytes()),
+    ):
         changed = type(token)()
         changed.CopyFrom(token)
         setattr(changed, field, value)
@@ -39,12 +53,17 @@ def test_tokens_and_keys_travel_as_json_and_bad_json_is_named(keys):
     token = issue_token(server, "bob", peer.get_public_key().to_bytes())
     again = token_from_json(token_to_json(token))
     assert again == token and token_problem(again, server.get_public_key()) is None
-    assert public_key_from_text(public_key_to_text(peer.get_public_key())).to_bytes() == \
-        peer.get_public_key().to_bytes()
+    assert (
+        public_key_from_text(public_key_to_text(peer.get_public_key())).to_bytes() == peer.get_public_key().to_bytes()
+    )
     good = token_to_json(token)
-    for bad, message in ((None, "JSON object"), ({**good, "username": 5}, "'username'"),
-                         ({**good, "public_key": "!!"}, "base64"), ({**good, "expiration_time": "soon"}, "ISO 8601"),
-                         ({**good, "expiration_time": "2026-11-22T12:00:00"}, "time zone")):
+    for bad, message in (
+        (None, "JSON object"),
+        ({**good, "username": 5}, "'username'"),
+        ({**good, "public_key": "!!"}, "base64"),
+        ({**good, "expiration_time": "soon"}, "ISO 8601"),
+        ({**good, "expiration_time": "2026-11-22T12:00:00"}, "time zone"),
+    ):
         with pytest.raises(MalformedToken, match=message):
             token_from_json(bad)
     with pytest.raises(MalformedToken, match="RSA public key"):
@@ -61,11 +80,13 @@ def test_a_peer_id_is_bound_to_the_token_by_the_tokens_key(keys):
     assert binding_problem(token, peer_id, binding, server.get_public_key()) is None
     assert "not bound" in binding_problem(token, b"\x00\x24peer-two", binding, server.get_public_key())
     # someone who copies carol's token cannot bind their own peer id to it
-    assert "not bound" in binding_problem(token, b"\x00\x24mallory", sign_peer_binding(other, token, b"\x00\x24mallory"),
-                                          server.get_public_key())
+    assert "not bound" in binding_problem(
+        token, b"\x00\x24mallory", sign_peer_binding(other, token, b"\x00\x24mallory"), server.get_public_key()
+    )
     expired = issue_token(server, "carol", peer.get_public_key().to_bytes(), datetime.timedelta(seconds=-1))
-    assert "expired" in binding_problem(expired, peer_id, sign_peer_binding(peer, expired, peer_id),
-                                        server.get_public_key())
+    assert "expired" in binding_problem(
+        expired, peer_id, sign_peer_binding(peer, expired, peer_id), server.get_public_key()
+    )
 
 
 def test_the_server_key_is_made_once_and_kept(tmp_path):

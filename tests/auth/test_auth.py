@@ -3,6 +3,7 @@
 Tokens here are issued by a server key made in the test (``collab_kit.auth.tokens.issue_token``), as the
 authentication server would issue them; the DHTs, averagers and libp2p connections are real, on 127.0.0.1.
 """
+
 import asyncio
 import datetime
 import re
@@ -15,11 +16,11 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
-
-from collab_kit.auth.tokens import issue_token
-from collab_kit.auth.client import HubAuthorizer, JoinAnswer
-from collab_kit.swarm.bindings import PeerGate, authorized_averager_class, binding_record, publish_peer_binding
 from waiting import wait_until
+
+from collab_kit.auth.client import HubAuthorizer, JoinAnswer
+from collab_kit.auth.tokens import issue_token
+from collab_kit.swarm.bindings import PeerGate, authorized_averager_class, binding_record, publish_peer_binding
 
 RUN = "authrun"
 
@@ -38,8 +39,13 @@ def authorizer_for(server_key, username, lifetime=datetime.timedelta(hours=1)):
 
 
 def start(initial_peers=(), authorizer=None, ensure_bootstrap_success=True):
-    return hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
-                        authorizer=authorizer, ensure_bootstrap_success=ensure_bootstrap_success)
+    return hivemind.DHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+        authorizer=authorizer,
+        ensure_bootstrap_success=ensure_bootstrap_success,
+    )
 
 
 def visible(dht):
@@ -54,17 +60,22 @@ def test_the_dht_serves_only_peers_with_a_valid_token(server_key):
         member = start(visible(first), authorizer=authorizer_for(server_key, "bob"))
         dhts.append(member)
         assert first.store("authrun_progress", "alice's", get_dht_time() + 60)
-        assert wait_until(lambda: member.get("authrun_progress", latest=True), what="bob reading alice's key").value \
+        assert (
+            wait_until(lambda: member.get("authrun_progress", latest=True), what="bob reading alice's key").value
             == "alice's"
+        )
 
         # without a token, or with a forged one, a peer's pings go unanswered: it cannot even join the DHT ...
         for authorizer in (None, authorizer_for(RSAPrivateKey(), "mallory")):
             with pytest.raises(RuntimeError, match="bootstrap failed"):
                 start(visible(first), authorizer=authorizer)
         # ... and if it starts anyway, it reads and writes nothing of the run's
-        intruders = [start(visible(first), ensure_bootstrap_success=False),
-                     start(visible(first), authorizer=authorizer_for(RSAPrivateKey(), "mallory"),
-                           ensure_bootstrap_success=False)]
+        intruders = [
+            start(visible(first), ensure_bootstrap_success=False),
+            start(
+                visible(first), authorizer=authorizer_for(RSAPrivateKey(), "mallory"), ensure_bootstrap_success=False
+            ),
+        ]
         dhts += intruders
         for intruder in intruders:
             assert intruder.get("authrun_progress", latest=True) is None  # cannot read the run's keys
@@ -74,8 +85,13 @@ def test_the_dht_serves_only_peers_with_a_valid_token(server_key):
         assert member.get("authrun_other", latest=True) is None
         # the members go on as before
         assert member.store("authrun_progress", "bob's", get_dht_time() + 60)
-        assert wait_until(lambda: (first.get("authrun_progress", latest=True) or None) and
-                          first.get("authrun_progress", latest=True).value == "bob's", what="alice reading bob's key")
+        assert wait_until(
+            lambda: (
+                (first.get("authrun_progress", latest=True) or None)
+                and first.get("authrun_progress", latest=True).value == "bob's"
+            ),
+            what="alice reading bob's key",
+        )
     finally:
         for dht in dhts:
             dht.shutdown()
@@ -88,8 +104,9 @@ async def _ask(dht, target, prefix):
     """Ask ``target``'s averager to take us in a group, then for its state, as a peer would."""
     p2p = await dht.replicate_p2p()
     stub = Averager.get_stub(p2p, target, namespace=prefix)
-    join = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 30,
-                                                               group_key=f"{prefix}.0b"))
+    join = await stub.rpc_join_group(
+        averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 30, group_key=f"{prefix}.0b")
+    )
     first_answer = None
     async for message in join:
         first_answer = message
@@ -107,8 +124,15 @@ def test_averagers_let_in_only_peers_bound_to_a_valid_token(server_key):
         member = start(visible(first), authorizer=bob)
         dhts += [first, member]
         # the averager's DHT handle goes with it into its own process, and so does its gate
-        averager = Averager([torch.arange(6, dtype=torch.float32)], dht=first, prefix="authrun_state", start=False,
-                            target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
+        averager = Averager(
+            [torch.arange(6, dtype=torch.float32)],
+            dht=first,
+            prefix="authrun_state",
+            start=False,
+            target_group_size=2,
+            min_matchmaking_time=1.0,
+            request_timeout=0.5,
+        )
         averager.peer_gate = PeerGate(first, RUN, server_key.get_public_key().to_bytes())
         averager.allow_state_sharing = True
         averager.run_in_background(await_ready=True)
@@ -127,8 +151,9 @@ def test_averagers_let_in_only_peers_bound_to_a_valid_token(server_key):
         answer, parts = asyncio.run(_ask(stranger, first.peer_id, "authrun_state"))
         assert answer.code == averaging_pb2.PROTOCOL_VIOLATION and parts == []
         copied = binding_record(bob, member.peer_id.to_bytes())
-        assert member.store(f"{RUN}_peer_tokens", subkey=stranger.peer_id.to_bytes(), value=copied,
-                            expiration_time=get_dht_time() + 60)
+        assert member.store(
+            f"{RUN}_peer_tokens", subkey=stranger.peer_id.to_bytes(), value=copied, expiration_time=get_dht_time() + 60
+        )
         time.sleep(2.5)  # the gate remembers a refusal for 2 s
         answer, parts = asyncio.run(_ask(stranger, first.peer_id, "authrun_state"))
         assert answer.code == averaging_pb2.PROTOCOL_VIOLATION and parts == []
@@ -175,7 +200,8 @@ def test_the_authorizer_takes_only_tokens_for_its_key_from_its_server(server_key
     soon = issue_token(server_key, "bob", short.local_public_key.to_bytes(), datetime.timedelta(seconds=8))
     assert short.does_token_need_refreshing(soon)
     assert alice.does_token_need_refreshing(
-        issue_token(server_key, "alice", alice.local_public_key.to_bytes(), datetime.timedelta(minutes=4)))
+        issue_token(server_key, "alice", alice.local_public_key.to_bytes(), datetime.timedelta(minutes=4))
+    )
 
 
 def test_binding_records_from_the_dht_are_schema_checked(server_key):
@@ -184,8 +210,15 @@ def test_binding_records_from_the_dht_are_schema_checked(server_key):
     peer_id = b"\x00\x24alice-peer"
     good = binding_record(alice, peer_id)
     assert gate.check_record(peer_id, good) is None
-    for bad in (None, "text", [1, 2], {"token": "str", "binding": b"x"}, {"token": b"\xff\xfe garbage", "binding": b"x"},
-                {**good, "binding": b"not a signature"}, {"token": good["token"]}):
+    for bad in (
+        None,
+        "text",
+        [1, 2],
+        {"token": "str", "binding": b"x"},
+        {"token": b"\xff\xfe garbage", "binding": b"x"},
+        {**good, "binding": b"not a signature"},
+        {"token": good["token"]},
+    ):
         assert gate.check_record(peer_id, bad) is not None, bad
 
 
@@ -206,21 +239,43 @@ def test_nothing_from_a_peer_is_unpickled():
     import inspect
     import pkgutil
 
-    network_packages = [importlib.import_module(name) for name in
-                        ("hivemind.dht", "hivemind.averaging", "hivemind.p2p", "hivemind.optim", "hivemind.compression",
-                         "collab_kit.auth", "collab_kit.swarm", "collab_kit.roles", "collab_kit.data")]
+    network_packages = [
+        importlib.import_module(name)
+        for name in (
+            "hivemind.dht",
+            "hivemind.averaging",
+            "hivemind.p2p",
+            "hivemind.optim",
+            "hivemind.compression",
+            "collab_kit.auth",
+            "collab_kit.swarm",
+            "collab_kit.roles",
+            "collab_kit.data",
+        )
+    ]
     modules = [importlib.import_module(f"hivemind.utils.{name}") for name in ("serializer", "auth", "streaming")]
     modules.append(importlib.import_module("collab_kit.addresses"))
     for package in network_packages:
-        modules += [importlib.import_module(info.name) for info in pkgutil.walk_packages(package.__path__,
-                                                                                         package.__name__ + ".")]
+        modules += [
+            importlib.import_module(info.name)
+            for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+        ]
     collab_kit_modules = {module.__name__ for module in modules if module.__name__.startswith("collab_kit.")}
     # The peer-facing parts of the kit: tokens and their checks, the swarm, the roles that run it, the data it streams.
-    assert {"collab_kit.auth.tokens", "collab_kit.auth.server", "collab_kit.swarm.optimizer", "collab_kit.swarm.robust",
-            "collab_kit.roles.volunteer", "collab_kit.roles.monitor", "collab_kit.data.stream"} <= collab_kit_modules
+    assert {
+        "collab_kit.auth.tokens",
+        "collab_kit.auth.server",
+        "collab_kit.swarm.optimizer",
+        "collab_kit.swarm.robust",
+        "collab_kit.roles.volunteer",
+        "collab_kit.roles.monitor",
+        "collab_kit.data.stream",
+    } <= collab_kit_modules
     assert len(modules) > 30
-    forbidden = re.compile(r"\bimport (cloud)?pickle\b|\bfrom (cloud)?pickle\b|\bimport dill\b|\bmarshal\.loads\b|"
-                           r"(?<![\w.])(eval|exec)\(")
+    forbidden = re.compile(
+        r"\bimport (cloud)?pickle\b|\bfrom (cloud)?pickle\b|\bimport dill\b|\bmarshal\.loads\b|"
+        r"(?<![\w.])(eval|exec)\("
+    )
     for module in modules:
         found = forbidden.search(inspect.getsource(module))
         assert found is None, f"{module.__name__} uses {found.group(0)}"

@@ -5,6 +5,7 @@ runs with HF_HUB_OFFLINE, which huggingface_hub reads once, at import) and point
 with ``--hub-endpoint``; the Hub's whoami-v2 answers from the tokens each test registers. Requests go through
 ``requests`` or, for the malformed ones, raw sockets. Every process started is killed at the end.
 """
+
 import base64
 import contextlib
 import datetime
@@ -19,17 +20,18 @@ import time
 
 import pytest
 import requests
+from auth_server_process import ORG, AuthServerProcess
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hivemind.utils.crypto import RSAPrivateKey
 from hub_server import REPO_ROOT, StandInHub
 
-from collab_kit.auth.tokens import public_key_from_text, token_from_json, token_problem
+from collab_kit.addresses import ADDRESS_EXAMPLE
 from collab_kit.auth.client import JOIN_PATH
 from collab_kit.auth.ledger import JoinLedger
 from collab_kit.auth.server_settings import AuthServerSettings
-from collab_kit.addresses import ADDRESS_EXAMPLE
-from auth_server_process import ORG, AuthServerProcess
+from collab_kit.auth.tokens import public_key_from_text, token_from_json, token_problem
+
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
@@ -42,9 +44,23 @@ def hub(tmp_path_factory):
 def server(hub, tmp_path_factory):
     """The run's server: members of ORG and the allowlisted 'guest-gwen', 3 joins a minute, one coordinator."""
     folder = tmp_path_factory.mktemp("auth_server")
-    process = AuthServerProcess("--organization", ORG, "--allow", "guest-gwen", "--db", str(folder / "auth.sqlite3"),
-                                "--run-id", "ttt_run", "--coordinator", ADDRESS_EXAMPLE, "--rate-limit", "3",
-                                "--token-lifetime", "30", hub_endpoint=hub.endpoint)
+    process = AuthServerProcess(
+        "--organization",
+        ORG,
+        "--allow",
+        "guest-gwen",
+        "--db",
+        str(folder / "auth.sqlite3"),
+        "--run-id",
+        "ttt_run",
+        "--coordinator",
+        ADDRESS_EXAMPLE,
+        "--rate-limit",
+        "3",
+        "--token-lifetime",
+        "30",
+        hub_endpoint=hub.endpoint,
+    )
     try:
         yield process
     finally:
@@ -109,8 +125,11 @@ def test_a_non_member_is_told_which_organization_to_join_and_the_allowlist_lets_
 
 def test_organization_and_app_tokens_are_refused_with_a_hint_to_use_a_user_token(hub, server, peer_key):
     # an app acting for a member has the member's name and orgs: only auth.type tells it apart
-    for token in (hub.add_org_token(ORG), hub.add_app_token("some-space"),
-                  hub.add_app_token("some-space", as_user="member-mia", orgs=[ORG])):
+    for token in (
+        hub.add_org_token(ORG),
+        hub.add_app_token("some-space"),
+        hub.add_app_token("some-space", as_user="member-mia", orgs=[ORG]),
+    ):
         answer = join(server.url, token, peer_key)
         assert answer.status_code == 403, hub.tokens[token]
         assert "personal user access token" in answer.json()["detail"]
@@ -119,11 +138,19 @@ def test_organization_and_app_tokens_are_refused_with_a_hint_to_use_a_user_token
 
 def test_a_missing_or_unknown_token_is_401_with_how_to_log_in(hub, server, peer_key):
     whoami_calls = hub.requests.count("GET /api/whoami-v2")
-    for headers in ({}, {"Authorization": "Basic dXNlcjpwYXNz"}, {"Authorization": "Bearer"},
-                    {"Authorization": "Bearer hf_with a space"}):
+    for headers in (
+        {},
+        {"Authorization": "Basic dXNlcjpwYXNz"},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer hf_with a space"},
+    ):
         with session() as http:
-            answer = http.put(server.url + JOIN_PATH, headers=headers, timeout=30,
-                              json={"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()})
+            answer = http.put(
+                server.url + JOIN_PATH,
+                headers=headers,
+                timeout=30,
+                json={"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()},
+            )
         assert answer.status_code == 401, headers
         assert "settings/tokens" in answer.json()["detail"] and answer.headers["WWW-Authenticate"] == "Bearer"
     assert hub.requests.count("GET /api/whoami-v2") == whoami_calls  # refused before asking the Hub
@@ -140,12 +167,18 @@ def _rsa_bytes(bits: int) -> bytes:
 def test_a_malformed_body_or_key_is_400_naming_the_field(hub, server, peer_key):
     token = hub.add_user_token("member-meg", orgs=[ORG])
     whoami_calls = hub.requests.count("GET /api/whoami-v2")
-    ec_key = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    ec_key = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    )
     cases = [
-        ([1, 2], "JSON array"), ("a string", "JSON string"), (None, "the body is empty"),
+        ([1, 2], "JSON array"),
+        ("a string", "JSON string"),
+        (None, "the body is empty"),
         ({}, "no 'peer_public_key'"),
-        ({"peer_key": "AAAA"}, "no 'peer_public_key'"), ({"peer_public_key": 5}, "'peer_public_key' is a JSON number"),
+        ({"peer_key": "AAAA"}, "no 'peer_public_key'"),
+        ({"peer_public_key": 5}, "'peer_public_key' is a JSON number"),
         ({"peer_public_key": ["AAAA"]}, "'peer_public_key' is a JSON array"),
         ({"peer_public_key": "not base64!"}, "'peer_public_key' is not valid base64"),
         ({"peer_public_key": "ключ"}, "'peer_public_key' is not valid base64"),
@@ -160,15 +193,17 @@ def test_a_malformed_body_or_key_is_400_naming_the_field(hub, server, peer_key):
         assert "peer_public_key" in answer.json()["detail"]
     with session() as http:
         for data, headers, status, message in (
-                (b'{"peer_public_key": ', {}, 400, "not valid JSON"),
-                (b"null", {}, 400, "JSON null"),
-                (b"\xff\xfe{}", {}, 400, "not valid JSON"),
-                (b"[" * 50_000, {}, 400, "not valid JSON"),  # nested past Python's recursion limit
-                (b'{"peer_public_key": "AAAA"}', {"Content-Type": "text/plain"}, 415, "application/json"),
-                (b"x" * 70_000, {}, 413, "over 65536 bytes"),
-                (b"x" * 5_000_000, {}, 413, "over 65536 bytes")):  # refused at once, the rest drained
-            answer = http.put(server.url + JOIN_PATH, data=data, timeout=30,
-                              headers={"Authorization": f"Bearer {token}", **headers})
+            (b'{"peer_public_key": ', {}, 400, "not valid JSON"),
+            (b"null", {}, 400, "JSON null"),
+            (b"\xff\xfe{}", {}, 400, "not valid JSON"),
+            (b"[" * 50_000, {}, 400, "not valid JSON"),  # nested past Python's recursion limit
+            (b'{"peer_public_key": "AAAA"}', {"Content-Type": "text/plain"}, 415, "application/json"),
+            (b"x" * 70_000, {}, 413, "over 65536 bytes"),
+            (b"x" * 5_000_000, {}, 413, "over 65536 bytes"),
+        ):  # refused at once, the rest drained
+            answer = http.put(
+                server.url + JOIN_PATH, data=data, timeout=30, headers={"Authorization": f"Bearer {token}", **headers}
+            )
             assert answer.status_code == status and message in answer.json()["detail"], (data[:20], answer.text)
     assert hub.requests.count("GET /api/whoami-v2") == whoami_calls  # a bad body never costs a Hub call
 
@@ -198,8 +233,10 @@ def test_a_restarted_server_keeps_its_key_and_its_ledger(hub, tmp_path, peer_key
         second.stop()
     assert after["auth_server_public_key"] == before["auth_server_public_key"]
     # a token issued before the restart verifies with the key served after it
-    assert token_problem(token_from_json(before["access_token"]),
-                         public_key_from_text(after["auth_server_public_key"])) is None
+    assert (
+        token_problem(token_from_json(before["access_token"]), public_key_from_text(after["auth_server_public_key"]))
+        is None
+    )
     ledger = JoinLedger(str(database))
     try:
         stats = ledger.user_stats("restart-rhea")
@@ -213,8 +250,9 @@ def test_the_cli_prints_where_it_listens_and_a_hub_it_cannot_reach_is_503(tmp_pa
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         dead_hub = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    process = AuthServerProcess("--allow", "solo-sam", "--db", str(tmp_path / "auth.sqlite3"), "--run-id", "solo",
-                                hub_endpoint=dead_hub)
+    process = AuthServerProcess(
+        "--allow", "solo-sam", "--db", str(tmp_path / "auth.sqlite3"), "--run-id", "solo", hub_endpoint=dead_hub
+    )
     try:
         assert process.line == f"auth server for run solo (1 allowed user) listening on {process.url}"
         assert process.port != 0
@@ -231,19 +269,25 @@ def test_settings_are_checked_with_clear_errors(tmp_path):
     settings = AuthServerSettings(organization=ORG, database_path=database, hub_endpoint="http://hub.test/")
     assert settings.key_path == str(tmp_path / "auth_key.der") and settings.hub_endpoint == "http://hub.test"
     for kwargs, message in (
-            (dict(), "nobody could join"),
-            (dict(organization="https://huggingface.co/my-org"), "give the name alone: 'my-org'"),
-            (dict(organization=ORG, allowlist=["bad name"]), "not a Hugging Face user"),
-            (dict(organization=ORG, run_id="my run"), "run_id"),
-            (dict(organization=ORG, joins_per_minute=0), "joins_per_minute"),
-            (dict(organization=ORG, token_lifetime=datetime.timedelta(0)), "token_lifetime"),
-            (dict(organization=ORG, coordinator_addresses=["localhost:31337"]), "coordinator_addresses"),
-            (dict(organization=ORG, hub_endpoint="huggingface.co"), "hub_endpoint"),
-            (dict(organization=ORG, max_body_bytes=10), "max_body_bytes")):
+        (dict(), "nobody could join"),
+        (dict(organization="https://huggingface.co/my-org"), "give the name alone: 'my-org'"),
+        (dict(organization=ORG, allowlist=["bad name"]), "not a Hugging Face user"),
+        (dict(organization=ORG, run_id="my run"), "run_id"),
+        (dict(organization=ORG, joins_per_minute=0), "joins_per_minute"),
+        (dict(organization=ORG, token_lifetime=datetime.timedelta(0)), "token_lifetime"),
+        (dict(organization=ORG, coordinator_addresses=["localhost:31337"]), "coordinator_addresses"),
+        (dict(organization=ORG, hub_endpoint="huggingface.co"), "hub_endpoint"),
+        (dict(organization=ORG, max_body_bytes=10), "max_body_bytes"),
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             AuthServerSettings(database_path=database, **kwargs)
-    result = subprocess.run([sys.executable, "-m", "collab_kit.cli", "auth-server", "--db", database],
-                            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "collab_kit.cli", "auth-server", "--db", database],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 2 and "--organization ORG" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -268,7 +312,7 @@ def raw_exchange(port: int, data: bytes, patience: float = 0.75, timeout: float 
         while True:
             try:
                 chunk = connection.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 if connection.gettimeout() == timeout:
                     raise AssertionError(f"no answer and no close within {timeout} s after the end of the request")
                 with contextlib.suppress(OSError):
@@ -288,13 +332,14 @@ def statuses(response: bytes):
     return [int(code) for code in re.findall(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3}) ", response)]
 
 
-def request_bytes(method: bytes, path: bytes, headers, body: bytes = b"", chunked: bool = False,
-                  content_length: bool = True) -> bytes:
+def request_bytes(
+    method: bytes, path: bytes, headers, body: bytes = b"", chunked: bool = False, content_length: bool = True
+) -> bytes:
     lines = [method + b" " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
     lines += [name + b": " + value for name, value in headers]
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
-        pieces = [body[i:i + 65536] for i in range(0, len(body), 65536)]
+        pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]
         body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
     elif content_length:
         lines.append(b"Content-Length: %d" % len(body))
@@ -311,12 +356,16 @@ def malformed_requests(rng: random.Random, member_token: str, good_key: str):
         return json.dumps(value).encode()
 
     def random_json(depth=0):
-        makers = [lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2 ** 70, 2 ** 70),
-                  lambda: rng.random() * 1e300,
-                  lambda: "".join(chr(rng.randrange(1, 0xD800)) for _ in range(rng.randrange(30))),
-                  lambda: [random_json(depth + 1) for _ in range(rng.randrange(4))],
-                  lambda: {str(rng.random()): random_json(depth + 1) for _ in range(rng.randrange(4))},
-                  lambda: {"peer_public_key": random_json(depth + 1)}]
+        makers = [
+            lambda: None,
+            lambda: rng.random() < 0.5,
+            lambda: rng.randint(-(2**70), 2**70),
+            lambda: rng.random() * 1e300,
+            lambda: "".join(chr(rng.randrange(1, 0xD800)) for _ in range(rng.randrange(30))),
+            lambda: [random_json(depth + 1) for _ in range(rng.randrange(4))],
+            lambda: {str(rng.random()): random_json(depth + 1) for _ in range(rng.randrange(4))},
+            lambda: {"peer_public_key": random_json(depth + 1)},
+        ]
         return makers[rng.randrange(8 if depth < 3 else 5)]()
 
     cases = []
@@ -329,68 +378,147 @@ def malformed_requests(rng: random.Random, member_token: str, good_key: str):
         mutated = bytearray(key_bytes)
         for _ in range(rng.randrange(1, 6)):
             mutated[rng.randrange(len(mutated))] = rng.randrange(256)
-        candidates = [base64.b64encode(bytes(mutated)).decode(), good_key[:rng.randrange(len(good_key))],
-                      good_key + rng.choice(["=", "==", "A", "!", "\n", " ", "\u00e9"]),
-                      base64.urlsafe_b64encode(rng.randbytes(300)).decode(), good_key.replace("A", "\u0410", 1),
-                      base64.b64encode(key_bytes[:rng.randrange(len(key_bytes))]).decode()]
+        candidates = [
+            base64.b64encode(bytes(mutated)).decode(),
+            good_key[: rng.randrange(len(good_key))],
+            good_key + rng.choice(["=", "==", "A", "!", "\n", " ", "\u00e9"]),
+            base64.urlsafe_b64encode(rng.randbytes(300)).decode(),
+            good_key.replace("A", "\u0410", 1),
+            base64.b64encode(key_bytes[: rng.randrange(len(key_bytes))]).decode(),
+        ]
         key = rng.choice(candidates)
-        cases.append((f"bad key {i}", request_bytes(b"PUT", path, [auth, json_type],
-                                                    body_of({"peer_public_key": key, "extra": random_json()}))))
+        cases.append(
+            (
+                f"bad key {i}",
+                request_bytes(
+                    b"PUT", path, [auth, json_type], body_of({"peer_public_key": key, "extra": random_json()})
+                ),
+            )
+        )
     for size in (1_000_000, 2_500_000, 5_000_000):  # huge bodies, declared and streamed
         blob = b'{"peer_public_key": "' + b"A" * size + b'"}'
         cases.append((f"huge body {size}", request_bytes(b"PUT", path, [auth, json_type], blob)))
-        cases.append((f"huge chunked body {size}", request_bytes(b"PUT", path, [auth, json_type], blob,
-                                                                 chunked=True)))
+        cases.append((f"huge chunked body {size}", request_bytes(b"PUT", path, [auth, json_type], blob, chunked=True)))
         cases.append((f"huge body, no token {size}", request_bytes(b"PUT", path, [json_type], blob)))
     good_body = body_of({"peer_public_key": good_key})
-    for i, value in enumerate([b"", b"Bearer", b"Bearer ", b"bearer  " + member_token.encode(), b"Basic Zm9vOmJhcg==",
-                               b"Bearer \x01\x02\x7f", b"Bearer " + "h\u00e9llo".encode("latin-1"),
-                               b"Bearer " + "\u4f60\u597d".encode(), b"Bearer " + b"A" * 12_000,
-                               b"Bearer hf_" + bytes(rng.randrange(0x21, 0x7f) for _ in range(40)),
-                               b"Token " + member_token.encode(), b"\xff\xfe\xfd"]):
-        cases.append((f"authorization {i}", request_bytes(b"PUT", path, [(b"Authorization", value), json_type],
-                                                          good_body)))
-    cases.append(("two authorizations", request_bytes(b"PUT", path, [auth, (b"Authorization", b"Bearer x")],
-                                                      good_body)))
-    for i, value in enumerate([b"text/plain", b"multipart/form-data; boundary=x", b"application/x-www-form-urlencoded",
-                               b"application/json; charset=utf-16", b"\x00\x01", b"a" * 5000, b"application/xml",
-                               b"application/vnd.api+json", "application/j\u00e9son".encode("latin-1")]):
+    for i, value in enumerate(
+        [
+            b"",
+            b"Bearer",
+            b"Bearer ",
+            b"bearer  " + member_token.encode(),
+            b"Basic Zm9vOmJhcg==",
+            b"Bearer \x01\x02\x7f",
+            b"Bearer " + "h\u00e9llo".encode("latin-1"),
+            b"Bearer " + "\u4f60\u597d".encode(),
+            b"Bearer " + b"A" * 12_000,
+            b"Bearer hf_" + bytes(rng.randrange(0x21, 0x7F) for _ in range(40)),
+            b"Token " + member_token.encode(),
+            b"\xff\xfe\xfd",
+        ]
+    ):
+        cases.append(
+            (f"authorization {i}", request_bytes(b"PUT", path, [(b"Authorization", value), json_type], good_body))
+        )
+    cases.append(
+        ("two authorizations", request_bytes(b"PUT", path, [auth, (b"Authorization", b"Bearer x")], good_body))
+    )
+    for i, value in enumerate(
+        [
+            b"text/plain",
+            b"multipart/form-data; boundary=x",
+            b"application/x-www-form-urlencoded",
+            b"application/json; charset=utf-16",
+            b"\x00\x01",
+            b"a" * 5000,
+            b"application/xml",
+            b"application/vnd.api+json",
+            "application/j\u00e9son".encode("latin-1"),
+        ]
+    ):
         cases.append((f"content type {i}", request_bytes(b"PUT", path, [auth, (b"Content-Type", value)], good_body)))
-    for method in (b"GET", b"POST", b"DELETE", b"PATCH", b"OPTIONS", b"HEAD", b"TRACE", b"FOO", b"put", b"P\xffT",
-                   b"CONNECT", b"X" * 300):
+    for method in (
+        b"GET",
+        b"POST",
+        b"DELETE",
+        b"PATCH",
+        b"OPTIONS",
+        b"HEAD",
+        b"TRACE",
+        b"FOO",
+        b"put",
+        b"P\xffT",
+        b"CONNECT",
+        b"X" * 300,
+    ):
         cases.append((f"method {method[:10]!r}", request_bytes(method, path, [auth, json_type], good_body)))
-    for i, odd_path in enumerate([b"/", b"/api", b"/api/experiments/join/", b"/api/experiments/join?x=" + b"y" * 8000,
-                                  b"/" + b"a" * 20_000, b"/../../etc/passwd", b"/api/experiments/%00join",
-                                  "/api/\u00e9xp\u00e9riments".encode(), b"/api/experiments/join#frag", b"*",
-                                  b"http://evil.example/api/experiments/join", b"//api//experiments//join",
-                                  b"/docs", b"/openapi.json", b"/api/experiments/join%2F..%2F"]):
+    for i, odd_path in enumerate(
+        [
+            b"/",
+            b"/api",
+            b"/api/experiments/join/",
+            b"/api/experiments/join?x=" + b"y" * 8000,
+            b"/" + b"a" * 20_000,
+            b"/../../etc/passwd",
+            b"/api/experiments/%00join",
+            "/api/\u00e9xp\u00e9riments".encode(),
+            b"/api/experiments/join#frag",
+            b"*",
+            b"http://evil.example/api/experiments/join",
+            b"//api//experiments//join",
+            b"/docs",
+            b"/openapi.json",
+            b"/api/experiments/join%2F..%2F",
+        ]
+    ):
         cases.append((f"path {i}", request_bytes(b"PUT", odd_path, [auth, json_type], good_body)))
-    for i, header in enumerate([(b"X-Long", b"v" * 70_000), (b"X-" + b"n" * 20_000, b"v"), (b"Bad Header", b"v"),
-                                (b"X-Null", b"a\x00b"), (b"X-Utf8", "\u2603".encode()), (b"", b"empty name"),
-                                (b"Content-Length", b"5"), (b"Content-Length", b"-1"),
-                                (b"Transfer-Encoding", b"gzip"), (b"Expect", b"100-continue")]):
+    for i, header in enumerate(
+        [
+            (b"X-Long", b"v" * 70_000),
+            (b"X-" + b"n" * 20_000, b"v"),
+            (b"Bad Header", b"v"),
+            (b"X-Null", b"a\x00b"),
+            (b"X-Utf8", "\u2603".encode()),
+            (b"", b"empty name"),
+            (b"Content-Length", b"5"),
+            (b"Content-Length", b"-1"),
+            (b"Transfer-Encoding", b"gzip"),
+            (b"Expect", b"100-continue"),
+        ]
+    ):
         cases.append((f"header {i}", request_bytes(b"PUT", path, [auth, json_type, header], good_body)))
     for count in (10, 150, 2000):  # many headers
         extra = [(b"X-%d" % n, b"v") for n in range(count)]
         cases.append((f"{count} headers", request_bytes(b"PUT", path, [auth, json_type] + extra, good_body)))
     # raw bytes that are not HTTP at all, or broken HTTP
-    ugly = [b"", b"\r\n\r\n", b"GET /\r\n", b"garbage\r\n\r\n", rng.randbytes(2000),
-            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-            b"PUT " + path + b" HTTP/1.1\r\n", b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
-            b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
-            b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-            b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
-            b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffff\r\n{}",
-            b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n{}",
-            b"PUT " + path + b" HTTP/9.9\r\nHost: x\r\n\r\n", b"PUT " + path + b"\r\nHost: x\r\n\r\n",
-            b"PUT  " + path + b"  HTTP/1.1\r\n\r\n", b"PUT " + path + b" HTTP/1.1\nHost: x\n\n",
-            b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\n folded: header\r\n\r\n",
-            b"PUT " + path + b" HTTP/1.0\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + rng.randbytes(200)]
+    ugly = [
+        b"",
+        b"\r\n\r\n",
+        b"GET /\r\n",
+        b"garbage\r\n\r\n",
+        rng.randbytes(2000),
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        b"PUT " + path + b" HTTP/1.1\r\n",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffff\r\n{}",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n{}",
+        b"PUT " + path + b" HTTP/9.9\r\nHost: x\r\n\r\n",
+        b"PUT " + path + b"\r\nHost: x\r\n\r\n",
+        b"PUT  " + path + b"  HTTP/1.1\r\n\r\n",
+        b"PUT " + path + b" HTTP/1.1\nHost: x\n\n",
+        b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\n folded: header\r\n\r\n",
+        b"PUT " + path + b" HTTP/1.0\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + rng.randbytes(200),
+    ]
     for i, data in enumerate(ugly):
         cases.append((f"ugly {i}", data))
     for i in range(3):  # pipelined requests on one connection, the last one malformed
         one = request_bytes(b"PUT", path, [auth, json_type], body_of(random_json())).replace(
-            b"Connection: close\r\n", b"")
+            b"Connection: close\r\n", b""
+        )
         cases.append((f"pipelined {i}", one * 3 + rng.randbytes(100)))
     rng.shuffle(cases)
     return cases
@@ -433,9 +561,19 @@ DEADLINE = 4.0
 def guarded_server(hub, tmp_path_factory):
     """A server with a short request deadline and a small cap on connections per client address."""
     folder = tmp_path_factory.mktemp("guarded_auth_server")
-    process = AuthServerProcess("--organization", LOOKALIKE_ORG, "--allow", "kevin-k", "--db",
-                                str(folder / "auth.sqlite3"), "--request-deadline", str(DEADLINE),
-                                "--connections-per-client", "8", hub_endpoint=hub.endpoint)
+    process = AuthServerProcess(
+        "--organization",
+        LOOKALIKE_ORG,
+        "--allow",
+        "kevin-k",
+        "--db",
+        str(folder / "auth.sqlite3"),
+        "--request-deadline",
+        str(DEADLINE),
+        "--connections-per-client",
+        "8",
+        hub_endpoint=hub.endpoint,
+    )
     try:
         yield process
     finally:
@@ -449,8 +587,10 @@ def half_sent_connection(port: int, source: str) -> socket.socket:
     connection.settimeout(10)
     connection.connect(("127.0.0.1", port))
     with contextlib.suppress(OSError):  # closed at once by the cap: nothing to send on
-        connection.sendall(b"PUT " + JOIN_PATH.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                           b"Content-Type: application/json\r\nContent-Length: 600\r\n\r\n{\"peer_pub")
+        connection.sendall(
+            b"PUT " + JOIN_PATH.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 600\r\n\r\n{"peer_pub'
+        )
     return connection
 
 
@@ -475,9 +615,12 @@ def test_many_half_sent_connections_from_one_address_do_not_keep_others_out(hub,
         attackers = [half_sent_connection(guarded_server.port, "127.0.0.2") for _ in range(300)]
         # another client, from another address, joins while they are held: answered, and promptly
         with session() as http:
-            answer = http.put(guarded_server.url + JOIN_PATH, headers={"Authorization": f"Bearer {token}"},
-                              json={"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()},
-                              timeout=2)
+            answer = http.put(
+                guarded_server.url + JOIN_PATH,
+                headers={"Authorization": f"Bearer {token}"},
+                json={"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()},
+                timeout=2,
+            )
         assert answer.status_code == 200, answer.text
         held = [connection for connection in attackers if not closed_by_server(connection)]
         assert time.monotonic() - opened < DEADLINE  # the join came while the attacker held its connections ...
@@ -498,8 +641,10 @@ def test_many_half_sent_connections_from_one_address_do_not_keep_others_out(hub,
 def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_deadline(hub, guarded_server, peer_key):
     token = hub.add_user_token("trickling-tom", orgs=[LOOKALIKE_ORG])
     body = json.dumps({"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()}).encode()
-    head = (f"PUT {JOIN_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"PUT {JOIN_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     stop = threading.Event()
     with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=DEADLINE + 10) as connection:
         started = time.monotonic()
@@ -513,6 +658,7 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_deadline(hub, guarded_server
                     connection.sendall(bytes([byte]))
                 except OSError:
                     return
+
         sender = threading.Thread(target=trickle, daemon=True)
         sender.start()
         try:
@@ -527,13 +673,16 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_deadline(hub, guarded_server
 
 
 def test_an_idle_connection_is_closed_and_a_kept_alive_one_gets_a_deadline_for_its_next_request(
-        hub, guarded_server, peer_key):
+    hub, guarded_server, peer_key
+):
     with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=DEADLINE + 10) as idle:
         assert b"".join(iter(lambda: idle.recv(65536), b"")).startswith(b"HTTP/1.1 408 ")  # it never sent a byte
     token = hub.add_user_token("keepalive-kai", orgs=[LOOKALIKE_ORG])
     body = json.dumps({"peer_public_key": base64.b64encode(peer_key.get_public_key().to_bytes()).decode()}).encode()
-    request = (f"PUT {JOIN_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"PUT {JOIN_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=DEADLINE + 10) as connection:
         connection.sendall(request)
         first = b""

@@ -1,4 +1,5 @@
 """The command line: help, clear errors for bad input (never a traceback), overrides."""
+
 import re
 import subprocess
 import sys
@@ -9,8 +10,9 @@ from collab_kit.config import SettingProblem, parse_overrides
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "collab_kit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "collab_kit.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_lists_the_commands():
@@ -20,11 +22,14 @@ def test_help_lists_the_commands():
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("address, message", [
-    ("/ip4/1.2.3/tcp/5", "is not a valid multiaddr"),
-    ("localhost:31337", "is not a valid multiaddr"),
-    ("/ip4/127.0.0.1/tcp/31337", "has no /p2p/<peer id> part"),
-])
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("/ip4/1.2.3/tcp/5", "is not a valid multiaddr"),
+        ("localhost:31337", "is not a valid multiaddr"),
+        ("/ip4/127.0.0.1/tcp/31337", "has no /p2p/<peer id> part"),
+    ],
+)
 def test_a_malformed_initial_peer_is_a_clear_error_not_a_traceback(address, message):
     result = run_cli("join", "--preset", "tiny", "--initial-peers", address)
     assert result.returncode == 2
@@ -53,14 +58,18 @@ def test_an_unreachable_peer_and_bad_settings_are_clear_errors(tmp_path):
 
     # a share of the machine that is none or more than all of it: one sentence, before anything starts
     for share in ("0", "1.5"):
-        result = run_cli("join", "--preset", "tiny", "--host", "127.0.0.1", "--max-load", share, "--data", str(tmp_path))
+        result = run_cli(
+            "join", "--preset", "tiny", "--host", "127.0.0.1", "--max-load", share, "--data", str(tmp_path)
+        )
         assert result.returncode == 2 and f"--max-load {share}: " in result.stderr and "at most 1" in result.stderr
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_overrides_parse_values_and_reject_bad_syntax():
     assert parse_overrides(["optimizer.target_batch_size=64", "swarm.run_id=abc", "optimizer.betas=(0.9, 0.95)"]) == {
-        "optimizer": {"target_batch_size": 64, "betas": (0.9, 0.95)}, "swarm": {"run_id": "abc"}}
+        "optimizer": {"target_batch_size": 64, "betas": (0.9, 0.95)},
+        "swarm": {"run_id": "abc"},
+    }
     with pytest.raises(SettingProblem, match="SECTION.FIELD=VALUE"):
         parse_overrides(["target_batch_size=64"])
 

@@ -1,4 +1,5 @@
 """`collab-kit demo`: the whole local run, and its one summary line; on the toy world, what it learned."""
+
 import os
 import re
 import subprocess
@@ -9,19 +10,40 @@ from PIL import Image
 
 pytestmark = pytest.mark.slow
 
-SUMMARY = re.compile(r"^demo: peers=(\d+) epochs=(\d+) loss_first=([\d.]+) loss_last=([\d.]+) averaged_rounds=(\d+)"
-                     r" bytes_sent=([\d.]+)MiB( local_steps=(\d+))?( color_match=([\d.]+))?$")
+SUMMARY = re.compile(
+    r"^demo: peers=(\d+) epochs=(\d+) loss_first=([\d.]+) loss_last=([\d.]+) averaged_rounds=(\d+)"
+    r" bytes_sent=([\d.]+)MiB( local_steps=(\d+))?( color_match=([\d.]+))?$"
+)
 
 
 def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "collab_kit.cli", "demo", "--preset", "tiny", "--peers", "2", "--epochs", "3",
-         "--workdir", str(tmp_path), "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "collab_kit.cli",
+            "demo",
+            "--preset",
+            "tiny",
+            "--peers",
+            "2",
+            "--epochs",
+            "3",
+            "--workdir",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds, sent, local_part, _, toy_part, _ = \
-        SUMMARY.match(summaries[0]).groups()
+    peers, epochs, loss_first, loss_last, rounds, sent, local_part, _, toy_part, _ = SUMMARY.match(
+        summaries[0]
+    ).groups()
     assert toy_part is None and local_part is None  # colours are only measured on the toy world; synchronous mode
     assert (int(peers), int(epochs)) == (2, 3)
     assert int(rounds) >= 1 and float(loss_last) < float(loss_first)
@@ -30,7 +52,7 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     from collab_kit.model.transformer import TextToImageTransformer
 
     parameters = sum(p.numel() for p in TextToImageTransformer(get_preset("tiny").model).parameters())
-    assert float(sent) * 2 ** 20 > int(rounds) * parameters / 2, (sent, parameters)
+    assert float(sent) * 2**20 > int(rounds) * parameters / 2, (sent, parameters)
     # live progress: one line per global epoch before the summary
     assert len([line for line in result.stdout.splitlines() if line.startswith("demo: epoch ")]) == 3
     # the peers' logs stay in the workdir; the loss plot is written, no samples without the toy world
@@ -51,10 +73,30 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
 def test_the_demo_takes_the_local_update_mode(tmp_path):
     """The mode and its settings of the whole run (here fragments: H = 2 in 2 fragments, an epoch a global batch)."""
     result = subprocess.run(
-        [sys.executable, "-m", "collab_kit.cli", "demo", "--preset", "tiny", "--peers", "2", "--local-steps", "2",
-         "--set", "optimizer.fragments=2", "--epochs", "3", "--workdir", str(tmp_path),
-         "--output", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "collab_kit.cli",
+            "demo",
+            "--preset",
+            "tiny",
+            "--peers",
+            "2",
+            "--local-steps",
+            "2",
+            "--set",
+            "optimizer.fragments=2",
+            "--epochs",
+            "3",
+            "--workdir",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
@@ -67,7 +109,9 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
     assert "a 1/2 fragment of the model at a time" in log
     assert "--set optimizer.local_steps=2" in log and "--set optimizer.fragments=2" in log
     # its summary says what it sent
-    assert re.search(r"join: epochs \d+->\d+: .* global steps averaged with other peers, [\d.]+ [KM]iB sent to them", log)
+    assert re.search(
+        r"join: epochs \d+->\d+: .* global steps averaged with other peers, [\d.]+ [KM]iB sent to them", log
+    )
     # the monitor recorded the run and saved the swarm's state (the global parameters, downloaded from a volunteer
     # with the outer optimizer's state) as checkpoints, every round here
     from collab_kit.model.checkpoint import load_latest_checkpoint
@@ -85,8 +129,13 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
 
     env = dict(os.environ, COLLAB_KIT_CACHE=str(tmp_path / "cache"))  # the toy dataset is made from scratch
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "collab_kit.cli", "demo", "--workdir", str(tmp_path / "work"),
-                             "--output", str(out)], capture_output=True, text=True, timeout=900, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "collab_kit.cli", "demo", "--workdir", str(tmp_path / "work"), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
@@ -119,5 +168,8 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
 def test_demo_that_cannot_start_fails_with_a_message(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "collab_kit.cli", "demo", "--preset", "tiny", "--peers", "0"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "at least one volunteer" in result.stderr

@@ -1,4 +1,5 @@
 """The code codec, caption tokens, parquet shards and the shuffled stream."""
+
 import json
 
 import numpy as np
@@ -9,7 +10,9 @@ import torch
 from collab_kit.data.codec import bits_per_code, decode_codes, encode_codes
 from collab_kit.data.shards import SHARD_FORMAT, list_shards, misfit_for_run, shard_metadata, write_shard
 from collab_kit.data.stream import ShardStream, batches
-from collab_kit.data.synthetic import CODE_COLORS as COLORS, CODE_SHAPES as SHAPES, make_synthetic_shards
+from collab_kit.data.synthetic import CODE_COLORS as COLORS
+from collab_kit.data.synthetic import CODE_SHAPES as SHAPES
+from collab_kit.data.synthetic import make_synthetic_shards
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
 
 
@@ -25,7 +28,7 @@ def test_codes_round_trip_and_take_the_bits_the_codebook_needs():
     repetitive[:16] = 7  # an image's codes repeat: the codec finds that
     assert len(encode_codes(repetitive, 8192)) < 0.6 * len(data)
     assert np.array_equal(decode_codes(encode_codes(repetitive, 8192)), repetitive.ravel())
-    for codebook_size in (2, 3, 32, 255, 256, 257, 2 ** 16):
+    for codebook_size in (2, 3, 32, 255, 256, 257, 2**16):
         codes = rng.integers(0, codebook_size, size=77)
         assert np.array_equal(decode_codes(encode_codes(codes, codebook_size)), codes), codebook_size
 
@@ -104,12 +107,22 @@ def test_a_shard_records_its_format_sizes_and_sources(tmp_path):
     import pyarrow.parquet as pq
 
     codes = [np.arange(16) % 32, np.full(16, 31)]
-    path = write_shard(str(tmp_path / "s.parquet"), ["one", "two"], codes, codebook_size=32, image_side=4,
-                       sizes=[(640, 480), (100, 120)], source_ids=["a.jpg", "b.jpg"])
+    path = write_shard(
+        str(tmp_path / "s.parquet"),
+        ["one", "two"],
+        codes,
+        codebook_size=32,
+        image_side=4,
+        sizes=[(640, 480), (100, 120)],
+        source_ids=["a.jpg", "b.jpg"],
+    )
     assert shard_metadata(path) == dict(format=2, codebook_size=32, image_side=4)
     table = pq.read_table(path)
     assert table.column_names == ["caption", "codes", "width", "height", "source_id"]
-    assert table.column("width").to_pylist() == [640, 100] and table.column("source_id").to_pylist() == ["a.jpg", "b.jpg"]
+    assert table.column("width").to_pylist() == [640, 100] and table.column("source_id").to_pylist() == [
+        "a.jpg",
+        "b.jpg",
+    ]
     assert np.array_equal(decode_codes(table.column("codes")[1].as_py(), 16), codes[1])
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(ValueError, match="one of each per sample"):
@@ -124,8 +137,19 @@ def write_raw_shard(path, rows):
     from collab_kit.data.shards import SHARD_SCHEMA
 
     captions, codes, ids = zip(*rows)
-    pq.write_table(pa.table({"caption": list(captions), "codes": list(codes), "width": [0] * len(rows),
-                             "height": [0] * len(rows), "source_id": list(ids)}, schema=SHARD_SCHEMA), path)
+    pq.write_table(
+        pa.table(
+            {
+                "caption": list(captions),
+                "codes": list(codes),
+                "width": [0] * len(rows),
+                "height": [0] * len(rows),
+                "source_id": list(ids),
+            },
+            schema=SHARD_SCHEMA,
+        ),
+        path,
+    )
 
 
 def test_bad_samples_and_unreadable_shards_are_skipped_counted_and_training_goes_on(tmp_path, caplog):
@@ -179,6 +203,7 @@ def test_peers_with_different_identities_read_different_orders_and_passes_repeat
     def order(peer_id: bytes, count=40):
         stream = iter(ShardStream(str(tmp_path), 16, 16, shuffle_buffer=16, seed=peer_data_seed(peer_id, 0)))
         return [tuple(next(stream)["image_codes"].tolist()) for _ in range(count)]
+
     alice, bob = order(b"peer alice"), order(b"peer bob")
     assert alice != bob and sorted(alice[:24]) != sorted(bob[:24])  # not just shuffled within the same rows
     assert order(b"peer alice") == alice  # the same identity reads the same order again
@@ -201,7 +226,8 @@ def test_synthetic_pictures_match_their_captions(tmp_path):
     folder = make_synthetic_images(str(tmp_path / "pictures"), num_samples=12, size=32, seed=3)
     entries = [json.loads(line) for line in open(tmp_path / "pictures" / "captions.jsonl")]
     assert len(entries) == 12 and sorted(e["file"] for e in entries) == sorted(
-        p.name for p in (tmp_path / "pictures").glob("*.png"))
+        p.name for p in (tmp_path / "pictures").glob("*.png")
+    )
     for entry in entries:
         pixels = np.asarray(Image.open(f"{folder}/{entry['file']}"))
         assert pixels.shape == (32, 32, 3)
@@ -214,8 +240,7 @@ def test_synthetic_pictures_match_their_captions(tmp_path):
 
 def test_the_configured_caption_tokenizer(tmp_path):
     from collab_kit.config import get_preset
-    from collab_kit.data.tokenizers import caption_tokenizer
-    from collab_kit.data.tokenizers import ToyTokenizer
+    from collab_kit.data.tokenizers import ToyTokenizer, caption_tokenizer
 
     assert get_preset("paper").data.tokenizer == "t5-small" and get_preset("small").data.tokenizer == "bytes"
     assert isinstance(caption_tokenizer("bytes"), ByteCaptionTokenizer)

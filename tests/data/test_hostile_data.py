@@ -4,6 +4,7 @@ A shard that does not fit (columns of the wrong type, another codebook or image 
 whole and counted under its reason; a sample that does not decode (decompression bombs included) is skipped and
 counted; every good sample comes out once per pass with its own codes.
 """
+
 import functools
 import json
 import subprocess
@@ -23,10 +24,10 @@ from collab_kit.data.stream import ShardStream
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
 
 IMAGE_LENGTH, CODEBOOK, TEXT_LENGTH = 16, 32, 12
-LARGEST_PAYLOAD = (2 ** 16 - 1) * 16 // 8  # 65,535 codes of 16 bits: the largest record the codec writes
+LARGEST_PAYLOAD = (2**16 - 1) * 16 // 8  # 65,535 codes of 16 bits: the largest record the codec writes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zeros_compressed(size: int, window_bits: int = 24) -> bytes:
     """``size`` zero bytes (a multiple of 16 MiB), Brotli-compressed: 1 GiB takes 809 bytes with a 16 MiB window."""
     compressor, chunk = brotli.Compressor(quality=5, lgwin=window_bits), bytes(16 << 20)
@@ -67,18 +68,30 @@ def hostile_shards(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile")
     good = {f"good-{i}": (f"picture {i}", good_codes(i)) for i in range(10)}
     # good samples, in a shard written by the kit and in one written by another tool (no collab_kit metadata)
-    write_shard(str(folder / "kit.parquet"), [good[f"good-{i}"][0] for i in range(5)],
-                [good[f"good-{i}"][1] for i in range(5)], codebook_size=CODEBOOK, image_side=4,
-                source_ids=[f"good-{i}" for i in range(5)])
+    write_shard(
+        str(folder / "kit.parquet"),
+        [good[f"good-{i}"][0] for i in range(5)],
+        [good[f"good-{i}"][1] for i in range(5)],
+        codebook_size=CODEBOOK,
+        image_side=4,
+        source_ids=[f"good-{i}" for i in range(5)],
+    )
     bad_rows = [  # (caption, codes, source id, the reason it is skipped for)
         ("bomb 256 MiB", bomb(256 << 20, window_bits=22), "bomb-256m", "invalid codes"),
         ("bomb 1 GiB", bomb(1 << 30), "bomb-1g", "invalid codes"),
-        ("bomb, 16-bit header", bomb(1 << 30, bits=16, count=2 ** 16 - 1, window_bits=22), "bomb-max",
-         "invalid codes"),
-        ("more than announced", bytes([5 | 0x80, IMAGE_LENGTH, 0]) + brotli.compress(bytes(11)), "long",
-         "invalid codes"),
-        ("cut short", encode_codes(np.zeros(IMAGE_LENGTH, dtype=np.int64), CODEBOOK)[:-3], "short-record",
-         "invalid codes"),
+        ("bomb, 16-bit header", bomb(1 << 30, bits=16, count=2**16 - 1, window_bits=22), "bomb-max", "invalid codes"),
+        (
+            "more than announced",
+            bytes([5 | 0x80, IMAGE_LENGTH, 0]) + brotli.compress(bytes(11)),
+            "long",
+            "invalid codes",
+        ),
+        (
+            "cut short",
+            encode_codes(np.zeros(IMAGE_LENGTH, dtype=np.int64), CODEBOOK)[:-3],
+            "short-record",
+            "invalid codes",
+        ),
         ("not brotli", bytes([5 | 0x80, IMAGE_LENGTH, 0]) + b"\xff" * 40, "not-brotli", "invalid codes"),
         ("no header", b"\x00", "no-header", "invalid codes"),
         ("nothing", b"", "empty-codes", "invalid codes"),
@@ -94,12 +107,17 @@ def hostile_shards(tmp_path_factory):
     rows += [(caption, codes, source) for caption, codes, source, _ in bad_rows]
     captions, codes, sources = zip(*rows)
     # a caption that is not UTF-8, as a string column can hold when written without checks
-    caption_array = pa.array([c.encode() if c is not None else None for c in captions] + [b"\xff\xfe caption"],
-                             pa.binary()).view(pa.string())
-    write_table(str(folder / "other_tool.parquet"),
-                {"caption": caption_array, "codes": pa.array(list(codes) + [encode_codes(good_codes(0), CODEBOOK)],
-                                                              pa.binary()),
-                 "source_id": list(sources) + ["not-utf8"]})
+    caption_array = pa.array(
+        [c.encode() if c is not None else None for c in captions] + [b"\xff\xfe caption"], pa.binary()
+    ).view(pa.string())
+    write_table(
+        str(folder / "other_tool.parquet"),
+        {
+            "caption": caption_array,
+            "codes": pa.array(list(codes) + [encode_codes(good_codes(0), CODEBOOK)], pa.binary()),
+            "source_id": list(sources) + ["not-utf8"],
+        },
+    )
     sample_reasons = {source: reason for _, _, source, reason in bad_rows}
     sample_reasons["not-utf8"] = "invalid caption"
     # shards skipped whole
@@ -110,29 +128,53 @@ def hostile_shards(tmp_path_factory):
     write_table(str(folder / "captions_as_integers.parquet"), {"caption": [1] * n, "codes": record})
     write_table(str(folder / "captions_as_bytes.parquet"), {"caption": [b"a"] * n, "codes": record})
     write_table(str(folder / "no_codes.parquet"), {"caption": ["a"] * n, "image": record})
-    write_table(str(folder / "source_ids_as_lists.parquet"), {"caption": ["a"] * n, "codes": record,
-                                                              "source_id": [[1]] * n})
-    kit_columns = {"caption": ["a"] * n, "codes": record, "width": [0] * n, "height": [0] * n,
-                   "source_id": ["x"] * n}
-    write_table(str(folder / "larger_codebook.parquet"), kit_columns, SHARD_SCHEMA,
-                json.dumps(dict(format=SHARD_FORMAT, codebook_size=8192, image_side=4)).encode())
-    write_table(str(folder / "other_grid.parquet"), kit_columns, SHARD_SCHEMA,
-                json.dumps(dict(format=SHARD_FORMAT, codebook_size=CODEBOOK, image_side=32)).encode())
-    write_table(str(folder / "newer_format.parquet"), kit_columns, SHARD_SCHEMA,
-                json.dumps(dict(format=SHARD_FORMAT + 1, codebook_size=CODEBOOK, image_side=4)).encode())
+    write_table(
+        str(folder / "source_ids_as_lists.parquet"), {"caption": ["a"] * n, "codes": record, "source_id": [[1]] * n}
+    )
+    kit_columns = {"caption": ["a"] * n, "codes": record, "width": [0] * n, "height": [0] * n, "source_id": ["x"] * n}
+    write_table(
+        str(folder / "larger_codebook.parquet"),
+        kit_columns,
+        SHARD_SCHEMA,
+        json.dumps(dict(format=SHARD_FORMAT, codebook_size=8192, image_side=4)).encode(),
+    )
+    write_table(
+        str(folder / "other_grid.parquet"),
+        kit_columns,
+        SHARD_SCHEMA,
+        json.dumps(dict(format=SHARD_FORMAT, codebook_size=CODEBOOK, image_side=32)).encode(),
+    )
+    write_table(
+        str(folder / "newer_format.parquet"),
+        kit_columns,
+        SHARD_SCHEMA,
+        json.dumps(dict(format=SHARD_FORMAT + 1, codebook_size=CODEBOOK, image_side=4)).encode(),
+    )
     write_table(str(folder / "garbled_metadata.parquet"), kit_columns, SHARD_SCHEMA, b"{not json")
-    write_table(str(folder / "metadata_of_strings.parquet"), kit_columns, SHARD_SCHEMA,
-                json.dumps(dict(format="2", codebook_size="lots")).encode())
+    write_table(
+        str(folder / "metadata_of_strings.parquet"),
+        kit_columns,
+        SHARD_SCHEMA,
+        json.dumps(dict(format="2", codebook_size="lots")).encode(),
+    )
     (folder / "not_parquet.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
     whole = (folder / "kit.parquet").read_bytes()
     (folder / "truncated.parquet").write_bytes(whole[: len(whole) // 2])
-    shard_reasons = {"codes_as_strings": "wrong columns", "codes_as_integers": "wrong columns",
-                     "captions_as_integers": "wrong columns", "captions_as_bytes": "wrong columns",
-                     "no_codes": "wrong columns", "source_ids_as_lists": "wrong columns",
-                     "larger_codebook": "other codebook", "other_grid": "other image size",
-                     "newer_format": "newer format", "garbled_metadata": "unreadable metadata",
-                     "metadata_of_strings": "unreadable metadata", "not_parquet": "unreadable",
-                     "truncated": "unreadable"}
+    shard_reasons = {
+        "codes_as_strings": "wrong columns",
+        "codes_as_integers": "wrong columns",
+        "captions_as_integers": "wrong columns",
+        "captions_as_bytes": "wrong columns",
+        "no_codes": "wrong columns",
+        "source_ids_as_lists": "wrong columns",
+        "larger_codebook": "other codebook",
+        "other_grid": "other image size",
+        "newer_format": "newer format",
+        "garbled_metadata": "unreadable metadata",
+        "metadata_of_strings": "unreadable metadata",
+        "not_parquet": "unreadable",
+        "truncated": "unreadable",
+    }
     return folder, good, sample_reasons, shard_reasons
 
 
@@ -144,11 +186,19 @@ def count_by(values):
 
 
 def test_hostile_shards_and_samples_are_skipped_and_counted_and_every_good_sample_comes_once_per_pass(
-        hostile_shards, caplog):
+    hostile_shards, caplog
+):
     folder, good, sample_reasons, shard_reasons = hostile_shards
     tokenizer = FussyTokenizer()
-    stream = ShardStream(str(folder), text_length=TEXT_LENGTH, image_length=IMAGE_LENGTH, tokenizer=tokenizer,
-                         codebook_size=CODEBOOK, shuffle_buffer=8, seed=3)
+    stream = ShardStream(
+        str(folder),
+        text_length=TEXT_LENGTH,
+        image_length=IMAGE_LENGTH,
+        tokenizer=tokenizer,
+        codebook_size=CODEBOOK,
+        shuffle_buffer=8,
+        seed=3,
+    )
     expected = sorted((tokenizer.encode(caption, TEXT_LENGTH), codes.tolist()) for caption, codes in good.values())
     for passes in (1, 2):
         samples = list(stream.one_pass())  # never raises, whatever the shards hold
@@ -156,11 +206,13 @@ def test_hostile_shards_and_samples_are_skipped_and_counted_and_every_good_sampl
         assert got == expected  # each good sample once, with its own caption and codes
         # each bad sample counted once per pass, under its reason
         per_pass = count_by(sample_reasons.values())
-        assert {reason: count for reason, count in stream.skipped.counts.items() if count} == \
-               {reason: count * passes for reason, count in per_pass.items()}
+        assert {reason: count for reason, count in stream.skipped.counts.items() if count} == {
+            reason: count * passes for reason, count in per_pass.items()
+        }
     # each bad shard skipped whole, counted once under its reason, and named once in the log
-    assert {path.rsplit("/", 1)[-1][:-len(".parquet")]: reason for path, reason in stream.skipped.shards.items()} == \
-           shard_reasons
+    assert {
+        path.rsplit("/", 1)[-1][: -len(".parquet")]: reason for path, reason in stream.skipped.shards.items()
+    } == shard_reasons
     assert stream.skipped.shard_counts == count_by(shard_reasons.values())
     for name in shard_reasons:
         assert caplog.text.count(f"{name}.parquet: ") == 1, name
@@ -169,8 +221,15 @@ def test_hostile_shards_and_samples_are_skipped_and_counted_and_every_good_sampl
 
 def test_training_batches_flow_past_hostile_shards(hostile_shards):
     folder, good, _, _ = hostile_shards
-    stream = ShardStream(str(folder), text_length=TEXT_LENGTH, image_length=IMAGE_LENGTH, tokenizer=FussyTokenizer(),
-                         codebook_size=CODEBOOK, shuffle_buffer=4, seed=0)
+    stream = ShardStream(
+        str(folder),
+        text_length=TEXT_LENGTH,
+        image_length=IMAGE_LENGTH,
+        tokenizer=FussyTokenizer(),
+        codebook_size=CODEBOOK,
+        shuffle_buffer=4,
+        seed=0,
+    )
     samples = iter(stream)
     seen = [tuple(next(samples)["image_codes"].tolist()) for _ in range(3 * len(good))]  # three passes, endless
     assert count_by(seen) == {tuple(codes.tolist()): 3 for _, codes in good.values()}
@@ -203,11 +262,15 @@ for path in sys.argv[1:]:
 
 
 def test_a_decompression_bomb_is_refused_in_bounded_memory(tmp_path):
-    cases = {"window 4 MiB, 256 MiB of zeros": (bomb(256 << 20, window_bits=22), "more than the 10 bytes"),
-             "window 4 MiB, 1 GiB of zeros": (bomb(1 << 30, window_bits=22), "more than the 10 bytes"),
-             "window 16 MiB, 1 GiB of zeros": (bomb(1 << 30), "Brotli window of 16777216 bytes"),
-             "the largest header, 1 GiB": (bomb(1 << 30, bits=16, count=2 ** 16 - 1, window_bits=22),
-                                           f"more than the {LARGEST_PAYLOAD} bytes")}
+    cases = {
+        "window 4 MiB, 256 MiB of zeros": (bomb(256 << 20, window_bits=22), "more than the 10 bytes"),
+        "window 4 MiB, 1 GiB of zeros": (bomb(1 << 30, window_bits=22), "more than the 10 bytes"),
+        "window 16 MiB, 1 GiB of zeros": (bomb(1 << 30), "Brotli window of 16777216 bytes"),
+        "the largest header, 1 GiB": (
+            bomb(1 << 30, bits=16, count=2**16 - 1, window_bits=22),
+            f"more than the {LARGEST_PAYLOAD} bytes",
+        ),
+    }
     paths = []
     for index, (record, _) in enumerate(cases.values()):
         assert len(record) < 2000
@@ -216,21 +279,22 @@ def test_a_decompression_bomb_is_refused_in_bounded_memory(tmp_path):
             f.write(record)
     outcomes = []
     for path in paths:  # a process each: memory one bomb freed, and the allocator kept, would hide the next one's
-        result = subprocess.run([sys.executable, "-c", MEMORY_CHECK, path], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run([sys.executable, "-c", MEMORY_CHECK, path], capture_output=True, text=True, timeout=120)
         if result.returncode != 0 and "clear_refs" in result.stderr:
             pytest.skip(f"this kernel does not let a process reset its peak memory: {result.stderr[-300:]}")
         assert result.returncode == 0, result.stderr[-2000:]
         outcomes.append(json.loads(result.stdout.splitlines()[-1]))
     for (what, (_, message)), outcome in zip(cases.items(), outcomes):
-        assert outcome["error"] and outcome["error"].startswith("InvalidCodesError") and message in outcome["error"], \
-            (what, outcome)
-        assert outcome["growth"] < 10 * 10 ** 6, (what, outcome)  # plain Brotli: 256 MiB and 1 GiB
+        assert outcome["error"] and outcome["error"].startswith("InvalidCodesError") and message in outcome["error"], (
+            what,
+            outcome,
+        )
+        assert outcome["growth"] < 10 * 10**6, (what, outcome)  # plain Brotli: 256 MiB and 1 GiB
 
 
 def test_the_codec_round_trips_the_largest_record():
-    codes = np.random.default_rng(0).integers(0, 2 ** 16, size=2 ** 16 - 1)
-    assert np.array_equal(decode_codes(encode_codes(codes, 2 ** 16)), codes)
+    codes = np.random.default_rng(0).integers(0, 2**16, size=2**16 - 1)
+    assert np.array_equal(decode_codes(encode_codes(codes, 2**16)), codes)
 
 
 # -- the codec, fuzzed: only its documented error ------------------------------------------------------------
@@ -239,7 +303,9 @@ def test_the_codec_round_trips_the_largest_record():
 def valid_records():
     return st.builds(
         lambda codebook, values: encode_codes(np.array(values, dtype=np.int64) % codebook, codebook),
-        st.sampled_from([2, 3, 32, 255, 8192, 2 ** 16]), st.lists(st.integers(0, 2 ** 16 - 1), max_size=300))
+        st.sampled_from([2, 3, 32, 255, 8192, 2**16]),
+        st.lists(st.integers(0, 2**16 - 1), max_size=300),
+    )
 
 
 @st.composite
@@ -251,7 +317,7 @@ def mutated_records(draw):
             index = draw(st.integers(0, len(record) - 1))
             record[index] ^= 1 << draw(st.integers(0, 7))
         elif kind == "cut":
-            record = record[:draw(st.integers(0, len(record)))]
+            record = record[: draw(st.integers(0, len(record)))]
         elif kind == "insert":
             index = draw(st.integers(0, len(record)))
             record[index:index] = draw(st.binary(min_size=1, max_size=16))
@@ -272,7 +338,7 @@ def decode_or_refuse(record):
     # what decodes is a record of the codec: as many codes as its header says, each within its bits
     bits = record[0] & 0x7F
     assert codes.dtype == np.int64 and codes.size == int.from_bytes(record[1:3], "little")
-    assert codes.size == 0 or (codes.min() >= 0 and codes.max() < 2 ** bits)
+    assert codes.size == 0 or (codes.min() >= 0 and codes.max() < 2**bits)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -291,7 +357,7 @@ def test_fuzz_mutated_records_raise_only_the_codecs_error(record):
 @given(valid_records())
 def test_fuzz_valid_records_round_trip(record):
     codes = decode_codes(record)
-    assert decode_codes(encode_codes(codes, 2 ** 16)).tolist() == codes.tolist()
+    assert decode_codes(encode_codes(codes, 2**16)).tolist() == codes.tolist()
 
 
 @pytest.mark.parametrize("value", ["codes as text", 12345, 1.5, ["a"], None])

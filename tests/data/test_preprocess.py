@@ -3,6 +3,7 @@
 Every image is drawn here (PIL / numpy); the tokenizer is the tiny VQGAN (16x16 images -> 4x4 codes of 32)
 with fresh weights. The Hub is the stand-in of hub_server.py, talked to by the real client in a subprocess.
 """
+
 import io
 import json
 import os
@@ -20,12 +21,21 @@ from PIL import Image
 
 from collab_kit.cli import make_parser
 from collab_kit.data.codec import decode_codes
+from collab_kit.data.preprocess import (
+    ASPECT_RATIO,
+    MISSING_CAPTION,
+    MISSING_IMAGE,
+    NSFW,
+    SHORT_CAPTION,
+    UNREADABLE_IMAGE,
+    PushError,
+    drop_reason,
+    preprocess,
+)
 from collab_kit.data.shards import shard_metadata
+from collab_kit.data.sources import SOURCE_FORMATS, PairSource, read_pairs
 from collab_kit.data.stream import ShardStream
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
-from collab_kit.data.preprocess import (ASPECT_RATIO, MISSING_CAPTION, MISSING_IMAGE, NSFW, SHORT_CAPTION,
-                                        UNREADABLE_IMAGE, PushError, drop_reason, preprocess)
-from collab_kit.data.sources import SOURCE_FORMATS, PairSource, read_pairs
 from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, pil_to_tensor
 from collab_kit.model.vqgan_files import save_vqgan
 
@@ -94,8 +104,9 @@ def make_captioned_folder(folder, count: int, *, truncated=()):
 
 def test_shards_hold_the_codes_of_the_center_crops(tmp_path, vqgan):
     images = make_captioned_folder(tmp_path / "images", 11)
-    report = preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, rows_per_shard=4, batch_size=3,
-                        progress=False)
+    report = preprocess(
+        str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, rows_per_shard=4, batch_size=3, progress=False
+    )
 
     names = sorted(os.listdir(tmp_path / "shards"))
     assert names == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
@@ -138,12 +149,17 @@ def test_the_paper_filters_drop_what_they_should_and_count_it(tmp_path, vqgan):
     table = pa.table({"jpg": [r[1] for r in rows], "caption": [r[0] for r in rows], "NSFW": [r[2] for r in rows]})
     pq.write_table(table, tmp_path / "laion.parquet")
 
-    report = preprocess(str(tmp_path / "laion.parquet"), str(tmp_path / "shards"), vqgan, rows_per_shard=100,
-                        progress=False)
+    report = preprocess(
+        str(tmp_path / "laion.parquet"), str(tmp_path / "shards"), vqgan, rows_per_shard=100, progress=False
+    )
     assert report.dropped == {SHORT_CAPTION: 1, ASPECT_RATIO: 1, NSFW: 2, UNREADABLE_IMAGE: 2, MISSING_CAPTION: 1}
     kept = read_shard_rows(tmp_path / "shards")
-    assert [row["source_id"] for row in kept] == ["laion.parquet:0", "laion.parquet:2", "laion.parquet:4",
-                                                  "laion.parquet:7"]
+    assert [row["source_id"] for row in kept] == [
+        "laion.parquet:0",
+        "laion.parquet:2",
+        "laion.parquet:4",
+        "laion.parquet:7",
+    ]
     assert [row["caption"] for row in kept] == ["a kept picture", "x y", "tall, exactly 2:1", "no label at all"]
     assert report.kept == 4 and report.pairs == len(rows) and report.encoded == 4
     for row in kept:
@@ -158,8 +174,9 @@ def test_the_paper_filters_drop_what_they_should_and_count_it(tmp_path, vqgan):
     assert drop_reason("fine", "", (10, 10)) is None and drop_reason("fine", None, (201, 100)) == ASPECT_RATIO
 
     # the first N pairs only (the paper took LAION's first 100M)
-    report = preprocess(PairSource(str(tmp_path / "laion.parquet"), max_samples=3), str(tmp_path / "first3"), vqgan,
-                        progress=False)
+    report = preprocess(
+        PairSource(str(tmp_path / "laion.parquet"), max_samples=3), str(tmp_path / "first3"), vqgan, progress=False
+    )
     assert report.pairs == 3 and report.kept == 2 and report.dropped == {SHORT_CAPTION: 1}
 
 
@@ -175,8 +192,15 @@ def test_a_second_run_writes_only_the_missing_shard(tmp_path, vqgan):
 
     os.remove(output / names[1])
     written = []
-    second = preprocess(str(tmp_path / "images"), str(output), vqgan, rows_per_shard=4, batch_size=3, progress=False,
-                        on_shard_written=written.append)
+    second = preprocess(
+        str(tmp_path / "images"),
+        str(output),
+        vqgan,
+        rows_per_shard=4,
+        batch_size=3,
+        progress=False,
+        on_shard_written=written.append,
+    )
     assert written == [str(output / names[1])] and second.shards_written == written
     assert second.shards_skipped == [str(output / names[0]), str(output / names[2])]
     assert second.encoded == 4  # the missing shard's images only
@@ -215,8 +239,12 @@ def test_shards_of_another_vqgan_or_other_input_are_refused(tmp_path, vqgan):
 def test_a_folder_with_sidecar_captions(tmp_path, vqgan):
     folder = tmp_path / "images"
     (folder / "cats").mkdir(parents=True)
-    images = {"cats/1.png": noise_image(20, 16, 1), "cats/2.webp": noise_image(16, 24, 2),
-              "dog.bmp": noise_image(16, 16, 3), "no_caption.png": noise_image(16, 16, 4)}
+    images = {
+        "cats/1.png": noise_image(20, 16, 1),
+        "cats/2.webp": noise_image(16, 24, 2),
+        "dog.bmp": noise_image(16, 16, 3),
+        "no_caption.png": noise_image(16, 16, 4),
+    }
     for name, image in images.items():
         image.save(folder / name, lossless=True) if name.endswith(".webp") else image.save(folder / name)
     (folder / "cats" / "1.txt").write_text("a cat\n")
@@ -229,7 +257,10 @@ def test_a_folder_with_sidecar_captions(tmp_path, vqgan):
     report = preprocess(str(folder), str(tmp_path / "shards"), vqgan, progress=False)
     rows = read_shard_rows(tmp_path / "shards")
     assert [(row["source_id"], row["caption"]) for row in rows] == [
-        ("cats/1.png", "a cat"), ("cats/2.webp", "another cat"), ("dog.bmp", "a dog")]
+        ("cats/1.png", "a cat"),
+        ("cats/2.webp", "another cat"),
+        ("dog.bmp", "a dog"),
+    ]
     for row in rows:
         assert row["codes"] == direct_codes(vqgan, images[row["source_id"]])
     assert report.dropped == {UNREADABLE_IMAGE: 1, MISSING_CAPTION: 1}
@@ -240,26 +271,35 @@ def test_captions_files_tsv_and_csv(tmp_path):
     folder.mkdir()
     for name in ("a.png", "b.jpg"):
         noise_image(16, 16, 0).save(folder / name)
-    (folder / "captions.tsv").write_text("file\tcaption\na.png\ta red, round thing\n\nb.jpg\tsomething \"quoted\"\n")
+    (folder / "captions.tsv").write_text('file\tcaption\na.png\ta red, round thing\n\nb.jpg\tsomething "quoted"\n')
     assert [(p.source_id, p.caption) for p in read_pairs(str(folder))] == [
-        ("a.png", "a red, round thing"), ("b.jpg", 'something "quoted"')]
+        ("a.png", "a red, round thing"),
+        ("b.jpg", 'something "quoted"'),
+    ]
     os.remove(folder / "captions.tsv")
     (folder / "captions.csv").write_text('a.png,"a red, round thing"\nb.jpg,plain\n')
     assert [(p.source_id, p.caption) for p in read_pairs(str(folder))] == [
-        ("a.png", "a red, round thing"), ("b.jpg", "plain")]
+        ("a.png", "a red, round thing"),
+        ("b.jpg", "plain"),
+    ]
     # the command line offers every format the reader knows (its module imports no torch: --help stays quick)
-    assert make_parser().parse_args(["preprocess", "x", "--output", "o", "--vqgan", "v", "--format", "disk"]).format \
+    assert (
+        make_parser().parse_args(["preprocess", "x", "--output", "o", "--vqgan", "v", "--format", "disk"]).format
         == "disk"
-    assert {action.dest: action.choices for action in make_parser()._subparsers._group_actions[0].choices[
-        "preprocess"]._actions}["format"] == SOURCE_FORMATS
+    )
+    assert {
+        action.dest: action.choices
+        for action in make_parser()._subparsers._group_actions[0].choices["preprocess"]._actions
+    }["format"] == SOURCE_FORMATS
 
     # two captions files, an image named twice, a line that is not JSON: errors that say where
     (folder / "captions.jsonl").write_text('{"file": "a.png", "caption": "x y z"}\n')
     with pytest.raises(ValueError, match="keep one captions file"):
         read_pairs(str(folder))
     os.remove(folder / "captions.csv")
-    (folder / "captions.jsonl").write_text('{"file": "a.png", "caption": "x y z"}\n'
-                                           '{"file": "./a.png", "caption": "w"}\n')
+    (folder / "captions.jsonl").write_text(
+        '{"file": "a.png", "caption": "x y z"}\n{"file": "./a.png", "caption": "w"}\n'
+    )
     with pytest.raises(ValueError, match=r"names 'a.png' twice \(lines 1 and 2\)"):
         read_pairs(str(folder))
     (folder / "captions.jsonl").write_text('{"file": "a.png", "caption": "x y z"}\na.png, no json\n')
@@ -268,14 +308,21 @@ def test_captions_files_tsv_and_csv(tmp_path):
 
 
 def test_a_webdataset_tar(tmp_path, vqgan):
-    images = {"000": noise_image(20, 16, 0), "001": noise_image(16, 16, 1), "002": noise_image(24, 16, 2),
-              "003": noise_image(16, 16, 3)}
+    images = {
+        "000": noise_image(20, 16, 0),
+        "001": noise_image(16, 16, 1),
+        "002": noise_image(24, 16, 2),
+        "003": noise_image(16, 16, 3),
+    }
     members = [
-        ("000.jpg", encoded(images["000"], "JPEG")), ("000.txt", b"a jpeg with a text caption"),
+        ("000.jpg", encoded(images["000"], "JPEG")),
+        ("000.txt", b"a jpeg with a text caption"),
         ("001.png", encoded(images["001"])),
         ("001.json", json.dumps({"caption": "from json", "NSFW": "UNLIKELY"}).encode()),
-        ("002.webp", encoded(images["002"], "WEBP")), ("002.json", json.dumps({"text": "a text field"}).encode()),
-        ("003.png", encoded(images["003"])), ("003.json", json.dumps({"caption": "unsure", "NSFW": "UNSURE"}).encode()),
+        ("002.webp", encoded(images["002"], "WEBP")),
+        ("002.json", json.dumps({"text": "a text field"}).encode()),
+        ("003.png", encoded(images["003"])),
+        ("003.json", json.dumps({"caption": "unsure", "NSFW": "UNSURE"}).encode()),
         ("004.txt", b"a caption without its image"),
         ("004.cls", b"7"),
     ]
@@ -285,11 +332,15 @@ def test_a_webdataset_tar(tmp_path, vqgan):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
 
-    report = preprocess(str(tmp_path / "data.tar"), str(tmp_path / "shards"), vqgan, rows_per_shard=2, batch_size=2,
-                        progress=False)
+    report = preprocess(
+        str(tmp_path / "data.tar"), str(tmp_path / "shards"), vqgan, rows_per_shard=2, batch_size=2, progress=False
+    )
     rows = read_shard_rows(tmp_path / "shards")
     assert [(row["source_id"], row["caption"]) for row in rows] == [
-        ("000", "a jpeg with a text caption"), ("001", "from json"), ("002", "a text field")]
+        ("000", "a jpeg with a text caption"),
+        ("001", "from json"),
+        ("002", "a text field"),
+    ]
     stored = dict(members)
     for row, extension in zip(rows, ("jpg", "png", "webp")):  # JPEG and WebP are lossy: decode the same bytes
         image = Image.open(io.BytesIO(stored[f"{row['source_id']}.{extension}"]))
@@ -301,8 +352,10 @@ def test_datasets_in_memory_and_saved_to_disk(tmp_path, vqgan):
     images = [noise_image(16 + i, 16, i) for i in range(3)]
     dataset = datasets.Dataset.from_dict(
         {"image": images, "text": ["one image", "no", "three images"], "NSFW": ["UNLIKELY", "UNLIKELY", None]},
-        features=datasets.Features(image=datasets.Image(), text=datasets.Value("string"),
-                                   NSFW=datasets.Value("string")))
+        features=datasets.Features(
+            image=datasets.Image(), text=datasets.Value("string"), NSFW=datasets.Value("string")
+        ),
+    )
     report = preprocess(dataset, str(tmp_path / "from_memory"), vqgan, progress=False)
     assert report.kept == 2 and report.dropped == {SHORT_CAPTION: 1}
 
@@ -310,7 +363,10 @@ def test_datasets_in_memory_and_saved_to_disk(tmp_path, vqgan):
     pairs = list(read_pairs(str(tmp_path / "saved")))
     # the images come as stored (bytes), not decoded: headers are read only where needed
     assert [(p.source_id, p.caption, p.nsfw) for p in pairs] == [
-        ("0", "one image", "UNLIKELY"), ("1", "no", "UNLIKELY"), ("2", "three images", None)]
+        ("0", "one image", "UNLIKELY"),
+        ("1", "no", "UNLIKELY"),
+        ("2", "three images", None),
+    ]
     assert all(isinstance(p.image, dict) and p.image["bytes"] for p in pairs)
     preprocess(str(tmp_path / "saved"), str(tmp_path / "from_disk"), vqgan, progress=False)
     assert read_shard_rows(tmp_path / "from_disk") == read_shard_rows(tmp_path / "from_memory")
@@ -328,21 +384,26 @@ def test_datasets_in_memory_and_saved_to_disk(tmp_path, vqgan):
 
 
 def run_cli(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "collab_kit.cli", "preprocess", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "collab_kit.cli", "preprocess", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_bad_input_is_a_one_line_error(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "named").mkdir()
     noise_image(16, 16, 0).save(tmp_path / "named" / "a.png")
-    (tmp_path / "named" / "captions.jsonl").write_text('{"file": "a.png", "caption": "here"}\n'
-                                                      '{"file": "b.png", "caption": "gone"}\n')
+    (tmp_path / "named" / "captions.jsonl").write_text(
+        '{"file": "a.png", "caption": "here"}\n{"file": "b.png", "caption": "gone"}\n'
+    )
     cases = {  # started together: each pays for importing torch
-        "no such folder or file": run_cli(str(tmp_path / "missing"), "--output", str(tmp_path / "o1"),
-                                          "--vqgan", "x"),
-        "holds no images (jpg, jpeg, png, webp, bmp)": run_cli(str(tmp_path / "empty"), "--output",
-                                                               str(tmp_path / "o2"), "--vqgan", "x"),
+        "no such folder or file": run_cli(str(tmp_path / "missing"), "--output", str(tmp_path / "o1"), "--vqgan", "x"),
+        "holds no images (jpg, jpeg, png, webp, bmp)": run_cli(
+            str(tmp_path / "empty"), "--output", str(tmp_path / "o2"), "--vqgan", "x"
+        ),
         "names 1 image(s) that": run_cli(str(tmp_path / "named"), "--output", str(tmp_path / "o3"), "--vqgan", "x"),
     }
     for message, process in cases.items():
@@ -357,19 +418,32 @@ def test_a_hub_out_of_reach_is_found_before_any_work(tmp_path, vqgan):
     make_captioned_folder(tmp_path / "images", 2)
     # the tests run with HF_HUB_OFFLINE=1 (conftest.py): the Hub cannot be reached
     with pytest.raises(PushError, match="cannot create or reach the Hub dataset someone/codes .*hf auth login"):
-        preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, push_to_hub="someone/codes",
-                   progress=False)
+        preprocess(
+            str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, push_to_hub="someone/codes", progress=False
+        )
     assert not (tmp_path / "shards").exists()
     with pytest.raises(ValueError, match="Repo id"):  # huggingface_hub's own check of the name
-        preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, push_to_hub="some one/co des",
-                   progress=False)
+        preprocess(
+            str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, push_to_hub="some one/co des", progress=False
+        )
 
 
 def test_the_cli_pushes_to_the_hub_and_the_shards_stream_back(tmp_path, vqgan, hub_server):
     make_captioned_folder(tmp_path / "images", 7)
     save_vqgan(vqgan, tmp_path / "vqgan")
-    command = ["preprocess", str(tmp_path / "images"), "--output", str(tmp_path / "shards"), "--vqgan",
-               str(tmp_path / "vqgan"), "--rows-per-shard", "3", "--push-to-hub", "someone/codes", "--no-progress"]
+    command = [
+        "preprocess",
+        str(tmp_path / "images"),
+        "--output",
+        str(tmp_path / "shards"),
+        "--vqgan",
+        str(tmp_path / "vqgan"),
+        "--rows-per-shard",
+        "3",
+        "--push-to-hub",
+        "someone/codes",
+        "--no-progress",
+    ]
     # the real command (python -m collab_kit.cli), twice: the second run skips every shard and uploads nothing new
     stdout = hub_server.run_python(f"""
         import runpy, sys
@@ -387,10 +461,12 @@ def test_the_cli_pushes_to_the_hub_and_the_shards_stream_back(tmp_path, vqgan, h
     assert first.strip().endswith("pushed to the Hub dataset someone/codes")
     shards = ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
     assert [(c["repo_type"], c["repo_id"], c["added"]) for c in hub_server.commits] == [
-        ("dataset", "someone/codes", shards)]  # one commit; the unchanged shards were not sent again
+        ("dataset", "someone/codes", shards)
+    ]  # one commit; the unchanged shards were not sent again
     for name in shards:
         assert (tmp_path / "shards" / name).read_bytes() == open(
-            os.path.join(hub_server.folder("someone/codes", "dataset"), name), "rb").read()
+            os.path.join(hub_server.folder("someone/codes", "dataset"), name), "rb"
+        ).read()
 
     # what a volunteer does: stream the dataset by its id, through datasets and HfFileSystem
     stdout = hub_server.run_python("""
@@ -413,8 +489,10 @@ def test_the_cli_pushes_to_the_hub_and_the_shards_stream_back(tmp_path, vqgan, h
     """)
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     streamed = [line for line in lines if "codes" in line]
-    local = [dict(source_id=r["source_id"], caption=r["caption"], codes=r["codes"])
-             for r in read_shard_rows(tmp_path / "shards")]
+    local = [
+        dict(source_id=r["source_id"], caption=r["caption"], codes=r["codes"])
+        for r in read_shard_rows(tmp_path / "shards")
+    ]
     assert streamed == local and len(local) == 7
     found, ids, infos = lines[-3:]
     assert found["found"] == [f"datasets/someone/codes/{name}" for name in shards]
@@ -431,8 +509,10 @@ def test_a_hub_dataset_is_a_source(tmp_path, vqgan, hub_server):
     images = [noise_image(16 + 2 * i, 16, i) for i in range(4)]
     dataset = datasets.Dataset.from_dict(
         {"image": images, "caption": ["first", "second", "x", "fourth"], "NSFW": ["UNLIKELY", "NSFW", None, None]},
-        features=datasets.Features(image=datasets.Image(), caption=datasets.Value("string"),
-                                   NSFW=datasets.Value("string")))
+        features=datasets.Features(
+            image=datasets.Image(), caption=datasets.Value("string"), NSFW=datasets.Value("string")
+        ),
+    )
     (tmp_path / "repo" / "data").mkdir(parents=True)
     dataset.to_parquet(str(tmp_path / "repo" / "data" / "train-00000-of-00001.parquet"))
     hub_server.add_repo("someone/laion-sample", str(tmp_path / "repo"), repo_type="dataset")
@@ -456,11 +536,18 @@ def test_images_to_shards_to_the_training_stream_give_the_direct_codes(tmp_path,
     images = make_captioned_folder(tmp_path / "images", 9)
     preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, rows_per_shard=4, progress=False)
     tokenizer = ByteCaptionTokenizer()
-    stream = iter(ShardStream(str(tmp_path / "shards"), text_length=24, image_length=16, codebook_size=32,
-                              shuffle_buffer=4, seed=1))
-    streamed = sorted((tokenizer.decode(s["text_tokens"].tolist()), s["image_codes"].tolist())
-                      for s in (next(stream) for _ in range(9)))
-    expected = sorted((f"picture number {int(name[3:6])}", direct_codes(vqgan, image)) for name, image in images.items())
+    stream = iter(
+        ShardStream(
+            str(tmp_path / "shards"), text_length=24, image_length=16, codebook_size=32, shuffle_buffer=4, seed=1
+        )
+    )
+    streamed = sorted(
+        (tokenizer.decode(s["text_tokens"].tolist()), s["image_codes"].tolist())
+        for s in (next(stream) for _ in range(9))
+    )
+    expected = sorted(
+        (f"picture number {int(name[3:6])}", direct_codes(vqgan, image)) for name, image in images.items()
+    )
     assert streamed == expected
 
 

@@ -1,11 +1,24 @@
 """The toy world: deterministic captioned pictures, its word tokenizer, colours measured on pixels."""
+
 import json
 
 import numpy as np
 import pytest
 
-from collab_kit.data.synthetic import (BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, Scene, dominant_color, draw,
-                                       pictures, scenes, world_words, make_synthetic_images)
+from collab_kit.data.synthetic import (
+    BACKGROUNDS,
+    COLORS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    Scene,
+    dominant_color,
+    draw,
+    make_synthetic_images,
+    pictures,
+    scenes,
+    world_words,
+)
 from collab_kit.data.tokenizers import ToyTokenizer
 
 
@@ -36,8 +49,13 @@ def test_a_picture_holds_exactly_its_caption():
 
 def test_the_world_has_every_combination():
     seen = scenes(3000, seed=0)
-    for attribute, values in (("shape", SHAPES), ("color", COLORS), ("size", SIZES), ("position", POSITIONS),
-                              ("background", BACKGROUNDS)):
+    for attribute, values in (
+        ("shape", SHAPES),
+        ("color", COLORS),
+        ("size", SIZES),
+        ("position", POSITIONS),
+        ("background", BACKGROUNDS),
+    ):
         assert {getattr(s, attribute) for s in seen} == set(values), attribute
 
 
@@ -53,7 +71,8 @@ def test_the_tokenizer_round_trips_every_caption(tmp_path):
     assert tokenizer.encode("a small red circle in the center", 4)[-1] == tokenizer.eos_token_id  # cut, then eos
     loaded = ToyTokenizer.load(tokenizer.save(str(tmp_path / "tokenizer.json")))
     assert loaded.encode("a large blue square at the top right", 10) == tokenizer.encode(
-        "a large blue square at the top right", 10)
+        "a large blue square at the top right", 10
+    )
 
 
 def test_dominant_colour_reads_blurry_pictures_and_knows_when_there_is_none():
@@ -74,8 +93,10 @@ def test_color_match_counts_pictures_in_their_prompts_colour():
     assert color_match(images, captions) == 1.0
     # the same pictures asked for in the next colour: none matches
     colours = list(COLORS)
-    shifted = [caption.replace(f" {prompt_color(caption)} ",
-                               f" {colours[(colours.index(prompt_color(caption)) + 1) % 8]} ") for caption in captions]
+    shifted = [
+        caption.replace(f" {prompt_color(caption)} ", f" {colours[(colours.index(prompt_color(caption)) + 1) % 8]} ")
+        for caption in captions
+    ]
     assert color_match(images, shifted) == 0.0
     assert color_match(images[:4], captions[:2] + shifted[2:4]) == 0.5
     with pytest.raises(ValueError, match="names none of the colours"):
@@ -107,16 +128,17 @@ def test_the_toy_dataset_is_made_by_preprocess_once_and_streamed_with_the_toy_to
 
     from collab_kit.data.shards import shard_metadata
     from collab_kit.data.stream import ShardStream
-    from collab_kit.toy.dataset import prepare_toy_dataset
     from collab_kit.model.vqgan import untrained_vqgan
+    from collab_kit.toy.dataset import prepare_toy_dataset
 
     vqgan = untrained_vqgan(grid_size=8, codebook_size=512)
     shards = prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=vqgan, rows_per_shard=16, progress=False)
     names = sorted(os.listdir(shards))
     assert names == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
     # its captions are in the toy world's words: the shards say so, and a run of another tokenizer turns them away
-    assert shard_metadata(os.path.join(shards, names[0])) == dict(format=2, codebook_size=512, image_side=8,
-                                                                  tokenizer="toy")
+    assert shard_metadata(os.path.join(shards, names[0])) == dict(
+        format=2, codebook_size=512, image_side=8, tokenizer="toy"
+    )
     stamps = [os.stat(os.path.join(shards, name)).st_mtime_ns for name in names]
     # the second call finds the finished dataset in the cache and writes nothing
     assert prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=vqgan, progress=False) == shards
@@ -124,8 +146,10 @@ def test_the_toy_dataset_is_made_by_preprocess_once_and_streamed_with_the_toy_to
     assert not os.path.exists(os.path.join(os.path.dirname(shards), "pictures"))  # the shards are all it keeps
     # another VQGAN is another dataset
     other = untrained_vqgan(grid_size=8, codebook_size=512, seed=1)
-    assert prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=other, rows_per_shard=16,
-                               progress=False) != shards
+    assert (
+        prepare_toy_dataset(40, seed=1, cache_dir=str(tmp_path), vqgan=other, rows_per_shard=16, progress=False)
+        != shards
+    )
 
     tokenizer = ToyTokenizer()
     stream = iter(ShardStream(shards, 12, 64, tokenizer=tokenizer, codebook_size=512, shuffle_buffer=8))
@@ -147,10 +171,12 @@ def test_two_processes_that_want_the_toy_dataset_make_it_once(tmp_path):
 
     def make():
         try:
-            shards = prepare_toy_dataset(40, seed=2, cache_dir=str(tmp_path), vqgan=vqgan, rows_per_shard=16,
-                                         progress=False)
-            results.append((shards, {name: os.stat(os.path.join(shards, name)).st_mtime_ns
-                                     for name in sorted(os.listdir(shards))}))
+            shards = prepare_toy_dataset(
+                40, seed=2, cache_dir=str(tmp_path), vqgan=vqgan, rows_per_shard=16, progress=False
+            )
+            results.append(
+                (shards, {name: os.stat(os.path.join(shards, name)).st_mtime_ns for name in sorted(os.listdir(shards))})
+            )
         except BaseException as error:  # noqa: B902 (reported below, in the test's thread)
             errors.append(error)
 

@@ -1,12 +1,13 @@
 """From a prompt to a grid: sample codes, decode them with the VQGAN, keep what CLIP ranks best."""
+
 import pytest
 import torch
 
-from collab_kit.model.checkpoint import save_checkpoint
-from collab_kit.model.clip_rank import tiny_random_clip
 from collab_kit.config import get_preset
 from collab_kit.data.tokenizers import ByteCaptionTokenizer
 from collab_kit.images.generate import draw_images, encode_prompt, generate_images, prompt_sheet
+from collab_kit.model.checkpoint import save_checkpoint
+from collab_kit.model.clip_rank import tiny_random_clip
 from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.model.vqgan import TINY_VQGAN_CONFIG, build_vqgan, images_to_pil
 from collab_kit.model.vqgan_files import save_vqgan
@@ -24,8 +25,9 @@ def test_the_grid_holds_the_images_clip_ranks_best(pieces):
     model, vqgan, ranker = pieces
     drawn = draw_images("a red circle", 6, model=model, vqgan=vqgan, seed=3, batch_size=4, progress=False)
     assert drawn.shape == (6, 3, 16, 16) and 0 <= drawn.min() and drawn.max() <= 1
-    grid = generate_images("a red circle", n=6, keep=4, model=model, vqgan=vqgan, ranker=ranker, seed=3,
-                           batch_size=4, progress=False)
+    grid = generate_images(
+        "a red circle", n=6, keep=4, model=model, vqgan=vqgan, ranker=ranker, seed=3, batch_size=4, progress=False
+    )
     assert grid.size == (2 * 16, 2 * 16)  # 4 images, 2 x 2
     # the same seed draws the same 6 images; the grid shows CLIP's best 4 of them, best first
     scores = ranker.score("a red circle", drawn)
@@ -41,20 +43,22 @@ def test_a_prompt_sheet_puts_each_prompt_above_its_row(pieces):
     import numpy as np
 
     model, vqgan, ranker = pieces
-    grids = [generate_images(prompt, n=4, keep=3, model=model, vqgan=vqgan, ranker=ranker, seed=1, columns=3,
-                             progress=False) for prompt in ("a red circle", "a rather longer prompt about a blue square")]
+    grids = [
+        generate_images(prompt, n=4, keep=3, model=model, vqgan=vqgan, ranker=ranker, seed=1, columns=3, progress=False)
+        for prompt in ("a red circle", "a rather longer prompt about a blue square")
+    ]
     sheet = np.asarray(prompt_sheet(grids, scale=2, font_size=14))
     line, row = 14 + 8, 2 * 16  # title band and enlarged row heights
     assert sheet.shape[0] == 2 * (line + row + 6)
     for index, grid in enumerate(grids):
         top = index * (line + row + 6)
-        title = sheet[top:top + line]
+        title = sheet[top : top + line]
         assert (title < 128).any()  # the prompt is written in the band above the row
-        pictures = sheet[top + line:top + line + row, :3 * 32]
+        pictures = sheet[top + line : top + line + row, : 3 * 32]
         enlarged = np.asarray(grid.resize((96, 32), resample=0))
         assert np.array_equal(pictures, enlarged)
     # the longer prompt is wider than its row of 3 pictures, and the sheet makes room for it
-    assert sheet.shape[1] > 96 and (sheet[line + row + 6:2 * line + row + 6, 96:] < 128).any()
+    assert sheet.shape[1] > 96 and (sheet[line + row + 6 : 2 * line + row + 6, 96:] < 128).any()
     with pytest.raises(ValueError, match="one prompt per grid"):
         prompt_sheet(grids, prompts=["only one"])
 
@@ -64,6 +68,7 @@ def test_sampling_settings_matter_and_a_seed_repeats(pieces):
 
     def draw(**kwargs):
         return draw_images("a blue square", 4, model=model, vqgan=vqgan, progress=False, **kwargs)
+
     assert torch.equal(draw(seed=1), draw(seed=1))
     assert not torch.equal(draw(seed=1), draw(seed=2))
     greedy = draw(temperature=0)
@@ -76,10 +81,19 @@ def test_pieces_load_from_folders_and_a_progress_bar_counts_codes(pieces, tmp_pa
     save_checkpoint(model, get_preset("tiny"), str(tmp_path / "model"))
     save_vqgan(vqgan, str(tmp_path / "vqgan"))
     ranker.save_pretrained(str(tmp_path / "clip"))
-    from_folders = generate_images("a green star", n=3, keep=2, model=str(tmp_path / "model"),
-                                   vqgan=str(tmp_path / "vqgan"), ranker=str(tmp_path / "clip"), seed=4, columns=2)
-    in_memory = generate_images("a green star", n=3, keep=2, model=model, vqgan=vqgan, ranker=ranker, seed=4,
-                                columns=2, progress=False)
+    from_folders = generate_images(
+        "a green star",
+        n=3,
+        keep=2,
+        model=str(tmp_path / "model"),
+        vqgan=str(tmp_path / "vqgan"),
+        ranker=str(tmp_path / "clip"),
+        seed=4,
+        columns=2,
+    )
+    in_memory = generate_images(
+        "a green star", n=3, keep=2, model=model, vqgan=vqgan, ranker=ranker, seed=4, columns=2, progress=False
+    )
     assert from_folders.tobytes() == in_memory.tobytes() and from_folders.size == (32, 16)
     assert "drawing 3 images" in capsys.readouterr().err  # 3 images x 16 codes
 

@@ -1,5 +1,6 @@
 """collab_kit.memory.estimate: parameter counts, byte-exact estimates against real optimizer steps, the activation
 formula against what autograd saves, recommendations, the chart and the widget."""
+
 import dataclasses
 import math
 import warnings
@@ -16,7 +17,7 @@ from collab_kit.memory.recommend import fit_to_device, recommend_settings
 from collab_kit.model.device import DeviceFacts, GpuFacts, choose_device
 from collab_kit.model.transformer import TextToImageTransformer, count_parameters
 
-GiB = 2 ** 30
+GiB = 2**30
 # a tiny GPT-2: its biases and norms (64, 192, 256 elements) stay below bitsandbytes' min_8bit_size (4096),
 # its matrices are at it (64 x 64 = 4096: 8-bit, the boundary) or above, and 12288 is not a multiple of 256 x 256
 TINY_GPT2 = ModelShape(2, 64, 4, 256, 1000, 128, activation="gelu_new")
@@ -25,10 +26,21 @@ TINY_GPT2 = ModelShape(2, 64, 4, 256, 1000, 128, activation="gelu_new")
 def tiny_gpt2(shape: ModelShape = TINY_GPT2, dropout: float = 0.1, attention: str = "sdpa"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_inner=shape.ffn,
-                        vocab_size=shape.vocab, n_positions=shape.seq_len, resid_pdrop=dropout, embd_pdrop=dropout,
-                        attn_pdrop=dropout, use_cache=False, attn_implementation=attention,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=shape.layers,
+        n_embd=shape.hidden,
+        n_head=shape.heads,
+        n_inner=shape.ffn,
+        vocab_size=shape.vocab,
+        n_positions=shape.seq_len,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+        attn_implementation=attention,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
 
@@ -69,8 +81,11 @@ OPTIMIZERS = {"32bit": lambda params: torch.optim.Adam(params, lr=1e-3), "8bit":
 
 def assert_states_exact(model, optimizer, name: str, **kwargs):
     guess = estimate(model, optimizer=name, **kwargs)
-    assert (guess.weights_bytes, guess.gradients_bytes, guess.optimizer_bytes) == \
-        (parameter_bytes(model), gradient_bytes(model), optimizer_state_bytes(optimizer))
+    assert (guess.weights_bytes, guess.gradients_bytes, guess.optimizer_bytes) == (
+        parameter_bytes(model),
+        gradient_bytes(model),
+        optimizer_state_bytes(optimizer),
+    )
     return guess
 
 
@@ -78,8 +93,14 @@ def test_gpt2_shapes_count_what_transformers_builds():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     for shape in (ModelShape(2, 64, 4, 256, 1000, 128), ModelShape(3, 96, 3, 384, 777, 32)):
-        config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_inner=shape.ffn,
-                            vocab_size=shape.vocab, n_positions=shape.seq_len)
+        config = GPT2Config(
+            n_layer=shape.layers,
+            n_embd=shape.hidden,
+            n_head=shape.heads,
+            n_inner=shape.ffn,
+            vocab_size=shape.vocab,
+            n_positions=shape.seq_len,
+        )
         with torch.device("meta"):
             model = GPT2LMHeadModel(config)
         assert shape.parameters() == sum(p.numel() for p in model.parameters())  # tied output counted once
@@ -87,12 +108,23 @@ def test_gpt2_shapes_count_what_transformers_builds():
         assert sorted(math.prod(s) for s in shape.tensor_shapes()) == sorted(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name, published", [
-    ("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
-    ("gpt2-xl", 1_557_611_200),  # the Hub checkpoints' exact counts
-    ("gpt3-175b", 175.0e9), ("gpt3-13b", 13.0e9), ("gpt3-xl", 1.3e9), ("gpt-j-6b", 6.05e9),
-    ("t5-3b", 2.85e9), ("t5-11b", 11.3e9), ("dalle-12b", 12.0e9), ("bert-large", 335e6),
-])
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("gpt2-small", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),  # the Hub checkpoints' exact counts
+        ("gpt3-175b", 175.0e9),
+        ("gpt3-13b", 13.0e9),
+        ("gpt3-xl", 1.3e9),
+        ("gpt-j-6b", 6.05e9),
+        ("t5-3b", 2.85e9),
+        ("t5-11b", 11.3e9),
+        ("dalle-12b", 12.0e9),
+        ("bert-large", 335e6),
+    ],
+)
 def test_catalogue_sizes_match_the_published_ones(name, published):
     counted = CATALOGUE[name].parameters()
     if isinstance(published, int):
@@ -120,8 +152,11 @@ def test_estimate_equals_the_bytes_of_a_real_step_of_gpt2(optimizer):
     state = gpt2_step(model, OPTIMIZERS[optimizer])
     guess = assert_states_exact(model, state, optimizer)
     # ... and the estimate of the same model from its shape, whatever the settings, is the same estimate
-    for settings in (dict(), dict(checkpointing=False, micro_batch=3, seq_len=100),
-                     dict(precision="fp32", attention="eager", offload=True)):
+    for settings in (
+        dict(),
+        dict(checkpointing=False, micro_batch=3, seq_len=100),
+        dict(precision="fp32", attention="eager", offload=True),
+    ):
         by_module = dataclasses.replace(estimate(model, optimizer=optimizer, **settings), model="")
         by_shape = dataclasses.replace(estimate(TINY_GPT2, optimizer=optimizer, **settings), model="")
         assert by_module == by_shape
@@ -181,14 +216,21 @@ def test_activations_are_what_autograd_saves(attention, autocast):
         if tensor.untyped_storage().data_ptr() not in parameters:
             saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
+
     batch, seq = 3, 96
     tokens = torch.randint(0, shape.vocab, (batch, seq))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             output = model(input_ids=tokens, labels=tokens)
     measured = sum(saved.values()) + output.logits.untyped_storage().nbytes()
-    guess = estimate(model, micro_batch=batch, seq_len=seq, checkpointing=False, attention=attention,
-                     precision="mixed" if autocast else "fp32")
+    guess = estimate(
+        model,
+        micro_batch=batch,
+        seq_len=seq,
+        checkpointing=False,
+        attention=attention,
+        precision="mixed" if autocast else "fp32",
+    )
     # the estimate also counts the fp32 gradient of the log-probabilities that backward starts from
     expected = guess.activations_bytes - 4 * batch * seq * shape.vocab
     assert abs(measured - expected) / expected < 0.01, (measured, expected)
@@ -218,17 +260,22 @@ def test_autocast_keeps_every_weight_copy_to_the_end_of_the_forward_pass(checkpo
 
 def test_settings_move_the_parts_they_should():
     base = estimate("gpt2-large", optimizer="8bit", checkpointing=True, micro_batch=4)
-    assert estimate("gpt2-large", optimizer="32bit", checkpointing=True, micro_batch=4).optimizer_bytes > \
-        3.5 * base.optimizer_bytes
+    assert (
+        estimate("gpt2-large", optimizer="32bit", checkpointing=True, micro_batch=4).optimizer_bytes
+        > 3.5 * base.optimizer_bytes
+    )
     assert estimate("gpt2-large", optimizer="factorized").optimizer_bytes < 0.05 * base.optimizer_bytes
     plain = estimate("gpt2-large", optimizer="8bit", checkpointing=False, micro_batch=4)
     assert plain.activations_bytes > 2 * base.activations_bytes
     assert plain.weights_bytes == base.weights_bytes and plain.optimizer_bytes == base.optimizer_bytes
-    activations = [estimate("gpt2-large", checkpointing=c, micro_batch=b, seq_len=s).activations_bytes
-                   for c in (False, True) for b in (1, 2, 4) for s in (256, 1024)]
+    activations = [
+        estimate("gpt2-large", checkpointing=c, micro_batch=b, seq_len=s).activations_bytes
+        for c in (False, True)
+        for b in (1, 2, 4)
+        for s in (256, 1024)
+    ]
     for c in (0, 6):  # grows with the micro-batch and the sequence
-        assert activations[c + 0] < activations[c + 1] and activations[c + 0] < activations[c + 2] < \
-            activations[c + 4]
+        assert activations[c + 0] < activations[c + 1] and activations[c + 0] < activations[c + 2] < activations[c + 4]
     assert estimate("gpt2-small", attention="eager").activations_bytes > estimate("gpt2-small").activations_bytes
     half = estimate("gpt2-large", precision="16bit")
     assert half.weights_bytes * 2 == base.weights_bytes and half.weight_copies_bytes == 0
@@ -281,8 +328,15 @@ def test_recommendations_fit_and_grow_with_the_gpu():
             if advice.fits:
                 assert advice.estimate.gpu_bytes <= 0.85 * gpu, advice.reason
                 if advice.micro_batch < 64:  # the largest that fits (64: max_micro_batch)
-                    assert estimate("gpt2-large", optimizer="8bit", checkpointing=checkpointing,
-                                    micro_batch=advice.micro_batch + 1).gpu_bytes > 0.85 * gpu
+                    assert (
+                        estimate(
+                            "gpt2-large",
+                            optimizer="8bit",
+                            checkpointing=checkpointing,
+                            micro_batch=advice.micro_batch + 1,
+                        ).gpu_bytes
+                        > 0.85 * gpu
+                    )
             batches.append(advice.micro_batch if advice.fits else 0)
         assert batches == sorted(batches) and batches[-1] > batches[0], batches
     # choosing for itself: it fits from some size on, and stops checkpointing from some size on
@@ -291,8 +345,9 @@ def test_recommendations_fit_and_grow_with_the_gpu():
     plain = [not advice.checkpointing for advice in chosen]
     assert fits == sorted(fits) and plain == sorted(plain) and fits[-1] and plain[-1] and not plain[0]
     for advice in chosen:
-        assert str(advice) == advice.reason and (f"micro-batch {advice.micro_batch} " in advice.reason
-                                                 or not advice.fits)
+        assert str(advice) == advice.reason and (
+            f"micro-batch {advice.micro_batch} " in advice.reason or not advice.fits
+        )
     # without checkpointing as soon as that allows a micro-batch of 4 (a third faster than checkpointing)
     at_40 = recommend_settings("gpt2-large", 40 * GiB)
     assert not at_40.checkpointing and at_40.micro_batch >= memory.MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING
@@ -301,10 +356,14 @@ def test_recommendations_fit_and_grow_with_the_gpu():
     assert at_16.checkpointing and "without it, only" in at_16.reason
     # more headroom, a more frugal optimizer: never a smaller micro-batch
     for checkpointing in (True, False):
-        assert recommend_settings("gpt2-medium", 16 * GiB, headroom=0.95, checkpointing=checkpointing).micro_batch \
+        assert (
+            recommend_settings("gpt2-medium", 16 * GiB, headroom=0.95, checkpointing=checkpointing).micro_batch
             >= recommend_settings("gpt2-medium", 16 * GiB, headroom=0.7, checkpointing=checkpointing).micro_batch
-        assert recommend_settings("gpt2-medium", 12 * GiB, optimizer="8bit", checkpointing=checkpointing).micro_batch \
+        )
+        assert (
+            recommend_settings("gpt2-medium", 12 * GiB, optimizer="8bit", checkpointing=checkpointing).micro_batch
             >= recommend_settings("gpt2-medium", 12 * GiB, optimizer="32bit", checkpointing=checkpointing).micro_batch
+        )
 
 
 def test_a_gpu_too_small_gets_fits_false_and_what_to_do():
@@ -323,25 +382,28 @@ def test_recommendations_accept_a_run_config_and_a_preset():
     assert recommend_settings("small", 4 * GiB, max_micro_batch=32).micro_batch == 32
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: estimate("gpt2-large", optimizer="adam"), "choose one of 32bit, 16bit, 8bit, factorized"),
-    (lambda: estimate("gpt2-large", micro_batch=0), "micro_batch=0"),
-    (lambda: estimate("gpt2-large", micro_batch=1.5), "micro_batch=1.5"),
-    (lambda: estimate("gpt-5"), "gpt2-large"),
-    (lambda: estimate("gpt-5"), "tiny"),
-    (lambda: estimate("gpt2-large", seq_len=2048), "at most 1024 tokens"),
-    (lambda: estimate("tiny", seq_len=100), "always 24 tokens"),
-    (lambda: estimate("tiny", shared_groups=2), "share_layer_groups"),
-    (lambda: estimate("gpt2-large", shared_groups=37), "from 1 to the 36 layers"),
-    (lambda: estimate("gpt2-large", precision="int4"), "precision='int4'"),
-    (lambda: estimate("gpt2-large", attention="flash"), "attention='flash'"),
-    (lambda: estimate("gpt2-large", pcie_gb_per_s=0), "pcie_gb_per_s"),
-    (lambda: recommend_settings("gpt2-large", 0), "gpu_memory_bytes=0"),
-    (lambda: recommend_settings("gpt2-large", GiB, headroom=1.5), "headroom=1.5"),
-    (lambda: recommend_settings("gpt2-large", GiB, max_micro_batch=0), "max_micro_batch=0"),
-    (lambda: recommend_settings("gpt2-large", GiB, optimizer="sgd"), "optimizer='sgd'"),
-    (lambda: ModelShape(2, 64, 4, 256, 1000, 128, activation="swish"), "activation='swish'"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: estimate("gpt2-large", optimizer="adam"), "choose one of 32bit, 16bit, 8bit, factorized"),
+        (lambda: estimate("gpt2-large", micro_batch=0), "micro_batch=0"),
+        (lambda: estimate("gpt2-large", micro_batch=1.5), "micro_batch=1.5"),
+        (lambda: estimate("gpt-5"), "gpt2-large"),
+        (lambda: estimate("gpt-5"), "tiny"),
+        (lambda: estimate("gpt2-large", seq_len=2048), "at most 1024 tokens"),
+        (lambda: estimate("tiny", seq_len=100), "always 24 tokens"),
+        (lambda: estimate("tiny", shared_groups=2), "share_layer_groups"),
+        (lambda: estimate("gpt2-large", shared_groups=37), "from 1 to the 36 layers"),
+        (lambda: estimate("gpt2-large", precision="int4"), "precision='int4'"),
+        (lambda: estimate("gpt2-large", attention="flash"), "attention='flash'"),
+        (lambda: estimate("gpt2-large", pcie_gb_per_s=0), "pcie_gb_per_s"),
+        (lambda: recommend_settings("gpt2-large", 0), "gpu_memory_bytes=0"),
+        (lambda: recommend_settings("gpt2-large", GiB, headroom=1.5), "headroom=1.5"),
+        (lambda: recommend_settings("gpt2-large", GiB, max_micro_batch=0), "max_micro_batch=0"),
+        (lambda: recommend_settings("gpt2-large", GiB, optimizer="sgd"), "optimizer='sgd'"),
+        (lambda: ModelShape(2, 64, 4, 256, 1000, 128, activation="swish"), "activation='swish'"),
+    ],
+)
 def test_bad_arguments_say_what_is_allowed(call, message):
     with pytest.raises(ValueError) as error:
         call()
@@ -415,7 +477,7 @@ def test_a_cpu_with_ram_to_spare_trains_without_reversible_layers():
     fit = fit_to_device(paper, choose_device("auto", "auto", cpu), cpu, 12 * GiB)
     assert fit.recommendation.checkpointing and fit.apply(paper) is paper
     # RAM too short for the preset's micro-batch without them: reversible layers stay
-    fit = fit_to_device(toy, choose_device("auto", "auto", cpu), cpu, 64 * 2 ** 20)
+    fit = fit_to_device(toy, choose_device("auto", "auto", cpu), cpu, 64 * 2**20)
     assert fit.apply(toy) is toy, fit.recommendation
 
 

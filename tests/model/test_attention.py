@@ -1,4 +1,5 @@
 """Axial attention computes exactly the masked attention it stands for, without the n x n matrix."""
+
 import pytest
 import torch
 import torch.nn.functional as F

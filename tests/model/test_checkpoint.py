@@ -1,11 +1,12 @@
 """Checkpoints: a local round trip, atomic replacement, and clear errors."""
+
 import json
 
 import pytest
 import torch
 
-from collab_kit.model.checkpoint import CONFIG_NAME, load_checkpoint, save_checkpoint
 from collab_kit.config import get_preset
+from collab_kit.model.checkpoint import CONFIG_NAME, load_checkpoint, save_checkpoint
 from collab_kit.model.transformer import TextToImageTransformer
 
 

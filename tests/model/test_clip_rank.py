@@ -1,4 +1,5 @@
 """CLIP ranking with a real (tiny, random) CLIPModel: scores, the kept images, inputs, loading, errors."""
+
 import json
 
 import numpy as np
@@ -77,11 +78,13 @@ def test_pil_images_and_tensors_give_the_same_scores(ranker, images):
 def test_the_preprocessing_is_clips_own_within_one_8_bit_level():
     """Against transformers' PIL CLIP processor (the reference: resize the short side, bicubic, center crop)."""
     reference = pytest.importorskip("transformers.models.clip.image_processing_pil_clip").CLIPImageProcessorPil(
-        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}
+    )
     ranker = tiny_random_clip()
     ranker.image_size = 224  # ViT-B/32's input, on the tiny model: preprocess only
-    smooth = torch.nn.functional.interpolate(torch.rand(1, 3, 30, 45, generator=torch.Generator().manual_seed(2)),
-                                             size=(300, 450), mode="bilinear")
+    smooth = torch.nn.functional.interpolate(
+        torch.rand(1, 3, 30, 45, generator=torch.Generator().manual_seed(2)), size=(300, 450), mode="bilinear"
+    )
     image = Image.fromarray((smooth[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
     expected = torch.from_numpy(reference(image, return_tensors="np")["pixel_values"])
     ours = ranker.preprocess([image])

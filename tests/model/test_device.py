@@ -1,5 +1,6 @@
 """Where a peer trains and in what precision (collab_kit.model.device): chosen from the machine's facts, so that
 every card can be tried here; loss scaling on the CPU as on a GPU."""
+
 import pytest
 import torch
 
@@ -7,18 +8,24 @@ from collab_kit.config import get_preset
 from collab_kit.model.device import DeviceFacts, DeviceProblem, GpuFacts, LossScaler, choose_device
 from collab_kit.model.transformer import TextToImageTransformer
 
-GiB = 2 ** 30
+GiB = 2**30
 T4 = GpuFacts("Tesla T4", 15 * GiB, (7, 5))
 P100 = GpuFacts("Tesla P100-PCIE-16GB", 16 * GiB, (6, 0))
 A100 = GpuFacts("NVIDIA A100-SXM4-40GB", 40 * GiB, (8, 0))
 H100 = GpuFacts("NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0))
 
 
-@pytest.mark.parametrize("gpus, device, precision", [
-    ((), "cpu", "fp32"),
-    ((T4,), "cuda:0", "fp16"), ((P100,), "cuda:0", "fp16"),
-    ((A100,), "cuda:0", "bf16"), ((H100,), "cuda:0", "bf16"),
-], ids=["no GPU", "T4", "P100", "A100", "H100"])
+@pytest.mark.parametrize(
+    "gpus, device, precision",
+    [
+        ((), "cpu", "fp32"),
+        ((T4,), "cuda:0", "fp16"),
+        ((P100,), "cuda:0", "fp16"),
+        ((A100,), "cuda:0", "bf16"),
+        ((H100,), "cuda:0", "bf16"),
+    ],
+    ids=["no GPU", "T4", "P100", "A100", "H100"],
+)
 def test_auto_chooses_the_device_and_the_precision_the_card_computes(gpus, device, precision):
     plan = choose_device("auto", "auto", DeviceFacts("12.4", gpus))
     assert (str(plan.device), plan.precision, plan.loss_scaling) == (device, precision, precision == "fp16")
@@ -45,8 +52,9 @@ def test_a_device_or_precision_that_is_not_here_is_one_sentence():
     assert choose_device("cpu", "fp16", DeviceFacts(None)).loss_scaling
 
 
-@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
-                                              ("fp16", torch.float16)])
+@pytest.mark.parametrize(
+    "precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
 def test_the_plan_computes_in_its_precision_and_scales_only_fp16(precision, dtype):
     torch.manual_seed(0)
     model = TextToImageTransformer(get_preset("tiny").model)
@@ -71,7 +79,7 @@ def test_the_plan_computes_in_its_precision_and_scales_only_fp16(precision, dtyp
     loss_again.backward()
     for unscaled, reference in zip(grads, [param.grad for param in model.parameters() if param.grad is not None]):
         assert (unscaled - reference).abs().max() <= 0.01 * reference.abs().max() + 1e-8
-    assert scaler.scale == (2.0 ** 16 if precision == "fp16" else 1.0)
+    assert scaler.scale == (2.0**16 if precision == "fp16" else 1.0)
 
 
 def test_an_overflow_is_a_skipped_step_and_a_lower_scale_not_an_error():
@@ -83,7 +91,7 @@ def test_an_overflow_is_a_skipped_step_and_a_lower_scale_not_an_error():
         loss = model(**batch).loss
     loss.register_hook(lambda grad: grad * float("inf"))  # what an fp16 overflow leaves in the gradients
     assert scaler.backward_and_unscale(loss) is False
-    assert scaler.overflows == 1 and scaler.scale == 2.0 ** 15
+    assert scaler.overflows == 1 and scaler.scale == 2.0**15
     model.zero_grad()
     with plan.autocast():
         loss = model(**batch).loss

@@ -1,4 +1,5 @@
 """The paper's decoder: shapes, the loss, what each attention layer sees, reversible layers, shared blocks."""
+
 import copy
 
 import pytest
@@ -82,9 +83,19 @@ T, S = 3, 5
 
 
 def one_layer_model(kind: str) -> TextToImageTransformer:
-    config = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, text_length=T, image_side=S, codebook_size=20,
-                         text_vocab_size=30, pad_token_id=0, attention_pattern=(kind,), last_layer_attention=None,
-                         conv_kernel_size=3)
+    config = ModelConfig(
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        text_length=T,
+        image_side=S,
+        codebook_size=20,
+        text_vocab_size=30,
+        pad_token_id=0,
+        attention_pattern=(kind,),
+        last_layer_attention=None,
+        conv_kernel_size=3,
+    )
     torch.manual_seed(0)
     return TextToImageTransformer(config).double().eval()
 
@@ -116,23 +127,26 @@ def image(row: int, column: int) -> int:
 CAPTION = {0, 1, 2}
 
 
-@pytest.mark.parametrize("kind, query, expected", [
-    # a row layer: the caption and its own row up to itself
-    ("row", image(2, 2), CAPTION | {image(2, 0), image(2, 1), image(2, 2)}),
-    ("row", image(3, 0), CAPTION | {image(3, 0)}),
-    # a column layer: the caption and its own column up to itself
-    ("column", image(2, 2), CAPTION | {image(0, 2), image(1, 2), image(2, 2)}),
-    ("column", image(0, 4), CAPTION | {image(0, 4)}),
-    # the conv-like layer (3 x 3 window): the caption, the row above within one column, its left neighbour
-    ("conv", image(2, 2), CAPTION | {image(1, 1), image(1, 2), image(1, 3), image(2, 1), image(2, 2)}),
-    ("conv", image(2, 4), CAPTION | {image(1, 3), image(1, 4), image(2, 3), image(2, 4)}),
-    ("conv", image(0, 0), CAPTION | {image(0, 0)}),
-    # caption tokens see the caption up to themselves, in every kind of layer, and never the image
-    ("row", 1, {0, 1}),
-    ("column", 0, {0}),
-    ("conv", 1, {0, 1}),
-    ("full", image(2, 2), CAPTION | set(range(T, image(2, 2) + 1))),
-])
+@pytest.mark.parametrize(
+    "kind, query, expected",
+    [
+        # a row layer: the caption and its own row up to itself
+        ("row", image(2, 2), CAPTION | {image(2, 0), image(2, 1), image(2, 2)}),
+        ("row", image(3, 0), CAPTION | {image(3, 0)}),
+        # a column layer: the caption and its own column up to itself
+        ("column", image(2, 2), CAPTION | {image(0, 2), image(1, 2), image(2, 2)}),
+        ("column", image(0, 4), CAPTION | {image(0, 4)}),
+        # the conv-like layer (3 x 3 window): the caption, the row above within one column, its left neighbour
+        ("conv", image(2, 2), CAPTION | {image(1, 1), image(1, 2), image(1, 3), image(2, 1), image(2, 2)}),
+        ("conv", image(2, 4), CAPTION | {image(1, 3), image(1, 4), image(2, 3), image(2, 4)}),
+        ("conv", image(0, 0), CAPTION | {image(0, 0)}),
+        # caption tokens see the caption up to themselves, in every kind of layer, and never the image
+        ("row", 1, {0, 1}),
+        ("column", 0, {0}),
+        ("conv", 1, {0, 1}),
+        ("full", image(2, 2), CAPTION | set(range(T, image(2, 2) + 1))),
+    ],
+)
 def test_each_layer_sees_exactly_what_its_mask_allows(kind, query, expected):
     model = one_layer_model(kind)
     assert seen_by(model, query) == expected
@@ -151,9 +165,19 @@ def test_the_paper_pattern_repeats_row_column_row_row_and_ends_with_conv():
 
 # --- reversible layers and shared blocks -----------------------------------------------------------
 
+
 def small_config(**changes) -> ModelConfig:
-    values = dict(hidden_size=32, num_layers=9, num_heads=2, text_length=4, image_side=4, codebook_size=24,
-                  text_vocab_size=40, pad_token_id=0, conv_kernel_size=3)
+    values = dict(
+        hidden_size=32,
+        num_layers=9,
+        num_heads=2,
+        text_length=4,
+        image_side=4,
+        codebook_size=24,
+        text_vocab_size=40,
+        pad_token_id=0,
+        conv_kernel_size=3,
+    )
     values.update(changes)
     return ModelConfig(**values)
 
@@ -188,6 +212,7 @@ def test_reversible_gradients_equal_the_plain_computation():
 
 def test_reversible_layers_keep_no_activations_per_layer():
     """What autograd saves for backward does not grow with depth when layers are reversible."""
+
     def saved_bytes(config):
         model = TextToImageTransformer(config).train()
         text, codes = torch.randint(1, 40, (2, 4)), torch.randint(0, 24, (2, 16))
@@ -197,6 +222,7 @@ def test_reversible_layers_keep_no_activations_per_layer():
             if not isinstance(tensor, torch.nn.Parameter):
                 total[0] += tensor.numel() * tensor.element_size()
             return tensor
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(text, codes).loss  # what the forward pass leaves for backward
         loss.backward()  # (recomputing a layer in backward keeps that layer's activations only for a moment)
@@ -215,8 +241,10 @@ def test_shared_blocks_share_storage_and_sum_their_gradients():
     assert len(shared.blocks) == 5 and [b for b, _ in shared.plan] == [0, 1, 2, 3, 0, 1, 2, 3, 4]
     layers = shared.layers(*[torch.zeros(1)] * 2)
     assert layers[0][1].__self__ is layers[4][1].__self__ is shared.blocks[0]
-    assert layers[0][0].func.__self__.attention.qkv.weight.data_ptr() == \
-        layers[4][0].func.__self__.attention.qkv.weight.data_ptr()
+    assert (
+        layers[0][0].func.__self__.attention.qkv.weight.data_ptr()
+        == layers[4][0].func.__self__.attention.qkv.weight.data_ptr()
+    )
     state = shared.state_dict()
     assert not any(key.startswith("blocks.5") for key in state)
 
@@ -292,8 +320,10 @@ def test_a_stochastic_layer_draws_in_backward_what_it_drew_in_forward():
     torch.manual_seed(0)
     linears = [torch.nn.Linear(8, 8) for _ in range(6)]
     dropout = torch.nn.Dropout(0.3).train()
-    layers = [(lambda x, a=a: dropout(torch.tanh(a(x))), lambda x, b=b: dropout(torch.tanh(b(x))))
-              for a, b in zip(linears[::2], linears[1::2])]
+    layers = [
+        (lambda x, a=a: dropout(torch.tanh(a(x))), lambda x, b=b: dropout(torch.tanh(b(x))))
+        for a, b in zip(linears[::2], linears[1::2])
+    ]
     x1, x2 = (torch.randn(4, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     for linear in linears:
         linear.double()

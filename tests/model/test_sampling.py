@@ -1,10 +1,11 @@
 """Top-k, top-p and temperature on crafted logits; generation with a KV cache against without one."""
+
 import pytest
 import torch
 
 from collab_kit.config import ModelConfig
-from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.model.sampling import generate_image_codes, sample_next, top_k_filter, top_p_filter
+from collab_kit.model.transformer import TextToImageTransformer
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -57,8 +58,17 @@ def test_sampling_respects_the_filters_and_temperature():
 
 def generation_model() -> TextToImageTransformer:
     """Nine layers (every kind, shared blocks) whose random weights are large enough to vary their choices."""
-    config = ModelConfig(hidden_size=32, num_layers=9, num_heads=2, text_length=5, image_side=6, codebook_size=40,
-                         text_vocab_size=50, pad_token_id=0, conv_kernel_size=3)
+    config = ModelConfig(
+        hidden_size=32,
+        num_layers=9,
+        num_heads=2,
+        text_length=5,
+        image_side=6,
+        codebook_size=40,
+        text_vocab_size=50,
+        pad_token_id=0,
+        conv_kernel_size=3,
+    )
     torch.manual_seed(0)
     model = TextToImageTransformer(config).double().eval()
     with torch.no_grad():
@@ -99,6 +109,7 @@ def test_sampled_generation_is_reproducible_and_respects_top_k():
 
     def draw(seed, **kwargs):
         return generate_image_codes(model, text, generator=torch.Generator().manual_seed(seed), **kwargs)
+
     assert torch.equal(draw(1, top_k=4), draw(1, top_k=4))
     assert not torch.equal(draw(1), draw(2))
     codes = draw(3, top_k=1)  # top-1 sampling is greedy

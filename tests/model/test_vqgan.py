@@ -3,6 +3,7 @@
 Every model here is built from a config (tiny ones, and the paper's on the meta device): no weights
 can be downloaded on the machines the tests run on.
 """
+
 import argparse
 import copy
 import json
@@ -15,8 +16,17 @@ import torch
 import yaml
 from PIL import Image
 
-from collab_kit.model.vqgan import (CHECKPOINT_NAME, CONFIG_NAME, GUMBEL_TARGET, PAPER_VQGAN_CONFIG,
-                                    TINY_VQGAN_CONFIG, VQ_TARGET, build_vqgan, images_to_pil, pil_to_tensor)
+from collab_kit.model.vqgan import (
+    CHECKPOINT_NAME,
+    CONFIG_NAME,
+    GUMBEL_TARGET,
+    PAPER_VQGAN_CONFIG,
+    TINY_VQGAN_CONFIG,
+    VQ_TARGET,
+    build_vqgan,
+    images_to_pil,
+    pil_to_tensor,
+)
 from collab_kit.model.vqgan_files import load_vqgan, save_vqgan
 
 TINY_VQ_CONFIG = dict(copy.deepcopy(TINY_VQGAN_CONFIG), target=VQ_TARGET)
@@ -152,8 +162,14 @@ def lightning_state_dict(model):
 def test_load_taming_lightning_checkpoint(tmp_path):
     model = make_model("gumbel")
     x = images()
-    write_taming_layout(tmp_path, lightning_state_dict(model), TINY_VQGAN_CONFIG, global_step=1234, epoch=3,
-                        optimizer_states=[{"state": {}, "param_groups": [{"lr": 4.5e-6}]}])
+    write_taming_layout(
+        tmp_path,
+        lightning_state_dict(model),
+        TINY_VQGAN_CONFIG,
+        global_step=1234,
+        epoch=3,
+        optimizer_states=[{"state": {}, "param_groups": [{"lr": 4.5e-6}]}],
+    )
     torch.manual_seed(1)
     for location in (tmp_path, tmp_path / "checkpoints" / "last.ckpt"):  # folder, or the file (../configs)
         loaded = load_vqgan(location)
@@ -179,10 +195,14 @@ def test_lightning_objects_load_without_running_their_code(tmp_path):
     model = make_model("gumbel")
     marker = tmp_path / "made_by_unpickling"
     # taming's checkpoints key their callbacks' states by the callback class and pickle other objects
-    write_taming_layout(tmp_path, lightning_state_dict(model), TINY_VQGAN_CONFIG,
-                        callbacks={argparse.Namespace: {"best_model_score": torch.tensor(0.5)}},
-                        hyper_parameters=argparse.Namespace(n_embed=32),
-                        sneaky=WritesAFile(str(tmp_path / "configs" / "model.yaml"), str(marker)))
+    write_taming_layout(
+        tmp_path,
+        lightning_state_dict(model),
+        TINY_VQGAN_CONFIG,
+        callbacks={argparse.Namespace: {"best_model_score": torch.tensor(0.5)}},
+        hyper_parameters=argparse.Namespace(n_embed=32),
+        sneaky=WritesAFile(str(tmp_path / "configs" / "model.yaml"), str(marker)),
+    )
     loaded = load_vqgan(tmp_path)
     assert torch.equal(loaded.encode(images()), model.encode(images()))
     assert not marker.exists(), "the safe loader must not call what the checkpoint names"
@@ -193,8 +213,9 @@ def test_lightning_objects_load_without_running_their_code(tmp_path):
 
 def test_objects_the_safe_loader_refuses_need_trust(tmp_path):
     model = make_model("gumbel")
-    write_taming_layout(tmp_path, lightning_state_dict(model), TINY_VQGAN_CONFIG,
-                        hyper_parameters=HyperParameters(n_embed=32))
+    write_taming_layout(
+        tmp_path, lightning_state_dict(model), TINY_VQGAN_CONFIG, hyper_parameters=HyperParameters(n_embed=32)
+    )
     with pytest.raises(ValueError, match="If you trust its source.*trust_checkpoint=True.*HyperParameters"):
         load_vqgan(tmp_path)
     loaded = load_vqgan(tmp_path, trust_checkpoint=True)
@@ -258,8 +279,11 @@ def test_paper_config_on_the_meta_device(tmp_path):
 def test_bad_configs_are_clear_errors():
     with pytest.raises(ValueError, match="supported are taming.models.vqgan.GumbelVQ, taming.models.vqgan.VQModel"):
         build_vqgan(dict(TINY_VQGAN_CONFIG, target="taming.models.vqgan.VQSegmentationModel"))
-    for key, value, message in [("z_channels", 16, "z_channels == embed_dim"), ("ch", 8, "multiple of 32"),
-                                ("double_z", True, "double_z must be False")]:
+    for key, value, message in [
+        ("z_channels", 16, "z_channels == embed_dim"),
+        ("ch", 8, "multiple of 32"),
+        ("double_z", True, "double_z must be False"),
+    ]:
         config = copy.deepcopy(TINY_VQGAN_CONFIG)
         config["params"]["ddconfig"][key] = value
         with pytest.raises(ValueError, match=message):
@@ -341,8 +365,9 @@ def test_load_from_a_hub_repository(hub_server, tmp_path):
     x = images()
     assert lines[0]["codes"] == lines[1]["codes"] == model.encode(x).tolist()
     # another process may sum convolutions in another order (thread counts): equal up to float rounding
-    assert torch.allclose(torch.load(tmp_path / "decoded.pt", weights_only=True), model.decode(model.encode(x)),
-                          rtol=0, atol=1e-5)
+    assert torch.allclose(
+        torch.load(tmp_path / "decoded.pt", weights_only=True), model.decode(model.encode(x)), rtol=0, atol=1e-5
+    )
     assert lines[2]["error"] == "RepositoryNotFoundError"
     assert any(f"/collab/tiny-vqgan/resolve/main/{CONFIG_NAME}" in request for request in hub_server.requests)
 
@@ -359,6 +384,7 @@ def test_an_untrained_vqgan_gives_codes_that_follow_the_picture():
     def codes(color, shape, background):
         scene = Scene(shape=shape, color=color, size="large", position="center", background=background)
         return vqgan.encode(pil_to_tensor(draw(scene, 32)))[0]
+
     red_square = codes("red", "square", "dark grey")
     assert torch.equal(red_square, codes("red", "square", "dark grey"))
     assert not torch.equal(red_square, codes("green", "square", "dark grey"))

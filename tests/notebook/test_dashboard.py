@@ -6,6 +6,7 @@ test` installs it where missing): the screenshot must show each embedded plot, p
 the browser laid it out, and one stripe per leaderboard row; the browser's DOM must hold every
 contributor's name as text (names come from peers: none may become markup).
 """
+
 import base64
 import io
 import os
@@ -16,18 +17,18 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
+from example_history import NAMES, START, write_example_history
+from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a fixture)
 from PIL import Image
 
 from collab_kit.notebook import dashboard
 from collab_kit.notebook.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
-from collab_kit.swarm.metrics import PeerMetrics, summarize
 from collab_kit.roles.run_history import RunHistory
-from example_history import NAMES, START, write_example_history
-from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a fixture)
+from collab_kit.swarm.metrics import PeerMetrics, summarize
 
 TITLE = "Test run <b>bold</b>"
 # the leaderboard's row backgrounds (dashboard.TABLE_STYLE) and its header's
-ODD_STRIPE, EVEN_STRIPE, HEADER = (0xe6, 0xee, 0xfa), (0xcf, 0xdc, 0xf2), (0x24, 0x32, 0x4a)
+ODD_STRIPE, EVEN_STRIPE, HEADER = (0xE6, 0xEE, 0xFA), (0xCF, 0xDC, 0xF2), (0x24, 0x32, 0x4A)
 WINDOW = (1400, 1600)  # the whole example page fits: Chromium's --screenshot captures the window
 
 
@@ -77,11 +78,11 @@ class Page(HTMLParser):
 def decode_png(src: str) -> np.ndarray:
     prefix = "data:image/png;base64,"
     assert src.startswith(prefix), src[:60]
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(src[len(prefix):]))).convert("RGB"))
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(src[len(prefix) :]))).convert("RGB"))
 
 
 def rgb(colour: str) -> np.ndarray:
-    return np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+    return np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)])
 
 
 def colour_mask(image: np.ndarray, colour) -> np.ndarray:
@@ -102,7 +103,7 @@ def find_plot(screenshot: np.ndarray, plot: np.ndarray, colour: str) -> bool:
     height, width = plot.shape[:2]
     if top < 0 or left < 0 or top + height > screenshot.shape[0] or left + width > screenshot.shape[1]:
         return False
-    region = screenshot[top:top + height, left:left + width]
+    region = screenshot[top : top + height, left : left + width]
     return bool(np.all(region == plot, axis=-1).mean() > 0.99)
 
 
@@ -111,8 +112,13 @@ def stripes(screenshot: np.ndarray, min_pixels: int = 300) -> list:
     bands = []
     for y in range(screenshot.shape[0]):
         line = screenshot[y]
-        label = "odd" if colour_mask(line, ODD_STRIPE).sum() >= min_pixels else \
-            "even" if colour_mask(line, EVEN_STRIPE).sum() >= min_pixels else None
+        label = (
+            "odd"
+            if colour_mask(line, ODD_STRIPE).sum() >= min_pixels
+            else "even"
+            if colour_mask(line, EVEN_STRIPE).sum() >= min_pixels
+            else None
+        )
         if label is None:
             continue
         if bands and bands[-1][0] == label and bands[-1][2] == y - 1:
@@ -125,10 +131,16 @@ def stripes(screenshot: np.ndarray, min_pixels: int = 300) -> list:
 
 # -- Chromium ---------------------------------------------------------------------------------
 
+
 def screenshot(binary: str, workdir, html_path) -> np.ndarray:
     png = os.path.join(workdir, f"screenshot_{os.path.basename(html_path)}.png")
-    run_chromium(binary, workdir, f"--screenshot={png}", f"--window-size={WINDOW[0]},{WINDOW[1]}",
-                 f"file://{os.path.abspath(html_path)}")
+    run_chromium(
+        binary,
+        workdir,
+        f"--screenshot={png}",
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+        f"file://{os.path.abspath(html_path)}",
+    )
     image = np.asarray(Image.open(png).convert("RGB"))
     assert image.shape[:2] == (WINDOW[1], WINDOW[0]), image.shape
     return image
@@ -138,8 +150,9 @@ def screenshot(binary: str, workdir, html_path) -> np.ndarray:
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "collab_kit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "collab_kit.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -162,15 +175,23 @@ def cli_page(example_db):
 
 
 def test_durations_and_leaderboard_rows():
-    assert [dashboard.format_duration(s) for s in (0, 44.6, 185, 7620, 3 * 86400 + 3600 * 5 + 59)] == \
-           ["0 s", "45 s", "3 min 05 s", "2 h 07 min", "3 d 5 h"]
+    assert [dashboard.format_duration(s) for s in (0, 44.6, 185, 7620, 3 * 86400 + 3600 * 5 + 59)] == [
+        "0 s",
+        "45 s",
+        "3 min 05 s",
+        "2 h 07 min",
+        "3 d 5 h",
+    ]
     assert dashboard.format_time(START) == "2023-11-14 22:13:20 UTC"
     from collab_kit.roles.run_history import Contributor
 
-    rows = dashboard.leaderboard_rows([Contributor("a", 300, 7620.0, START, START + 60),
-                                       Contributor("b", 100, 44.6, START + 30, START + 60)])
-    assert [(r.rank, r.name, r.samples, r.share, r.compute) for r in rows] == \
-           [(1, "a", 300, 0.75, "2 h 07 min"), (2, "b", 100, 0.25, "45 s")]
+    rows = dashboard.leaderboard_rows(
+        [Contributor("a", 300, 7620.0, START, START + 60), Contributor("b", 100, 44.6, START + 30, START + 60)]
+    )
+    assert [(r.rank, r.name, r.samples, r.share, r.compute) for r in rows] == [
+        (1, "a", 300, 0.75, "2 h 07 min"),
+        (2, "b", 100, 0.25, "45 s"),
+    ]
     assert rows[1].first_seen == "2023-11-14 22:13:50 UTC"
 
 
@@ -182,9 +203,22 @@ def test_plots_draw_what_the_monitor_recorded(tmp_path):
     path = str(tmp_path / "run.sqlite")
     with RunHistory(path) as history:
         for poll in range(6):
-            records = [] if poll in (2, 3) else [PeerMetrics(
-                peer_id="12D3KooWPeer0", epoch=poll, samples_per_second=10.0 + poll, samples_accumulated=100 * poll,
-                loss=5.0 - poll, mini_steps=4, compute_seconds=10.0 * poll, time=START + poll)]
+            records = (
+                []
+                if poll in (2, 3)
+                else [
+                    PeerMetrics(
+                        peer_id="12D3KooWPeer0",
+                        epoch=poll,
+                        samples_per_second=10.0 + poll,
+                        samples_accumulated=100 * poll,
+                        loss=5.0 - poll,
+                        mini_steps=4,
+                        compute_seconds=10.0 * poll,
+                        time=START + poll,
+                    )
+                ]
+            )
             history.record(summarize(records, now=START + 10 * poll), [(b"key", r, r.peer_id) for r in records])
     series = dashboard.load(path).series
     loss_ax, peers_ax, throughput_ax, epoch_ax = Figure().subplots(4, 1)
@@ -220,13 +254,23 @@ def test_cli_writes_a_page_with_plots_leaderboard_and_latest_figures(cli_page, e
     assert page.title == TITLE and "&lt;script&gt;" in text and "&amp;amp;" in text
     assert [row[1] for row in page.rows("leaderboard")] == list(NAMES)
     alice = page.rows("leaderboard")[0]
-    assert alice == ["1", "alice", "28,800", "48.6%", "10 min 48 s", "Tesla T4, fp16", "2023-11-14 22:13:19 UTC",
-                     "2023-11-14 22:24:49 UTC"]
+    assert alice == [
+        "1",
+        "alice",
+        "28,800",
+        "48.6%",
+        "10 min 48 s",
+        "Tesla T4, fp16",
+        "2023-11-14 22:13:19 UTC",
+        "2023-11-14 22:24:49 UTC",
+    ]
     # the latest figures, the checkpoints, when it was made
     for figure in ("global epoch", "alive peers", "samples/s", "91.3", "1.2182", "59,240"):
         assert figure in text, figure
-    assert [row[:2] for row in page.rows("checkpoints")] == [["8", "monitor/checkpoints/epoch-000008"],
-                                                             ["16", "monitor/checkpoints/epoch-000016"]]
+    assert [row[:2] for row in page.rows("checkpoints")] == [
+        ["8", "monitor/checkpoints/epoch-000008"],
+        ["16", "monitor/checkpoints/epoch-000016"],
+    ]
     assert re.search(r"Generated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", text)
     # each plot is a real PNG of the plot's size with its curve in it
     for kind, colour in COLORS.items():
@@ -269,8 +313,10 @@ def test_the_page_shows_each_anchor_live_or_gone(tmp_path):
         history.record_anchors([monitor_anchor], START + 600)  # the second anchor's record expired: it died
         history.record(summarize([], now=START + 600), [])
     data = dashboard.load(path)
-    assert [(a.peer_id, a.addresses) for a in data.anchors] == [("QmMonitorAnchor", monitor_anchor),
-                                                                 ("QmSecondAnchor", second_anchor)]
+    assert [(a.peer_id, a.addresses) for a in data.anchors] == [
+        ("QmMonitorAnchor", monitor_anchor),
+        ("QmSecondAnchor", second_anchor),
+    ]
     text = dashboard.render_page(data)
     rows = re.findall(r'<tr class="(live|gone)"><td class="name">(\w+)</td><td>([^<]*)</td>', text)
     assert [(state, peer) for state, peer, _ in rows] == [("live", "QmMonitorAnchor"), ("gone", "QmSecondAnchor")]
@@ -278,8 +324,10 @@ def test_the_page_shows_each_anchor_live_or_gone(tmp_path):
     # a database written before anchors were kept: none, and no error
     old = str(tmp_path / "old.sqlite")
     connection = sqlite3.connect(old)
-    connection.executescript("CREATE TABLE swarm (time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, "
-                             "alive_peers INTEGER NOT NULL, samples_per_second REAL NOT NULL);")
+    connection.executescript(
+        "CREATE TABLE swarm (time REAL NOT NULL, epoch INTEGER NOT NULL, loss REAL, "
+        "alive_peers INTEGER NOT NULL, samples_per_second REAL NOT NULL);"
+    )
     connection.close()
     with RunHistory(old, read_only=True) as history:
         assert history.anchors() == []
@@ -323,7 +371,7 @@ def test_the_screenshot_check_catches_a_broken_image(chromium, cli_page, tmp_pat
     src = page.images["plot-loss"]
     start = len(src) // 3  # a third of the PNG's data overwritten: the browser cannot draw that plot
     broken_path = tmp_path / "broken.html"
-    broken_path.write_text(text.replace(src, src[:start] + "A" * (len(src) // 3) + src[start + len(src) // 3:]))
+    broken_path.write_text(text.replace(src, src[:start] + "A" * (len(src) // 3) + src[start + len(src) // 3 :]))
     shot = screenshot(chromium, tmp_path, broken_path)
     assert not find_plot(shot, decode_png(src), COLORS["loss"])
     for kind in ("alive_peers", "throughput"):

@@ -1,11 +1,23 @@
 """collab_kit.notebook.live_view: the join notebook's figure, drawn from real epoch records."""
+
 from collab_kit.notebook.live_view import LiveView
 from collab_kit.roles.records import EpochRecord
 
 
 def records():
-    return [EpochRecord(epoch=e, loss=5.0 - 0.5 * e, local_steps=4, samples=32 + 16 * e, averaged=e != 1,
-                        group_size=1 if e == 1 else 3, num_peers=3 + (e > 2), seconds=1.0) for e in range(5)]
+    return [
+        EpochRecord(
+            epoch=e,
+            loss=5.0 - 0.5 * e,
+            local_steps=4,
+            samples=32 + 16 * e,
+            averaged=e != 1,
+            group_size=1 if e == 1 else 3,
+            num_peers=3 + (e > 2),
+            seconds=1.0,
+        )
+        for e in range(5)
+    ]
 
 
 def test_the_view_draws_loss_peers_and_contribution():
@@ -15,8 +27,10 @@ def test_the_view_draws_loss_peers_and_contribution():
     for record in records():
         view.update(record)
     assert view.contributed_samples == sum(r.samples for r in records())
-    assert view.caption() == ("epoch 4: loss 3.000, 4 peer(s) in the swarm; you contributed 320 samples in 5 "
-                              "epoch(s), 38% of the swarm's last batch")
+    assert view.caption() == (
+        "epoch 4: loss 3.000, 4 peer(s) in the swarm; you contributed 320 samples in 5 "
+        "epoch(s), 38% of the swarm's last batch"
+    )
     loss_ax, peers_ax, share_ax = view.figure().axes
     assert list(loss_ax.lines[0].get_ydata()) == [5.0, 4.5, 4.0, 3.5, 3.0]
     # grey for the lone epoch, green for the averaged ones
@@ -62,8 +76,19 @@ def test_a_lone_peer_is_drawn_alone():
 
     view = LiveView(target_batch_size=256)
     for epoch in range(5):
-        view.update(EpochRecord(epoch=epoch, loss=4.0, local_steps=4, samples=32, averaged=False, group_size=1,
-                                num_peers=3, seconds=1.0, training_peers=3))
+        view.update(
+            EpochRecord(
+                epoch=epoch,
+                loss=4.0,
+                local_steps=4,
+                samples=32,
+                averaged=False,
+                group_size=1,
+                num_peers=3,
+                seconds=1.0,
+                training_peers=3,
+            )
+        )
     peers_ax = view.figure().axes[1]
     assert list(peers_ax.lines[1].get_ydata()) == [0] * 5  # nobody averaged with it, as its caption says
     assert "TRAINING ALONE" in view.caption()

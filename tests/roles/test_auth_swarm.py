@@ -4,12 +4,12 @@ The authentication server is the real one (``collab-kit auth-server``) in front 
 the first peer and the volunteers are ``collab-kit monitor`` / ``join`` processes with ``swarm.auth_server`` set and
 each volunteer's Hugging Face token in ``HF_TOKEN``. Everything started is killed at the end.
 """
-import os
+
 import time
 
 import pytest
-from hub_server import StandInHub
 from auth_server_process import ORG, AuthServerProcess
+from hub_server import StandInHub
 
 from collab_kit.auth.ledger import JoinLedger
 from collab_kit.roles.processes import PeerProcess
@@ -31,35 +31,89 @@ def test_members_train_through_token_renewals_and_a_non_member_is_refused(tmp_pa
         alice, bob = hub.add_user_token("alice", orgs=[ORG]), hub.add_user_token("bob", orgs=[ORG])
         eve = hub.add_user_token("eve", orgs=["another-org"])
         # tokens live 24 s: a run of 20 epochs (~40 s alone, ~80 s beside other tests) sees each peer renew its token
-        server = AuthServerProcess("--organization", ORG, "--db", str(tmp_path / "auth.sqlite3"), "--run-id", "authswarm",
-                                   "--token-lifetime", "0.4", "--rate-limit", "60", hub_endpoint=hub.endpoint)
+        server = AuthServerProcess(
+            "--organization",
+            ORG,
+            "--db",
+            str(tmp_path / "auth.sqlite3"),
+            "--run-id",
+            "authswarm",
+            "--token-lifetime",
+            "0.4",
+            "--rate-limit",
+            "60",
+            hub_endpoint=hub.endpoint,
+        )
         try:
-            common = ["--preset", "tiny", "--run-id", "authswarm", "--host", "127.0.0.1", "--events",
-                      "--set", f"swarm.auth_server={server.url}"]
+            common = [
+                "--preset",
+                "tiny",
+                "--run-id",
+                "authswarm",
+                "--host",
+                "127.0.0.1",
+                "--events",
+                "--set",
+                f"swarm.auth_server={server.url}",
+            ]
             history_path = str(tmp_path / "monitor.sqlite")
-            first = start("first-peer", ["monitor", *common, "--poll-every", "2", "--db", history_path,
-                                         "--checkpoint-every", "0"], alice)
+            first = start(
+                "first-peer",
+                ["monitor", *common, "--poll-every", "2", "--db", history_path, "--checkpoint-every", "0"],
+                alice,
+            )
             addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-            join = ["join", *common, "--initial-peers", *addresses, "--data", tiny_shards, "--wait-for-peers", "2",
-                    "--threads", "1", "--no-progress"]
+            join = [
+                "join",
+                *common,
+                "--initial-peers",
+                *addresses,
+                "--data",
+                tiny_shards,
+                "--wait-for-peers",
+                "2",
+                "--threads",
+                "1",
+                "--no-progress",
+            ]
             started_at = time.monotonic()
-            volunteers = [start(name, [*join, "--max-epochs", "20"], token)
-                          for name, token in (("alice", alice), ("bob", bob))]
+            volunteers = [
+                start(name, [*join, "--max-epochs", "20"], token) for name, token in (("alice", alice), ("bob", bob))
+            ]
             outsider = start("eve", [*join, "--max-epochs", "2"], eve)
             assert outsider.wait_exit(timeout=60) == 2
             refusal = outsider.log_tail()
             assert "403" in refusal and ORG in refusal and "Traceback" not in refusal
 
             # a peer of the run's code, without the server's address (so without a token), gets no answer
-            intruder = start("intruder", ["join", "--preset", "tiny", "--run-id", "authswarm", "--host", "127.0.0.1",
-                                          "--initial-peers", *addresses, "--data", tiny_shards, "--max-epochs", "2"], "")
+            intruder = start(
+                "intruder",
+                [
+                    "join",
+                    "--preset",
+                    "tiny",
+                    "--run-id",
+                    "authswarm",
+                    "--host",
+                    "127.0.0.1",
+                    "--initial-peers",
+                    *addresses,
+                    "--data",
+                    tiny_shards,
+                    "--max-epochs",
+                    "2",
+                ],
+                "",
+            )
             assert intruder.wait_exit(timeout=90) == 2
             assert "swarm.auth_server" in intruder.log_tail() and "Traceback" not in intruder.log_tail()
 
             # usually ~90 s; in one full run a p2p daemon stream broke in one peer ("cannot reuse already awaited
             # coroutine" in hivemind's ControlClient) and every later round waited for the lost half (12 s epochs)
-            done = [volunteer.wait_for(lambda e: e["type"] == "done", timeout=420, what="the end of training")
-                    for volunteer in volunteers]
+            done = [
+                volunteer.wait_for(lambda e: e["type"] == "done", timeout=420, what="the end of training")
+                for volunteer in volunteers
+            ]
             seconds = time.monotonic() - started_at
             for volunteer, event in zip(volunteers, done):
                 assert volunteer.wait_exit(timeout=60) == 0

@@ -3,6 +3,7 @@
 Every peer is a real `collab-kit join --events` process on 127.0.0.1 (the nan peer is tests/nan_peer.py,
 the same command with a fault injected in its own process); the tests wait on their events with deadlines.
 """
+
 import json
 import math
 import os
@@ -19,7 +20,6 @@ import torch
 from collab_kit.roles.processes import PeerFailed, group_is_empty
 from collab_kit.roles.volunteer import STATE_RETRY_WAITS, Volunteer
 
-
 # short global epochs (about 21 local steps per peer), and a learning rate at which a few of them already
 # take the loss visibly below its initial value
 SETTINGS = ("optimizer.target_batch_size=512", "optimizer.learning_rate=0.03")
@@ -27,9 +27,27 @@ SETTINGS = ("optimizer.target_batch_size=512", "optimizer.learning_rate=0.03")
 
 def join_args(run_id, addresses, shards, *extra):
     # --max-epochs far away: the test decides when the peers stop (Ctrl-C), whatever the speed of this machine
-    return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers", *addresses,
-            "--data", shards, "--threads", "1", "--events", "--no-progress", "--max-epochs", "1000",
-            *(arg for setting in SETTINGS for arg in ("--set", setting)), *extra]
+    return [
+        "join",
+        "--preset",
+        "tiny",
+        "--run-id",
+        run_id,
+        "--host",
+        "127.0.0.1",
+        "--initial-peers",
+        *addresses,
+        "--data",
+        shards,
+        "--threads",
+        "1",
+        "--events",
+        "--no-progress",
+        "--max-epochs",
+        "1000",
+        *(arg for setting in SETTINGS for arg in ("--set", setting)),
+        *extra,
+    ]
 
 
 def epochs_of(peer):
@@ -77,12 +95,14 @@ FORMED = ("awaiting_trigger", "running_allreduce")  # stages of a round whose gr
 
 @pytest.mark.slow
 def test_a_peer_killed_while_averaging_leaves_the_others_training_and_comes_back_at_the_swarms_epoch(
-        first_peer, start_peer, tiny_shards, tmp_path):
+    first_peer, start_peer, tiny_shards, tmp_path
+):
     run_id = "test_fault_kill"
     _, addresses = first_peer(run_id, *(arg for setting in SETTINGS for arg in ("--set", setting)))
     params = [str(tmp_path / f"params-{i}.pt") for i in range(3)]
-    command = [join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3", "--save-params", params[i])
-               for i in range(3)]
+    command = [
+        join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3", "--save-params", params[i]) for i in range(3)
+    ]
     peers = [start_peer(f"volunteer-{i}", *command[i]) for i in range(3)]
 
     # (1) once the three have trained together for two epochs, kill the first peer to begin averaging its gradients
@@ -90,8 +110,11 @@ def test_a_peer_killed_while_averaging_leaves_the_others_training_and_comes_back
     # while they have not begun theirs. Most rounds begin while matchmaking still goes on; if none began in a
     # formed group by epoch 12, a peer that began averaging in matchmaking is killed (it is in the others' way too)
     victim, averaging = first_event(
-        peers, lambda e: e["type"] == "averaging" and e["epoch"] >= 2 and (e["stage"] in FORMED or e["epoch"] >= 12),
-        timeout=240, what="gradient averaging in a formed group at epoch 2 or later")
+        peers,
+        lambda e: e["type"] == "averaging" and e["epoch"] >= 2 and (e["stage"] in FORMED or e["epoch"] >= 12),
+        timeout=240,
+        what="gradient averaging in a formed group at epoch 2 or later",
+    )
     os.killpg(victim.process.pid, signal.SIGKILL)  # the peer, its p2p daemon and its averagers, mid-round
     killed_at = averaging["epoch"]
     print(f"killed {victim.name} as it began averaging at epoch {killed_at} ({averaging['stage']})")
@@ -106,8 +129,11 @@ def test_a_peer_killed_while_averaging_leaves_the_others_training_and_comes_back
     initial_loss = epochs_of(victim)[0]["loss"]
 
     for peer in survivors:
-        peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= killed_at + 3, timeout=180,
-                      what=f"three epochs after the kill at epoch {killed_at}")
+        peer.wait_for(
+            lambda e: e["type"] == "epoch" and e["epoch"] >= killed_at + 3,
+            timeout=180,
+            what=f"three epochs after the kill at epoch {killed_at}",
+        )
     for peer in survivors:
         kill_round = [e for e in epochs_of(peer) if e["epoch"] == killed_at]
         # (a group of 3 here may still be the killed peer's: hivemind finishes a round without the parts of a peer
@@ -129,20 +155,29 @@ def test_a_peer_killed_while_averaging_leaves_the_others_training_and_comes_back
     assert first["epoch"] >= swarm_epoch > killed_at + 3
     # three epochs of it (not always consecutive: hivemind may move a peer that fell behind to the swarm's epoch),
     # and the others' reports of the same epochs
-    restarted.wait_for(lambda e: e["type"] == "epoch" and len(epochs_of(restarted)) >= 3, timeout=120,
-                       what="three epochs")
+    restarted.wait_for(
+        lambda e: e["type"] == "epoch" and len(epochs_of(restarted)) >= 3, timeout=120, what="three epochs"
+    )
     mine = epochs_of(restarted)[:3]
     for peer in survivors:
-        peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= mine[-1]["epoch"], timeout=60,
-                      what=f"epoch {mine[-1]['epoch']}")
+        peer.wait_for(
+            lambda e: e["type"] == "epoch" and e["epoch"] >= mine[-1]["epoch"],
+            timeout=60,
+            what=f"epoch {mine[-1]['epoch']}",
+        )
     paths = [params[peers.index(peer)] for peer in survivors] + [params[index]]  # the restarted peer's: its own
     final = stop_and_load_params(survivors + [restarted], paths)
 
     # (its first epoch may be one step only: it came in at the end of one)
-    compared = [(e["epoch"], e["loss"], loss_at(survivors, e["epoch"])) for e in mine
-                if loss_at(survivors, e["epoch"]) is not None]
-    print(f"killed at epoch {killed_at}; restarted at epoch {first['epoch']}: (epoch, its loss, the others') "
-          f"{compared}; initial loss {initial_loss:.4f}")
+    compared = [
+        (e["epoch"], e["loss"], loss_at(survivors, e["epoch"]))
+        for e in mine
+        if loss_at(survivors, e["epoch"]) is not None
+    ]
+    print(
+        f"killed at epoch {killed_at}; restarted at epoch {first['epoch']}: (epoch, its loss, the others') "
+        f"{compared}; initial loss {initial_loss:.4f}"
+    )
     assert all(math.isfinite(e["loss"]) for e in mine), mine
     assert len(compared) >= 2, (mine, [epochs_of(peer)[-3:] for peer in survivors])
     ours, theirs = (sum(row[i] for row in compared) / len(compared) for i in (1, 2))
@@ -161,31 +196,46 @@ NAN_AT_EPOCH = 6  # by then the loss has fallen visibly below its initial value
 
 @pytest.mark.slow
 def test_a_peer_whose_loss_turns_nan_loads_the_swarms_state_and_the_others_are_not_poisoned(
-        first_peer, start_peer, tiny_shards, tmp_path):
+    first_peer, start_peer, tiny_shards, tmp_path
+):
     from nan_peer import start_nan_peer
 
     run_id = "test_fault_nan"
     _, addresses = first_peer(run_id, *(arg for setting in SETTINGS for arg in ("--set", setting)))
     params = [str(tmp_path / f"params-{i}.pt") for i in range(3)]
-    honest = [start_peer(f"honest-{i}", *join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3",
-                                                    "--save-params", params[i])) for i in range(2)]
+    honest = [
+        start_peer(
+            f"honest-{i}",
+            *join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3", "--save-params", params[i]),
+        )
+        for i in range(2)
+    ]
     # at epoch 6 its token embedding turns nan: every loss after it is nan until it loads sound parameters.
     # Were its nan gradients averaged, every peer's step would be nan.
-    sick = start_nan_peer("nan-peer", join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3",
-                                                "--save-params", params[2]), str(tmp_path / "nan-peer.log"),
-                          at_epoch=NAN_AT_EPOCH)
+    sick = start_nan_peer(
+        "nan-peer",
+        join_args(run_id, addresses, tiny_shards, "--wait-for-peers", "3", "--save-params", params[2]),
+        str(tmp_path / "nan-peer.log"),
+        at_epoch=NAN_AT_EPOCH,
+    )
     try:
         fault = sick.wait_for(lambda e: e["type"] == "fault", timeout=240, what="the injected fault")
         # (a peer also reports the states its steps load when it is behind: the one after the fault is non_finite)
-        restore = sick.wait_for(lambda e: e["type"] == "restore" and e["reason"] == "non_finite", timeout=120,
-                                what="loading the swarm's state")
+        restore = sick.wait_for(
+            lambda e: e["type"] == "restore" and e["reason"] == "non_finite",
+            timeout=120,
+            what="loading the swarm's state",
+        )
         assert restore["reason"] == "non_finite" and "nan" in restore["problem"], restore
         assert restore["loaded"] is True, restore
         fault_epoch = restore["epoch_before"]
         # it trains on with the swarm: the epoch it came back in, then two whole ones
         back = restore["epoch_after"]
-        sick.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= back + 2, timeout=120,
-                      what="two whole epochs after loading the swarm's state")
+        sick.wait_for(
+            lambda e: e["type"] == "epoch" and e["epoch"] >= back + 2,
+            timeout=120,
+            what="two whole epochs after loading the swarm's state",
+        )
         for peer in honest:
             peer.wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= back + 2, timeout=60, what="the same epochs")
         final = stop_and_load_params(honest + [sick], params)
@@ -200,8 +250,10 @@ def test_a_peer_whose_loss_turns_nan_loads_the_swarms_state_and_the_others_are_n
     after = [e for e in epochs_of(sick) if e["epoch"] > back and loss_at(honest, e["epoch"]) is not None]
     assert len(after) >= 2 and any(e["averaged"] for e in after), after  # it averages with the others again
     for e in after:
-        print(f"epoch {e['epoch']}: nan peer {e['loss']:.4f}, honest peers {loss_at(honest, e['epoch']):.4f} "
-              f"(initial {initial_loss:.4f})")
+        print(
+            f"epoch {e['epoch']}: nan peer {e['loss']:.4f}, honest peers {loss_at(honest, e['epoch']):.4f} "
+            f"(initial {initial_loss:.4f})"
+        )
         assert math.isfinite(e["loss"]), e
     # from the swarm's parameters: over those epochs, nearer the others' loss than the initial one (an epoch's loss is
     # a mean over a peer's own batches: of the 0.16 the tiny preset learns by then, 0.3 was within that noise)
@@ -228,6 +280,7 @@ def test_a_peer_whose_loss_turns_nan_loads_the_swarms_state_and_the_others_are_n
 # ---------------------------------------------------------------------------------------------
 # alone in the swarm: nobody to load a state from
 
+
 @pytest.mark.slow
 def test_a_nan_loss_alone_skips_the_step_and_nan_parameters_alone_stop_with_a_clear_error(tiny_shards, tmp_path):
     from nan_peer import start_nan_peer
@@ -236,10 +289,30 @@ def test_a_nan_loss_alone_skips_the_step_and_nan_parameters_alone_stop_with_a_cl
     peers = {}
     try:
         for name, (what, steps) in cases.items():  # three lone peers at once, each in a run of its own
-            peers[name] = start_nan_peer(name, [
-                "join", "--preset", "tiny", "--run-id", f"test_fault_{name}", "--host", "127.0.0.1",
-                "--data", tiny_shards, "--threads", "1", "--events", "--no-progress", "--max-steps", "20"],
-                str(tmp_path / f"{name}.log"), at_step=5, what=what, steps=steps)
+            peers[name] = start_nan_peer(
+                name,
+                [
+                    "join",
+                    "--preset",
+                    "tiny",
+                    "--run-id",
+                    f"test_fault_{name}",
+                    "--host",
+                    "127.0.0.1",
+                    "--data",
+                    tiny_shards,
+                    "--threads",
+                    "1",
+                    "--events",
+                    "--no-progress",
+                    "--max-steps",
+                    "20",
+                ],
+                str(tmp_path / f"{name}.log"),
+                at_step=5,
+                what=what,
+                steps=steps,
+            )
         codes = {name: peer.wait_exit(timeout=180) for name, peer in peers.items()}
     finally:
         for peer in peers.values():
@@ -264,8 +337,10 @@ def test_a_nan_loss_alone_skips_the_step_and_nan_parameters_alone_stop_with_a_cl
     assert codes["nan_always"] == 2, peer.log_tail()
     log = open(peer.log_path).read()
     assert f"for {Volunteer.max_non_finite_steps + 1} local steps in a row" in log, log[-2000:]
-    assert sum(e["type"] == "restore" and e["reason"] == "non_finite" for e in peer.events) == \
-        Volunteer.max_non_finite_steps
+    assert (
+        sum(e["type"] == "restore" and e["reason"] == "non_finite" for e in peer.events)
+        == Volunteer.max_non_finite_steps
+    )
 
 
 # a lone volunteer on 127.0.0.1 whose every step asks for the swarm's state (as a peer behind the swarm does, each step
@@ -295,8 +370,9 @@ STATE_NEVER_COMES = textwrap.dedent("""
 def test_a_peer_that_cannot_get_the_swarms_state_waits_longer_between_tries_instead_of_spinning(tiny_shards):
     """A peer behind the swarm tries to load its state at each step; when no peer gives it, the next step waits
     (STATE_RETRY_WAITS: 1, 2, 4 s...). A late joiner on a thin link tried 1197 times in 49 s without it."""
-    finished = subprocess.run([sys.executable, "-c", STATE_NEVER_COMES, tiny_shards], capture_output=True, text=True,
-                              timeout=180)
+    finished = subprocess.run(
+        [sys.executable, "-c", STATE_NEVER_COMES, tiny_shards], capture_output=True, text=True, timeout=180
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     tries = result["tries"]
@@ -306,8 +382,10 @@ def test_a_peer_that_cannot_get_the_swarms_state_waits_longer_between_tries_inst
     for gap, wait in zip(gaps, STATE_RETRY_WAITS):
         assert gap >= wait, (gaps, STATE_RETRY_WAITS)  # each try waited its turn, doubling
     for attempt, wait in enumerate(STATE_RETRY_WAITS[:4], start=1):
-        assert f"no peer gave the swarm's state ({attempt} time(s) in a row): trying again in {wait:.0f} s" in \
-            finished.stderr, finished.stderr[-3000:]
+        assert (
+            f"no peer gave the swarm's state ({attempt} time(s) in a row): trying again in {wait:.0f} s"
+            in finished.stderr
+        ), finished.stderr[-3000:]
 
 
 # a lone volunteer on 127.0.0.1 that has reached the epoch it trains to when its link goes down (the other peers,
@@ -333,8 +411,12 @@ LIMIT_REACHED_AS_THE_LINK_GOES_DOWN = textwrap.dedent("""
 def test_a_peer_at_its_last_epoch_stops_even_if_its_link_went_down(tiny_shards):
     """In the CenteredClip benchmark, one honest peer reached its last epoch as the others, done, left: it took their
     leaving for a cut link and waited for the link to come back, for ever."""
-    finished = subprocess.run([sys.executable, "-c", LIMIT_REACHED_AS_THE_LINK_GOES_DOWN, tiny_shards],
-                              capture_output=True, text=True, timeout=180)
+    finished = subprocess.run(
+        [sys.executable, "-c", LIMIT_REACHED_AS_THE_LINK_GOES_DOWN, tiny_shards],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     assert result == dict(interrupted=False, link_outages=0), result

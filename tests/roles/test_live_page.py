@@ -4,6 +4,7 @@ leaderboard has a row per contributor, a volunteer killed with SIGKILL shows as 
 polls, its charts grow, its console stays clean; and nothing the API serves names a path, a key, a token or a
 volunteer's address.
 """
+
 import hashlib
 import json
 import os
@@ -15,9 +16,8 @@ import time
 import urllib.request
 
 import pytest
-from playwright.sync_api import sync_playwright
-
 from headless_chromium import chromium  # noqa: F401 (the fixture)
+from playwright.sync_api import sync_playwright
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def join_line(monitor):
     with open(monitor.log_path) as log:
         lines = [line for line in log if line.startswith("To join this swarm: ")]
     assert lines, "the monitor printed no join line"
-    return shlex.split(lines[-1][len("To join this swarm: "):])
+    return shlex.split(lines[-1][len("To join this swarm: ") :])
 
 
 def strings_in(value, where="$"):
@@ -66,16 +66,50 @@ def page_state(page):
 
 
 def test_the_live_page_follows_the_run_without_a_reload(start_peer, tiny_shards, tmp_path, chromium):  # noqa: F811
-    monitor = start_peer("monitor", "monitor", "--preset", "tiny", "--run-id", "live_page", "--host", "127.0.0.1",
-                         "--events", "--poll-every", str(POLL_EVERY), "--db", str(tmp_path / "monitor" / "run.sqlite"),
-                         "--checkpoints", str(tmp_path / "monitor" / "checkpoints"), "--checkpoint-every", "3",
-                         "--data", tiny_shards, "--set", TARGET, "--dashboard-port", "0")
+    monitor = start_peer(
+        "monitor",
+        "monitor",
+        "--preset",
+        "tiny",
+        "--run-id",
+        "live_page",
+        "--host",
+        "127.0.0.1",
+        "--events",
+        "--poll-every",
+        str(POLL_EVERY),
+        "--db",
+        str(tmp_path / "monitor" / "run.sqlite"),
+        "--checkpoints",
+        str(tmp_path / "monitor" / "checkpoints"),
+        "--checkpoint-every",
+        "3",
+        "--data",
+        tiny_shards,
+        "--set",
+        TARGET,
+        "--dashboard-port",
+        "0",
+    )
     url = monitor.wait_for(lambda e: e["type"] == "live_page", DEADLINE, "the page's link")["url"]
     ready = monitor.wait_for(lambda e: e["type"] == "ready", DEADLINE, "the monitor ready")
     assert url.startswith("http://127.0.0.1:")
     line = join_line(monitor)
-    volunteers = [start_peer(f"volunteer-{i}", *line[1:], "--host", "127.0.0.1", "--events", "--threads", "1",
-                             "--no-progress", "--wait-for-peers", "2") for i in range(2)]
+    volunteers = [
+        start_peer(
+            f"volunteer-{i}",
+            *line[1:],
+            "--host",
+            "127.0.0.1",
+            "--events",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--wait-for-peers",
+            "2",
+        )
+        for i in range(2)
+    ]
     volunteer_ready = [v.wait_for(lambda e: e["type"] == "ready", DEADLINE, "a volunteer ready") for v in volunteers]
     names = [event["peer_id"] for event in volunteer_ready]
 
@@ -88,13 +122,23 @@ def test_the_live_page_follows_the_run_without_a_reload(start_peer, tiny_shards,
             page.on("pageerror", lambda error: console_errors.append(str(error)))
             page.goto(url)
             page.evaluate("() => { window.__sameDocument = true; }")  # gone if the page reloads
-            first = wait_until(lambda: (state := page_state(page))["loss"] != "–" and len(state["board"]) == 2
-                               and state, DEADLINE, "a loss and both volunteers on the page")
+            first = wait_until(
+                lambda: (state := page_state(page))["loss"] != "–" and len(state["board"]) == 2 and state,
+                DEADLINE,
+                "a loss and both volunteers on the page",
+            )
             assert sorted(first["board"]) == sorted(names)
             shoot(page, tmp_path, "desktop-1")
-            later = wait_until(lambda: (state := page_state(page))["epoch"] != first["epoch"]
-                               and state["loss"] != first["loss"] and state["points"] > first["points"] + 1
-                               and state, DEADLINE, "the page's epoch, loss and chart moving on")
+            later = wait_until(
+                lambda: (
+                    (state := page_state(page))["epoch"] != first["epoch"]
+                    and state["loss"] != first["loss"]
+                    and state["points"] > first["points"] + 1
+                    and state
+                ),
+                DEADLINE,
+                "the page's epoch, loss and chart moving on",
+            )
             assert int(later["epoch"]) > int(first["epoch"]) and not later["reloaded"]
             assert later["peerPoints"] > first["peerPoints"] and sorted(later["board"]) == sorted(names)
             assert all(later["peers"].get(name) != "gone" for name in names), later["peers"]
@@ -104,12 +148,18 @@ def test_the_live_page_follows_the_run_without_a_reload(start_peer, tiny_shards,
             killed_at = time.time()
             os.killpg(volunteers[1].process.pid, signal.SIGKILL)
             # the monitor's polls that looked for peers after the kill: the second at the latest counts it gone
-            counted = monitor.wait_for(lambda e: e["type"] == "poll" and victim in e["gone"], DEADLINE,
-                                       "a poll that counts the killed volunteer gone")
+            counted = monitor.wait_for(
+                lambda e: e["type"] == "poll" and victim in e["gone"],
+                DEADLINE,
+                "a poll that counts the killed volunteer gone",
+            )
             polls_after = [e for e in monitor.events if e["type"] == "poll" and e["presence_checked_at"] > killed_at]
             assert counted in polls_after[:2], [(e["presence_checked_at"] - killed_at, e["gone"]) for e in polls_after]
-            shown = wait_until(lambda: (state := page_state(page))["peers"].get(victim) == "gone" and state,
-                               DEADLINE, "the killed volunteer shown as gone")
+            shown = wait_until(
+                lambda: (state := page_state(page))["peers"].get(victim) == "gone" and state,
+                DEADLINE,
+                "the killed volunteer shown as gone",
+            )
             assert shown["poll"] >= 1 and shown["peers"][names[0]] != "gone" and not shown["reloaded"]
             assert sorted(shown["board"]) == sorted(names)  # what it gave stays on the leaderboard
 
@@ -125,8 +175,9 @@ def test_the_live_page_follows_the_run_without_a_reload(start_peer, tiny_shards,
 
     # nothing served names a path, a key, a token or a volunteer's address
     served = {"status": get_json(url + "api/status"), "series": get_json(url + "api/series")}
-    volunteer_ports = {re.search(r"/tcp/(\d+)", address).group(1)
-                       for event in volunteer_ready for address in event["addresses"]}
+    volunteer_ports = {
+        re.search(r"/tcp/(\d+)", address).group(1) for event in volunteer_ready for address in event["addresses"]
+    }
     monitor_addresses = set(ready["addresses"])
     for where, text in strings_in(served):
         assert str(tmp_path) not in text and tiny_shards not in text and "/tmp/" not in text, (where, text)
@@ -156,20 +207,25 @@ DEADLINE_SLOW = 2.0  # the page's request deadline in this test
 
 @pytest.fixture
 def example_page(tmp_path, caplog):
+    from example_history import POLL_EVERY as EXAMPLE_POLL
+    from example_history import START, write_example_history
+
     from collab_kit.config import get_preset
     from collab_kit.roles.live_page import LivePage
     from collab_kit.roles.live_status import page_document, page_document_path, run_facts, write_document
     from collab_kit.roles.run_history import RunHistory
-    from example_history import POLL_EVERY as EXAMPLE_POLL, START, write_example_history
 
     db = str(tmp_path / "run.sqlite")
     expected = write_example_history(db)
     config = get_preset("tiny", swarm=dict(run_id="example"))
     with RunHistory(db, read_only=True) as history:
-        run = run_facts(config, str(tmp_path / "shards"), ["/ip4/127.0.0.1/tcp/31337/p2p/QmExampleMonitor"],
-                        EXAMPLE_POLL)
-        write_document(page_document_path(db), page_document(history, run, {"12D3KooWPeer1"}, poll=24,
-                                                             now=START + 24 * EXAMPLE_POLL))
+        run = run_facts(
+            config, str(tmp_path / "shards"), ["/ip4/127.0.0.1/tcp/31337/p2p/QmExampleMonitor"], EXAMPLE_POLL
+        )
+        write_document(
+            page_document_path(db),
+            page_document(history, run, {"12D3KooWPeer1"}, poll=24, now=START + 24 * EXAMPLE_POLL),
+        )
     page = LivePage(page_document_path(db), request_deadline=DEADLINE_SLOW)
     yield page, expected
     page.stop()
@@ -197,19 +253,37 @@ def status_of(answer: bytes) -> int:
 def test_hostile_requests_get_a_4xx_or_a_closed_connection_and_the_page_goes_on(example_page):
     page, _ = example_page
     get = lambda target, extra=b"": raw_request(  # noqa: E731
-        page.url, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra + b"\r\n")
-    for target in (b"/../../etc/passwd", b"/%2e%2e/%2e%2e/etc/passwd", b"/vendor/..%2f..%2flive_page.py",
-                   b"/page_assets/index.html", b"/api/nope", b"/api/status/../../x", b"//etc/passwd"):
+        page.url, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra + b"\r\n"
+    )
+    for target in (
+        b"/../../etc/passwd",
+        b"/%2e%2e/%2e%2e/etc/passwd",
+        b"/vendor/..%2f..%2flive_page.py",
+        b"/page_assets/index.html",
+        b"/api/nope",
+        b"/api/status/../../x",
+        b"//etc/passwd",
+    ):
         answer = get(target)
         assert status_of(answer) == 404 and b"root:" not in answer and b"import" not in answer, (target, answer[:200])
-    for target in (b"/api/series?since=abc", b"/api/series?since=nan", b"/api/series?since=1e999",
-                   b"/api/series?since="):
+    for target in (
+        b"/api/series?since=abc",
+        b"/api/series?since=nan",
+        b"/api/series?since=1e999",
+        b"/api/series?since=",
+    ):
         assert status_of(get(target)) == 400, target
     assert status_of(get(b"/api/series?since=" + b"9" * 5000)) == 414
     assert status_of(get(b"/api/status?" + b"a" * 100_000)) in (0, 400, 414)  # refused, or the connection closed
     assert status_of(get(b"/", b"X-Junk: " + b"j" * 100_000 + b"\r\n")) in (0, 400, 431)
-    assert status_of(raw_request(page.url, b"POST /api/status HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-                                           b"Connection: close\r\n\r\n{}")) == 405
+    assert (
+        status_of(
+            raw_request(
+                page.url, b"POST /api/status HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+            )
+        )
+        == 405
+    )
     assert status_of(raw_request(page.url, b"BLAH\r\n\r\n")) in (0, 400)
     assert status_of(raw_request(page.url, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64))) in (0, 400)
 
@@ -235,8 +309,11 @@ def test_names_from_peers_are_shown_as_text_and_the_run_folder_is_not_named(exam
             dialogs = []
             page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
             page.goto(page_process.url)
-            board = wait_until(lambda: len((state := page_state(page))["board"]) == len(expected["names"]) and state,
-                               60, "the leaderboard drawn")
+            board = wait_until(
+                lambda: len((state := page_state(page))["board"]) == len(expected["names"]) and state,
+                60,
+                "the leaderboard drawn",
+            )
             assert sorted(board["board"]) == sorted(expected["names"])  # the markup in two names shown as text
             assert board["peers"]["bob"] == "gone" and "pwned" not in page.title() and not dialogs
             background = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
@@ -247,6 +324,7 @@ def test_names_from_peers_are_shown_as_text_and_the_run_folder_is_not_named(exam
 
 def test_a_peer_downloading_the_state_is_shown_so_until_its_next_epoch(tmp_path):
     import hivemind
+
     from collab_kit.config import get_preset
     from collab_kit.roles.live_status import page_document, run_facts
     from collab_kit.roles.run_history import RunHistory
@@ -257,9 +335,13 @@ def test_a_peer_downloading_the_state_is_shown_so_until_its_next_epoch(tmp_path)
     try:
         publisher = MetricsPublisher(dht, "activity")
         with RunHistory(str(tmp_path / "run.sqlite")) as history:
+
             def poll(newer_than):
-                records = wait_until(lambda: [r for r in read_metrics(dht, "activity") if r[1].time > newer_than],
-                                     30, "the record in the DHT")
+                records = wait_until(
+                    lambda: [r for r in read_metrics(dht, "activity") if r[1].time > newer_than],
+                    30,
+                    "the record in the DHT",
+                )
                 history.record(summarize([record for _, record in records]), [(k, r, r.peer_id) for k, r in records])
                 status = page_document(history, run, set(), poll=1)["status"]
                 return records[0][1], status["peers"][0], status["now"]["loss"]

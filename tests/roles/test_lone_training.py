@@ -1,30 +1,44 @@
 """Training alone while others train is said: the volunteer's watch, its metrics record, the monitor's history,
 the dashboard and the join notebook's live view (the swarm itself: tests/netlab/test_network_lab.py)."""
+
 import pytest
 
 from collab_kit.notebook.dashboard import averaging_html, load
 from collab_kit.notebook.live_view import LiveView
-from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
-from collab_kit.roles.run_history import RunHistory
 from collab_kit.roles.records import LONE_AFTER_EPOCHS, EpochRecord, LoneTrainingWatch
+from collab_kit.roles.run_history import RunHistory
+from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 
 
 def epoch(number, averaged, training_peers=3, problem=None, anchors=0):
-    return EpochRecord(epoch=number, loss=3.0, local_steps=4, samples=32, averaged=averaged,
-                       group_size=2 if averaged else 1, num_peers=training_peers + 1, seconds=1.0, anchors=anchors,
-                       training_peers=training_peers, problem=problem)
+    return EpochRecord(
+        epoch=number,
+        loss=3.0,
+        local_steps=4,
+        samples=32,
+        averaged=averaged,
+        group_size=2 if averaged else 1,
+        num_peers=training_peers + 1,
+        seconds=1.0,
+        anchors=anchors,
+        training_peers=training_peers,
+        problem=problem,
+    )
 
 
 def observe(watch, record, client_mode=True, anchors_in_swarm=1):
-    return watch.observe(record, client_mode=client_mode, anchors_in_swarm=anchors_in_swarm, averaging_timeout=30.0,
-                         matchmaking_time=3.0)
+    return watch.observe(
+        record, client_mode=client_mode, anchors_in_swarm=anchors_in_swarm, averaging_timeout=30.0, matchmaking_time=3.0
+    )
 
 
 def test_the_warning_comes_after_a_stretch_of_lone_epochs_once_and_again_after_a_recovery():
     watch = LoneTrainingWatch()
-    said = [observe(watch, epoch(n, averaged=False, problem="Averaging step failed: could not find a group"))
-            for n in range(LONE_AFTER_EPOCHS + 2)]
-    assert said[:LONE_AFTER_EPOCHS - 1] == [None] * (LONE_AFTER_EPOCHS - 1)
+    said = [
+        observe(watch, epoch(n, averaged=False, problem="Averaging step failed: could not find a group"))
+        for n in range(LONE_AFTER_EPOCHS + 2)
+    ]
+    assert said[: LONE_AFTER_EPOCHS - 1] == [None] * (LONE_AFTER_EPOCHS - 1)
     warning = said[LONE_AFTER_EPOCHS - 1]
     assert warning.epochs == LONE_AFTER_EPOCHS and warning.training_peers == 3
     assert "could not find a group" in warning.reason and "averaging_timeout" in warning.advice
@@ -66,22 +80,34 @@ def test_failed_rounds_of_a_peer_nobody_checked_blame_the_dialling():
     assert "--no-client-mode" in why and "never checked" in why
     # checked by a probe (its verdict, or the address it found announced), in client mode, or a swarm on this
     # machine: nothing to blame on the dialling
-    probed = get_preset("tiny", swarm=dict(initial_peers=elsewhere, client_mode=False,
-                                           announce_maddrs=["/ip4/10.77.1.3/tcp/4242"]))
-    here = get_preset("tiny", swarm=dict(initial_peers=[elsewhere[0].replace("10.77.0.10", "127.0.0.1")],
-                                         client_mode=False))
+    probed = get_preset(
+        "tiny", swarm=dict(initial_peers=elsewhere, client_mode=False, announce_maddrs=["/ip4/10.77.1.3/tcp/4242"])
+    )
+    here = get_preset(
+        "tiny", swarm=dict(initial_peers=[elsewhere[0].replace("10.77.0.10", "127.0.0.1")], client_mode=False)
+    )
     assert undialable_reason(forced, reachability=object()) is None
     assert undialable_reason(probed, None) is None and undialable_reason(here, None) is None
     assert undialable_reason(get_preset("tiny", swarm=dict(initial_peers=elsewhere, client_mode=True)), None) is None
     watch = LoneTrainingWatch(after_epochs=1)
-    warning = watch.observe(epoch(0, averaged=False, problem="could not find a group"), client_mode=False,
-                            anchors_in_swarm=1, averaging_timeout=30.0, matchmaking_time=3.0, undialable=why)
+    warning = watch.observe(
+        epoch(0, averaged=False, problem="could not find a group"),
+        client_mode=False,
+        anchors_in_swarm=1,
+        averaging_timeout=30.0,
+        matchmaking_time=3.0,
+        undialable=why,
+    )
     assert "may be unable to dial this one" in warning.reason and "never checked" in warning.reason
     assert "leave --client-mode and --host out" in warning.advice and "slow or unsteady" not in warning.advice
     # a peer that was checked: its failing rounds are the link's
-    link = LoneTrainingWatch(after_epochs=1).observe(epoch(0, averaged=False, problem="could not find a group"),
-                                                     client_mode=False, anchors_in_swarm=1, averaging_timeout=30.0,
-                                                     matchmaking_time=3.0)
+    link = LoneTrainingWatch(after_epochs=1).observe(
+        epoch(0, averaged=False, problem="could not find a group"),
+        client_mode=False,
+        anchors_in_swarm=1,
+        averaging_timeout=30.0,
+        matchmaking_time=3.0,
+    )
     assert "slow or unsteady" in link.advice
 
 
@@ -100,8 +126,20 @@ def test_the_live_view_turns_red_and_prints_the_warning(capsys):
 
 
 def metrics(peer, at, **fields):
-    values = dict(peer_id=peer, username=None, epoch=5, samples_per_second=10.0, samples_accumulated=100, loss=3.0,
-                  mini_steps=4, compute_seconds=10.0, time=at, averaged_with=None, lone_epochs=None, lone_reason=None)
+    values = dict(
+        peer_id=peer,
+        username=None,
+        epoch=5,
+        samples_per_second=10.0,
+        samples_accumulated=100,
+        loss=3.0,
+        mini_steps=4,
+        compute_seconds=10.0,
+        time=at,
+        averaged_with=None,
+        lone_epochs=None,
+        lone_reason=None,
+    )
     values.update(fields)
     return PeerMetrics(**values)
 
@@ -109,14 +147,29 @@ def metrics(peer, at, **fields):
 def test_the_monitors_history_and_dashboard_show_each_peers_averaging(tmp_path):
     path = str(tmp_path / "run.sqlite")
     with RunHistory(path, run_id="r") as history:
-        history.record(SwarmSnapshot(time=1.0, epoch=5, loss=3.0, alive_peers=3, samples_per_second=30.0), [
-            (b"a", metrics("peer-a", 1.0, averaged_with=2, lone_epochs=0), "peer-a"),
-            (b"b", metrics("peer-b", 1.0, averaged_with=0, lone_epochs=4,
-                           lone_reason="Averaging step failed: could not find a group"), "peer-b"),
-            (b"c", metrics("peer-c", 1.0), "peer-c")])
+        history.record(
+            SwarmSnapshot(time=1.0, epoch=5, loss=3.0, alive_peers=3, samples_per_second=30.0),
+            [
+                (b"a", metrics("peer-a", 1.0, averaged_with=2, lone_epochs=0), "peer-a"),
+                (
+                    b"b",
+                    metrics(
+                        "peer-b",
+                        1.0,
+                        averaged_with=0,
+                        lone_epochs=4,
+                        lone_reason="Averaging step failed: could not find a group",
+                    ),
+                    "peer-b",
+                ),
+                (b"c", metrics("peer-c", 1.0), "peer-c"),
+            ],
+        )
         peers = history.peer_averaging()
     assert [p.name for p in peers] == ["peer-b", "peer-a", "peer-c"]  # alone first
-    assert peers[0].alone and peers[0].describe() == "alone for 4 epoch(s): Averaging step failed: could not find a group"
+    assert (
+        peers[0].alone and peers[0].describe() == "alone for 4 epoch(s): Averaging step failed: could not find a group"
+    )
     assert peers[1].describe() == "averaging with 2 peer(s)" and peers[2].describe() == "not reported"
     data = load(path)
     page = averaging_html(data.averaging)
@@ -131,13 +184,16 @@ def test_a_history_file_from_before_the_averaging_columns_gets_them(tmp_path):
     connection.executescript(
         "CREATE TABLE peers (key BLOB PRIMARY KEY, peer_id TEXT NOT NULL, name TEXT NOT NULL, "
         "samples_accumulated INTEGER NOT NULL, compute_seconds REAL NOT NULL, last_seen REAL NOT NULL);"
-        "INSERT INTO peers VALUES (x'01', 'old-peer', 'old-peer', 5, 1.0, 0.5);")
+        "INSERT INTO peers VALUES (x'01', 'old-peer', 'old-peer', 5, 1.0, 0.5);"
+    )
     connection.commit()
     connection.close()
     with RunHistory(path) as history:
         assert [(p.name, p.describe()) for p in history.peer_averaging()] == [("old-peer", "not reported")]
-        history.record(SwarmSnapshot(time=1.0, epoch=1, loss=3.0, alive_peers=1, samples_per_second=1.0),
-                       [(b"\x01", metrics("old-peer", 1.0, averaged_with=1, lone_epochs=0), "old-peer")])
+        history.record(
+            SwarmSnapshot(time=1.0, epoch=1, loss=3.0, alive_peers=1, samples_per_second=1.0),
+            [(b"\x01", metrics("old-peer", 1.0, averaged_with=1, lone_epochs=0), "old-peer")],
+        )
         assert history.peer_averaging()[0].describe() == "averaging with 1 peer(s)"
 
 

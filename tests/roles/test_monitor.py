@@ -5,6 +5,7 @@ mid-run and restarted that loses no leaderboard row and goes on with its checkpo
 The monitor and the volunteers are real ``collab-kit monitor / join --events`` processes on 127.0.0.1; the tests
 wait on their events with deadlines and read the SQLite file the monitor writes.
 """
+
 import datetime
 import logging
 import os
@@ -19,14 +20,22 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab_kit.model.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, checkpoint_name, list_checkpoints, load_checkpoint,
-                                   load_latest_checkpoint, rotate_checkpoints, save_checkpoint)
 from collab_kit.config import get_preset
-from collab_kit.swarm.metrics import MetricsPublisher, PeerMetrics
+from collab_kit.model.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    checkpoint_name,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    rotate_checkpoints,
+    save_checkpoint,
+)
 from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.roles.monitor_address import lasting_address
 from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.roles.run_history import RunHistory
+from collab_kit.swarm.metrics import MetricsPublisher, PeerMetrics
 
 # a small target batch: global epochs of a few seconds even on a loaded machine, so that checkpoints come often
 TARGET = "optimizer.target_batch_size=512"
@@ -34,15 +43,58 @@ EVENT_DEADLINE = 240  # seconds; generous: the machines these run on are shared 
 
 
 def monitor_args(run_id, tmp_path, *extra):
-    return ["monitor", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--events",
-            "--poll-every", "0.5", "--db", str(tmp_path / "run.sqlite"), "--checkpoints", str(tmp_path / "checkpoints"),
-            "--checkpoint-every", "2", "--keep", "2", "--backoff", "0.5", "--backoff-max", "2", "--set", TARGET, *extra]
+    return [
+        "monitor",
+        "--preset",
+        "tiny",
+        "--run-id",
+        run_id,
+        "--host",
+        "127.0.0.1",
+        "--events",
+        "--poll-every",
+        "0.5",
+        "--db",
+        str(tmp_path / "run.sqlite"),
+        "--checkpoints",
+        str(tmp_path / "checkpoints"),
+        "--checkpoint-every",
+        "2",
+        "--keep",
+        "2",
+        "--backoff",
+        "0.5",
+        "--backoff-max",
+        "2",
+        "--set",
+        TARGET,
+        *extra,
+    ]
 
 
 def volunteer_args(run_id, addresses, shards, *extra):
-    return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers", *addresses,
-            "--data", shards, "--threads", "1", "--events", "--no-progress", "--max-epochs", "1000",
-            "--set", TARGET, *extra]
+    return [
+        "join",
+        "--preset",
+        "tiny",
+        "--run-id",
+        run_id,
+        "--host",
+        "127.0.0.1",
+        "--initial-peers",
+        *addresses,
+        "--data",
+        shards,
+        "--threads",
+        "1",
+        "--events",
+        "--no-progress",
+        "--max-epochs",
+        "1000",
+        "--set",
+        TARGET,
+        *extra,
+    ]
 
 
 def events_of(peer, kind):
@@ -65,8 +117,9 @@ def save_series(folder, epochs):
     for epoch in epochs:
         torch.manual_seed(epoch)
         models[epoch] = TextToImageTransformer(config.model)
-        save_checkpoint(models[epoch], config, os.path.join(folder, checkpoint_name(epoch)),
-                        metadata=dict(global_epoch=epoch))
+        save_checkpoint(
+            models[epoch], config, os.path.join(folder, checkpoint_name(epoch)), metadata=dict(global_epoch=epoch)
+        )
     return models
 
 
@@ -80,8 +133,7 @@ def test_rotation_keeps_the_newest_and_clears_what_a_crash_left(tmp_path):
     os.makedirs(os.path.join(folder, ".checkpoint-abc123"))  # a save killed before its rename
     os.makedirs(os.path.join(folder, "notes"))  # not ours: left alone
     removed = rotate_checkpoints(folder, keep=2)
-    assert sorted(os.path.basename(path) for path in removed) == [".checkpoint-abc123", "epoch-000002",
-                                                                   "epoch-000004"]
+    assert sorted(os.path.basename(path) for path in removed) == [".checkpoint-abc123", "epoch-000002", "epoch-000004"]
     assert [epoch for epoch, _ in list_checkpoints(folder)] == [6, 8]
     assert sorted(os.listdir(folder)) == ["epoch-000006", "epoch-000008", "notes"]
     with pytest.raises(ValueError, match="keep at least"):
@@ -143,8 +195,17 @@ def test_a_username_is_credited_only_when_the_binding_proves_it():
         return dict(token=token.SerializeToString(), binding=sign_peer_binding(key, token, to.to_bytes()))
 
     def record(username=None):
-        return PeerMetrics(peer_id=peer_id.to_base58(), username=username, epoch=3, samples_per_second=1.0,
-                           samples_accumulated=64, loss=2.0, mini_steps=8, compute_seconds=4.0, time=get_dht_time())
+        return PeerMetrics(
+            peer_id=peer_id.to_base58(),
+            username=username,
+            epoch=3,
+            samples_per_second=1.0,
+            samples_accumulated=64,
+            loss=2.0,
+            mini_steps=8,
+            compute_seconds=4.0,
+            time=get_dht_time(),
+        )
 
     server_public = server_key.get_public_key()
     assert verified_username(subkey, record("alice"), bound("alice"), server_public) == "alice"
@@ -173,14 +234,18 @@ def test_wandb_without_the_package_is_a_clear_error_before_anything_starts(tmp_p
 
     try:
         import wandb  # noqa: F401
+
         pytest.skip("wandb is installed here")
     except ImportError:
         pass
     monkeypatch.setenv("WANDB_PROJECT", "my-run-charts")  # the variable alone asks for W&B
     args = make_parser().parse_args(["monitor", "--preset", "tiny"])
     assert args.wandb_project == "my-run-charts"
-    settings = MonitorSettings(db_path=str(tmp_path / "run.sqlite"), checkpoint_dir=str(tmp_path / "checkpoints"),
-                               wandb_project=args.wandb_project)
+    settings = MonitorSettings(
+        db_path=str(tmp_path / "run.sqlite"),
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        wandb_project=args.wandb_project,
+    )
     with pytest.raises(MonitorError, match="pip install wandb") as error:
         Monitor(get_preset("tiny"), settings)
     assert "my-run-charts" in str(error.value) and "WANDB_PROJECT" in str(error.value)
@@ -192,15 +257,25 @@ def test_wandb_without_the_package_is_a_clear_error_before_anything_starts(tmp_p
 
 
 @pytest.mark.slow
-def test_failed_state_downloads_are_retried_with_backoff_until_a_peer_arrives(start_peer, tiny_shards, tmp_path,
-                                                                              hub_server):
+def test_failed_state_downloads_are_retried_with_backoff_until_a_peer_arrives(
+    start_peer, tiny_shards, tmp_path, hub_server
+):
     run_id = "test_monitor_backoff"
-    hub = {"HF_ENDPOINT": hub_server.endpoint, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
-           "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    hub = {
+        "HF_ENDPOINT": hub_server.endpoint,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
     from collab_kit.roles.processes import PeerProcess
 
-    monitor = PeerProcess("monitor", monitor_args(run_id, tmp_path, "--push-to", "someone/tiny-run"),
-                          str(tmp_path / "monitor.log"), env=hub)
+    monitor = PeerProcess(
+        "monitor",
+        monitor_args(run_id, tmp_path, "--push-to", "someone/tiny-run"),
+        str(tmp_path / "monitor.log"),
+        env=hub,
+    )
     volunteer = None
     reporter = None
     try:
@@ -215,21 +290,26 @@ def test_failed_state_downloads_are_retried_with_backoff_until_a_peer_arrives(st
 
         failures = []
         while len(failures) < 4:
-            failures.append(monitor.wait_for(
-                lambda e: e["type"] == "state_download_failed" and e not in failures, timeout=EVENT_DEADLINE,
-                what=f"failed download #{len(failures) + 1}"))
+            failures.append(
+                monitor.wait_for(
+                    lambda e: e["type"] == "state_download_failed" and e not in failures,
+                    timeout=EVENT_DEADLINE,
+                    what=f"failed download #{len(failures) + 1}",
+                )
+            )
         assert [f["retry_in"] for f in failures] == [0.5, 1.0, 2.0, 2.0]  # doubled, then capped
         assert all(f["epoch"] == 2 and "no peer gave its state" in f["reason"] for f in failures), failures
         assert [f["attempt"] for f in failures] == [1, 2, 3, 4]
         # polling went on meanwhile
-        assert any(e["type"] == "poll" and e["records"] == 1
-                   for e in monitor.events[monitor.events.index(failures[0]):monitor.events.index(failures[-1])])
+        assert any(
+            e["type"] == "poll" and e["records"] == 1
+            for e in monitor.events[monitor.events.index(failures[0]) : monitor.events.index(failures[-1])]
+        )
         assert not events_of(monitor, "checkpoint")
 
         # a training peer arrives: once it is at epoch 2, its state becomes the checkpoint, pushed to the Hub
         volunteer = start_peer("volunteer", *volunteer_args(run_id, addresses, tiny_shards))
-        checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=EVENT_DEADLINE,
-                                      what="a checkpoint")
+        checkpoint = monitor.wait_for(lambda e: e["type"] == "checkpoint", timeout=EVENT_DEADLINE, what="a checkpoint")
         assert checkpoint["epoch"] >= 2 and checkpoint["pushed_to"] == "someone/tiny-run"
         assert monitor.process.poll() is None  # it never died of the failures
         volunteer.kill()
@@ -299,17 +379,24 @@ def prefix_sums(values):
 
 @pytest.mark.slow
 def test_a_monitor_killed_and_restarted_loses_no_leaderboard_row_and_its_checkpoints_go_on(
-        start_peer, tiny_shards, tmp_path):
+    start_peer, tiny_shards, tmp_path
+):
     run_id = "test_monitor_restart"
     first = start_peer("monitor-1", *monitor_args(run_id, tmp_path))
     addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE, what="ready")["addresses"]
-    volunteers = [start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--wait-for-peers", "2"))
-                  for i in range(2)]
-    peer_ids = [v.wait_for(lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE, what="ready")["peer_id"]
-                for v in volunteers]
+    volunteers = [
+        start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--wait-for-peers", "2"))
+        for i in range(2)
+    ]
+    peer_ids = [
+        v.wait_for(lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE, what="ready")["peer_id"] for v in volunteers
+    ]
     first.wait_for(lambda e: e["type"] == "checkpoint", timeout=EVENT_DEADLINE, what="a first checkpoint")
-    first.wait_for(lambda e: e["type"] == "poll" and e["contributors"] == 2, timeout=EVENT_DEADLINE,
-                   what="both volunteers on the leaderboard")
+    first.wait_for(
+        lambda e: e["type"] == "poll" and e["contributors"] == 2,
+        timeout=EVENT_DEADLINE,
+        what="both volunteers on the leaderboard",
+    )
 
     os.killpg(first.process.pid, signal.SIGKILL)  # no chance to finish anything: the DHT, averager and all
     first.process.wait(30)
@@ -323,16 +410,24 @@ def test_a_monitor_killed_and_restarted_loses_no_leaderboard_row_and_its_checkpo
     # the swarm went on without it; it rejoins through a volunteer, with the same database and folder
     volunteer_addresses = events_of(volunteers[0], "ready")[0]["addresses"]
     second = start_peer("monitor-2", *monitor_args(run_id, tmp_path, "--initial-peers", *volunteer_addresses))
-    ready_again = second.wait_for(lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE,
-                                  what="ready after the restart")
+    ready_again = second.wait_for(
+        lambda e: e["type"] == "ready", timeout=EVENT_DEADLINE, what="ready after the restart"
+    )
     ready_before = events_of(first, "ready")[0]
     # the same peer id (its key file beside the database) and port: every join line it printed still works
     assert ready_again["peer_id"] == ready_before["peer_id"], (ready_again, ready_before)
     assert sorted(ready_again["addresses"]) == sorted(ready_before["addresses"]), (ready_again, ready_before)
-    newer = second.wait_for(lambda e: e["type"] == "checkpoint" and e["epoch"] > max(checkpoints_before),
-                            timeout=EVENT_DEADLINE, what="a checkpoint newer than those before the kill")
-    wait_for_next(second, lambda e: e["type"] == "poll" and e["contributors"] == 2, timeout=EVENT_DEADLINE,
-                  what="a poll after the new checkpoint")
+    newer = second.wait_for(
+        lambda e: e["type"] == "checkpoint" and e["epoch"] > max(checkpoints_before),
+        timeout=EVENT_DEADLINE,
+        what="a checkpoint newer than those before the kill",
+    )
+    wait_for_next(
+        second,
+        lambda e: e["type"] == "poll" and e["contributors"] == 2,
+        timeout=EVENT_DEADLINE,
+        what="a poll after the new checkpoint",
+    )
     for volunteer in volunteers:  # stop them; what they did is in their events
         volunteer.interrupt()
     for volunteer in volunteers:
@@ -352,7 +447,7 @@ def test_a_monitor_killed_and_restarted_loses_no_leaderboard_row_and_its_checkpo
         reported = prefix_sums(event["samples"] for event in events_of(volunteer, "epoch"))
         assert board_after[peer_id].samples in reported, (board_after[peer_id].samples, sorted(reported))
     assert len(series) > polls_before and series[-1].time > killed_at
-    assert [row.epoch for row in checkpoint_rows][:len(checkpoints_before)] == checkpoints_before
+    assert [row.epoch for row in checkpoint_rows][: len(checkpoints_before)] == checkpoints_before
     assert checkpoint_rows[-1].epoch >= newer["epoch"]
     kept = list_checkpoints(str(tmp_path / "checkpoints"))
     assert len(kept) <= 2 and kept[-1][0] == checkpoint_rows[-1].epoch  # numbering and rotation went on

@@ -1,11 +1,12 @@
 """PeerProcess, the parent's view of a peer's events: what a test sees when it looks back after a wait."""
+
 import subprocess
 import sys
 
 import pytest
+from waiting import wait_until
 
 from collab_kit.roles.processes import PeerFailed, PeerProcess
-from waiting import wait_until
 
 # a child that prints events "first" and "second" at once, then waits for its standard input to close
 CHILD = """
@@ -20,8 +21,9 @@ emit_event("last", n=3)
 
 @pytest.fixture
 def child(tmp_path):
-    peer = PeerProcess("child", ["-c", CHILD], str(tmp_path / "child.log"), command=[sys.executable],
-                       stdin=subprocess.PIPE)
+    peer = PeerProcess(
+        "child", ["-c", CHILD], str(tmp_path / "child.log"), command=[sys.executable], stdin=subprocess.PIPE
+    )
     yield peer
     peer.kill(grace=1.0)
 
@@ -30,8 +32,11 @@ def test_events_read_meanwhile_are_seen_without_another_wait(child):
     child.wait_for(lambda e: e["type"] == "first", timeout=30, what="the first event")
     # the second came with the first: looking back (as a test does after a wait of its own) must show it, not only
     # what wait_for happened to read (a cut-link test once judged the swarm's epoch from such a stale list)
-    wait_until(lambda: [e["type"] for e in child.events] == ["first", "second"], timeout=30,
-               what="the second event among the events")
+    wait_until(
+        lambda: [e["type"] for e in child.events] == ["first", "second"],
+        timeout=30,
+        what="the second event among the events",
+    )
 
 
 def test_a_predicate_that_looks_at_the_events_misses_none(child):

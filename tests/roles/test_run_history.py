@@ -1,15 +1,25 @@
 """The monitor's SQLite store: what a poll writes, what a restart keeps, and what is credited once only."""
+
 import sqlite3
 
 import pytest
 
-from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 from collab_kit.roles.run_history import RunHistory
+from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 
 
 def record(peer: str, samples: int, seconds: float, at: float, **changes) -> PeerMetrics:
-    fields = dict(peer_id=peer, username=None, epoch=1, samples_per_second=10.0, samples_accumulated=samples,
-                  loss=3.0, mini_steps=4, compute_seconds=seconds, time=at)
+    fields = dict(
+        peer_id=peer,
+        username=None,
+        epoch=1,
+        samples_per_second=10.0,
+        samples_accumulated=samples,
+        loss=3.0,
+        mini_steps=4,
+        compute_seconds=seconds,
+        time=at,
+    )
     fields.update(changes)
     return PeerMetrics(**fields)
 
@@ -21,8 +31,13 @@ def point(at: float, epoch: int = 1) -> SwarmSnapshot:
 def test_each_peer_is_credited_its_growth_once_and_a_reopened_file_goes_on(tmp_path):
     path = str(tmp_path / "monitor" / "run.sqlite")
     with RunHistory(path) as history:
-        history.record(point(100.0), [(b"key-a", record("peer-a", 64, 2.0, 100.0), "peer-a"),
-                                      (b"key-b", record("peer-b", 32, 1.0, 100.0), "alice")])
+        history.record(
+            point(100.0),
+            [
+                (b"key-a", record("peer-a", 64, 2.0, 100.0), "peer-a"),
+                (b"key-b", record("peer-b", 32, 1.0, 100.0), "alice"),
+            ],
+        )
         # the same records read again by the next poll: nothing new to credit
         history.record(point(101.0), [(b"key-a", record("peer-a", 64, 2.0, 100.0), "peer-a")])
         history.record(point(102.0, epoch=2), [(b"key-a", record("peer-a", 192, 6.0, 102.0), "peer-a")])
@@ -50,8 +65,13 @@ def test_a_poll_is_all_or_nothing(tmp_path):
     with RunHistory(path) as history:
         history.record(point(1.0), [(b"key-a", record("peer-a", 64, 2.0, 1.0), "peer-a")])
         with pytest.raises(sqlite3.Error):  # a name that is not text breaks the poll half-way through
-            history.record(point(2.0), [(b"key-a", record("peer-a", 128, 4.0, 2.0), "peer-a"),
-                                        (b"key-b", record("peer-b", 64, 2.0, 2.0), None)])
+            history.record(
+                point(2.0),
+                [
+                    (b"key-a", record("peer-a", 128, 4.0, 2.0), "peer-a"),
+                    (b"key-b", record("peer-b", 64, 2.0, 2.0), None),
+                ],
+            )
         assert len(history.series()) == 1  # the time-series row of the failed poll was rolled back too
         assert history.leaderboard()[0].samples == 64
 
@@ -82,16 +102,20 @@ def test_a_file_belongs_to_one_run(tmp_path):
 def test_the_leaderboard_names_each_contributors_last_device_and_an_older_file_gains_the_column(tmp_path):
     path = str(tmp_path / "run.sqlite")
     with sqlite3.connect(path) as old:  # a file written before the device column existed
-        old.execute("CREATE TABLE contributors (name TEXT PRIMARY KEY, samples INTEGER NOT NULL, "
-                    "compute_seconds REAL NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL)")
+        old.execute(
+            "CREATE TABLE contributors (name TEXT PRIMARY KEY, samples INTEGER NOT NULL, "
+            "compute_seconds REAL NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL)"
+        )
         old.execute("INSERT INTO contributors VALUES ('bob', 10, 1.0, 1.0, 1.0)")
     assert [row.device for row in RunHistory(path, read_only=True).leaderboard()] == [None]
     with RunHistory(path) as history:
-        history.record(point(2.0), [(b"key-a", record("peer-a", 64, 2.0, 2.0, device="Tesla T4",
-                                                      precision="fp16"), "alice")])
+        history.record(
+            point(2.0), [(b"key-a", record("peer-a", 64, 2.0, 2.0, device="Tesla T4", precision="fp16"), "alice")]
+        )
         # a record that names no device (an older peer) keeps the one seen before
         history.record(point(3.0), [(b"key-a", record("peer-a", 96, 3.0, 3.0), "alice")])
-        history.record(point(4.0), [(b"key-b", record("peer-b", 8, 1.0, 4.0, device="cpu", precision="fp32"),
-                                     "bob")])
-        assert {row.name: row.device for row in history.leaderboard()} == {"alice": "Tesla T4, fp16",
-                                                                         "bob": "cpu, fp32"}
+        history.record(point(4.0), [(b"key-b", record("peer-b", 8, 1.0, 4.0, device="cpu", precision="fp32"), "bob")])
+        assert {row.name: row.device for row in history.leaderboard()} == {
+            "alice": "Tesla T4, fp16",
+            "bob": "cpu, fp32",
+        }

@@ -1,4 +1,5 @@
 """Several real peers, each its own process on 127.0.0.1, training the tiny preset together."""
+
 import time
 
 import pytest
@@ -19,8 +20,25 @@ RUN_SETTINGS = ("--set", TARGET, "--set", EIGHT_BIT)  # the monitor's too: a vol
 
 
 def volunteer_args(run_id, addresses, shards, *extra):
-    return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--initial-peers", *addresses,
-            "--data", shards, "--threads", "1", "--events", "--no-progress", *RUN_SETTINGS, *extra]
+    return [
+        "join",
+        "--preset",
+        "tiny",
+        "--run-id",
+        run_id,
+        "--host",
+        "127.0.0.1",
+        "--initial-peers",
+        *addresses,
+        "--data",
+        shards,
+        "--threads",
+        "1",
+        "--events",
+        "--no-progress",
+        *RUN_SETTINGS,
+        *extra,
+    ]
 
 
 def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer, start_peer, tiny_shards, tmp_path):
@@ -28,9 +46,21 @@ def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer
     exact = ("--set", "optimizer.state_compression='none'")  # exact (fp32) state averaging: peers end bit-for-bit close
     _, addresses = first_peer(run_id, *RUN_SETTINGS, *exact)
     volunteers = [
-        start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "3",
-                                                     "--wait-for-peers", "2", *exact,
-                                                     "--save-params", str(tmp_path / f"params-{i}.pt")))
+        start_peer(
+            f"volunteer-{i}",
+            *volunteer_args(
+                run_id,
+                addresses,
+                tiny_shards,
+                "--max-epochs",
+                "3",
+                "--wait-for-peers",
+                "2",
+                *exact,
+                "--save-params",
+                str(tmp_path / f"params-{i}.pt"),
+            ),
+        )
         for i in range(2)
     ]
     for volunteer in volunteers:
@@ -49,8 +79,7 @@ def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer
     first, second = (torch.load(tmp_path / f"params-{i}.pt") for i in range(2))
     assert first.keys() == second.keys()
     from collab_kit.config import get_preset
-    from collab_kit.model.transformer import TextToImageTransformer
-    from collab_kit.model.transformer import model_seed
+    from collab_kit.model.transformer import TextToImageTransformer, model_seed
 
     torch.manual_seed(model_seed(run_id))
     initial = dict(TextToImageTransformer(get_preset("tiny").model).named_parameters())
@@ -63,9 +92,12 @@ def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer
 def test_late_peer_loads_the_swarm_state_and_continues_at_its_epoch(first_peer, start_peer, tiny_shards):
     run_id = "test_late_peer"
     _, addresses = first_peer(run_id, *RUN_SETTINGS)
-    early = [start_peer(f"early-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "12",
-                                                      "--wait-for-peers", "2"))
-             for i in range(2)]
+    early = [
+        start_peer(
+            f"early-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "12", "--wait-for-peers", "2")
+        )
+        for i in range(2)
+    ]
     early[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= 1, timeout=180, what="epoch 2")
     swarm_epoch_at_join = max(e["epoch"] + 1 for e in early[0].events if e["type"] == "epoch")
 
@@ -82,8 +114,9 @@ def test_late_peer_loads_the_swarm_state_and_continues_at_its_epoch(first_peer, 
     # its first step ends the epoch it started at; or, when the swarm ended that epoch while this peer took its state,
     # the swarm's next one, in a round of the others' (it holds their state, so it follows them: see optim.py)
     assert late_epochs and late_epochs == sorted(set(late_epochs)), late_epochs
-    assert late_epochs[0] == done["start_epoch"] or (late_epochs[0] == done["start_epoch"] + 1
-                                                     and late_events[0]["averaged"]), (late_events[0], done)
+    assert late_epochs[0] == done["start_epoch"] or (
+        late_epochs[0] == done["start_epoch"] + 1 and late_events[0]["averaged"]
+    ), (late_events[0], done)
     assert late_epochs[-1] < done["start_epoch"] + 2 <= done["final_epoch"]  # none past the limit
     for peer in early:
         peer.kill()
@@ -96,11 +129,17 @@ def test_the_monitor_reads_the_swarms_progress(first_peer, start_peer, tiny_shar
 
     run_id = "test_monitor"
     _, addresses = first_peer(run_id, *RUN_SETTINGS)
-    volunteers = [start_peer(f"volunteer-{i}", *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "50",
-                                                               "--wait-for-peers", "2")) for i in range(2)]
+    volunteers = [
+        start_peer(
+            f"volunteer-{i}",
+            *volunteer_args(run_id, addresses, tiny_shards, "--max-epochs", "50", "--wait-for-peers", "2"),
+        )
+        for i in range(2)
+    ]
     volunteers[0].wait_for(lambda e: e["type"] == "epoch" and e["epoch"] >= 1, timeout=180, what="epoch 2")
-    watcher = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=addresses),
-                        record_validators=progress_validators(run_id))
+    watcher = start_dht(
+        SwarmConfig(host="127.0.0.1", initial_peers=addresses), record_validators=progress_validators(run_id)
+    )
     try:
         progress = read_swarm_progress(watcher, run_id)
     finally:

@@ -1,6 +1,7 @@
 """The volunteer's step loop, its recovery from non-finite steps and its metrics, in this process: a real DHT on
 127.0.0.1 and a real collaborative optimizer, a lone peer, the parts given to ``Volunteer`` (its seams) instead of
 built from the configuration. Each test takes seconds; what needs other peers is tests/roles/test_faults.py."""
+
 import math
 import time
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 from collab_kit.config import get_preset
-from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.data.stream import peer_stream
 from collab_kit.model.device import DeviceFacts, GpuFacts
+from collab_kit.model.transformer import TextToImageTransformer, initial_model
 from collab_kit.roles.volunteer import NonFiniteTrainingError, Volunteer
 from collab_kit.swarm.local_updates import AppliedRound
 from collab_kit.swarm.membership import SwarmMembership
@@ -47,8 +48,11 @@ def volunteer_with(tiny_shards):
     built = []
 
     def build(model_class=TextToImageTransformer, optimizer_settings=(), **attributes) -> Volunteer:
-        config = get_preset("tiny", swarm=dict(host="127.0.0.1", run_id=RUN_ID),
-                            optimizer=dict(target_batch_size=TARGET_BATCH, **dict(optimizer_settings)))
+        config = get_preset(
+            "tiny",
+            swarm=dict(host="127.0.0.1", run_id=RUN_ID),
+            optimizer=dict(target_batch_size=TARGET_BATCH, **dict(optimizer_settings)),
+        )
         membership = SwarmMembership(config)
         config = membership.config
         model = initial_model(config.model, RUN_ID, model_class=model_class)
@@ -160,14 +164,20 @@ def test_each_epoch_publishes_this_peers_metrics(volunteer_with):
 def test_a_volunteer_trains_where_its_device_plan_says(tiny_shards):
     """Built with an explicit device (the CPU here; cuda in benchmarks/gpu_check.py) and bf16: the model's
     parameters, the batch and the gradients are there at the step, the matrix products in bf16, the gradients fp32."""
-    config = get_preset("tiny", swarm=dict(host="127.0.0.1", run_id="unit_device"),
-                        optimizer=dict(target_batch_size=TARGET_BATCH))
-    with Volunteer.from_config(config, data_shards=tiny_shards, device="cpu", precision="bf16",
-                               num_threads=1) as volunteer:
+    config = get_preset(
+        "tiny", swarm=dict(host="127.0.0.1", run_id="unit_device"), optimizer=dict(target_batch_size=TARGET_BATCH)
+    )
+    with Volunteer.from_config(
+        config, data_shards=tiny_shards, device="cpu", precision="bf16", num_threads=1
+    ) as volunteer:
         seen = dict(batch=set(), products=set(), grads=set())
         model = volunteer.model
-        model.register_forward_pre_hook(lambda module, args, kwargs: seen["batch"].update(
-            (str(value.device), value.dtype) for value in kwargs.values()), with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen["batch"].update(
+                (str(value.device), value.dtype) for value in kwargs.values()
+            ),
+            with_kwargs=True,
+        )
         linear = next(module for module in model.modules() if isinstance(module, torch.nn.Linear))
         linear.register_forward_hook(lambda module, inputs, output: seen["products"].add(output.dtype))
         for param in model.parameters():
@@ -182,16 +192,17 @@ def test_a_volunteer_trains_where_its_device_plan_says(tiny_shards):
 def test_a_gpu_too_small_for_the_model_is_given_up_for_the_cpu_in_one_sentence(tiny_shards, caplog):
     """``--device auto`` on a card that cannot hold one sample (a 64 KiB GPU, given as the machine's facts): the
     volunteer trains on the CPU with the preset's micro-batch, and says why."""
-    config = get_preset("tiny", swarm=dict(host="127.0.0.1", run_id="unit_small_gpu"),
-                        optimizer=dict(target_batch_size=TARGET_BATCH))
-    small_gpu = DeviceFacts(cuda_build="12.4", gpus=(GpuFacts("Tiny GPU", 2 ** 16, (7, 5)),))
+    config = get_preset(
+        "tiny", swarm=dict(host="127.0.0.1", run_id="unit_small_gpu"), optimizer=dict(target_batch_size=TARGET_BATCH)
+    )
+    small_gpu = DeviceFacts(cuda_build="12.4", gpus=(GpuFacts("Tiny GPU", 2**16, (7, 5)),))
     with caplog.at_level("WARNING", logger="collab_kit.roles.volunteer"):
-        with Volunteer.from_config(config, data_shards=tiny_shards, device_facts=small_gpu,
-                                   num_threads=1) as volunteer:
+        with Volunteer.from_config(config, data_shards=tiny_shards, device_facts=small_gpu, num_threads=1) as volunteer:
             history = volunteer.train(max_steps=1, progress=False)
     assert (volunteer.plan.device.type, volunteer.plan.precision) == ("cpu", "fp32")
-    assert volunteer.device_note.startswith("the Tiny GPU's 64.00 KiB cannot hold this model") \
-        and volunteer.device_note.endswith("training on the CPU"), volunteer.device_note
+    assert volunteer.device_note.startswith(
+        "the Tiny GPU's 64.00 KiB cannot hold this model"
+    ) and volunteer.device_note.endswith("training on the CPU"), volunteer.device_note
     assert volunteer.device_note in caplog.text and "\n" not in volunteer.device_note
     assert volunteer.config.optimizer.batch_size_per_step == config.optimizer.batch_size_per_step
     assert config.model.reversible and not volunteer.config.model.reversible  # the RAM holds the tiny activations

@@ -5,6 +5,7 @@ A request carries a future whose pipe end the DHT's process fetches from the sen
 (multiprocessing's resource sharer); a sender that dies during that fetch's handshake makes the read raise ``EOFError``.
 That timing cannot be forced from outside, so the request here is one whose reading raises the same ``EOFError``.
 """
+
 import json
 import sys
 import time

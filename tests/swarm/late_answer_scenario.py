@@ -4,6 +4,7 @@ call: run as ``python late_answer_scenario.py shipped|fixed``, prints one JSON l
 The server's p2p client runs in a thread of its own (so it answers while this loop is busy); this loop is held busy
 (``time.sleep``) while the answer arrives and the deadline passes, so that both fall in its next turn.
 """
+
 import asyncio
 import json
 import sys
@@ -31,6 +32,7 @@ def main(variant: str) -> dict:
         addresses = [str(address) for address in await on_server(server.get_visible_maddrs())]
         client = await P2P.create(initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
+
             async def slow(data, _peer):
                 await asyncio.sleep(ANSWER_AFTER)
                 return data
@@ -59,8 +61,11 @@ def main(variant: str) -> dict:
             except asyncio.TimeoutError:
                 later = None
             reader = control._read_task
-            return {"late_call": outcome, "next_call_answered": later == b"next",
-                    "reader_error": repr(reader.exception()) if reader.done() and not reader.cancelled() else None}
+            return {
+                "late_call": outcome,
+                "next_call_answered": later == b"next",
+                "reader_error": repr(reader.exception()) if reader.done() and not reader.cancelled() else None,
+            }
         finally:
             await client.shutdown()
             await on_server(server.shutdown())

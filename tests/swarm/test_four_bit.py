@@ -2,6 +2,7 @@
 
 The real peers' rounds in 4 bits are in tests/swarm/test_local_updates.py.
 """
+
 import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
@@ -32,20 +33,22 @@ def test_a_tensor_goes_in_4_bits_and_a_scale_per_block_and_comes_back_within_hal
     flat, back_flat = tensor.view(-1), back.view(-1)
     padded = torch.cat([flat, flat.new_zeros((-flat.numel()) % BLOCK_SIZE)]).view(-1, BLOCK_SIZE)
     half_step = (padded.abs().amax(dim=1, keepdim=True) / LEVELS / 2 * 1.01).expand_as(padded).reshape(-1)
-    assert bool(((back_flat - flat).abs() <= half_step[:flat.numel()]).all())
+    assert bool(((back_flat - flat).abs() <= half_step[: flat.numel()]).all())
     # what the codec sends is what round_4bit gives, and rounding that again changes nothing
     assert torch.equal(back, round_4bit(tensor)) and torch.equal(round_4bit(back), back)
     # the codec the optimizer uses sends large tensors this way, small ones in fp16
-    compression = gradient_compression(threshold=2 ** 16, bits=4)
+    compression = gradient_compression(threshold=2**16, bits=4)
     info = CompressionInfo.from_tensor(tensor)
     assert len(compression.compress(tensor, info).buffer) == len(sent.buffer)
     small = torch.randn(100)
-    assert compression.compress(small, CompressionInfo.from_tensor(small)).compression == \
-        runtime_pb2.CompressionType.FLOAT16
+    assert (
+        compression.compress(small, CompressionInfo.from_tensor(small)).compression
+        == runtime_pb2.CompressionType.FLOAT16
+    )
 
 
 def test_parts_of_hivemind_blockwise_8_bit_quantization_still_decode_under_the_shared_tag():
-    tensor = _pseudo_gradient(2 ** 13, seed=1)
+    tensor = _pseudo_gradient(2**13, seed=1)
     sent = BlockwiseQuantization().compress(tensor, CompressionInfo.from_tensor(tensor))
     assert sent.compression == Blockwise4BitQuantization.compression_type
     back = deserialize_torch_tensor(sent)
@@ -57,7 +60,7 @@ def test_4_bit_parts_of_hivemind_are_whole_blocks():
     """hivemind splits a tensor into parts of part_size_bytes over the estimated ratio: a whole number of blocks, so
     that a block is the same 64 values in the peer's rounding and in the averager's."""
     info = CompressionInfo.from_tensor(torch.zeros(10))
-    values_per_part = int(2 ** 19 / (4 * Blockwise4BitQuantization().estimate_compression_ratio(info)))
+    values_per_part = int(2**19 / (4 * Blockwise4BitQuantization().estimate_compression_ratio(info)))
     assert values_per_part % BLOCK_SIZE == 0, values_per_part
 
 

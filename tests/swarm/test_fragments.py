@@ -1,6 +1,7 @@
 """Fragments of the local-update mode (collab_kit.swarm.fragments) in this process: how parameters are split, the
 outer step of one fragment, and the setting. Two real peers averaging one fragment a round:
 tests/swarm/test_local_updates.py::test_fragments_average_in_turn_and_the_others_keep_training."""
+
 import pytest
 import torch
 

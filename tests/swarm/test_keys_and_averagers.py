@@ -1,5 +1,6 @@
 """The run's DHT keys are the ones hivemind writes under, and the averager classes the kit composes keep hivemind's
 RPC names, except where a round computes something else (CenteredClip)."""
+
 import asyncio
 from typing import AsyncIterator
 
@@ -14,9 +15,19 @@ from hivemind.proto import averaging_pb2
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model.transformer import initial_model
 from collab_kit.swarm import keys
-from collab_kit.swarm.averagers import (ANCHOR_ROLE, ClientModeMatchmakingMixin, DirectStateMixin, DownloadRecorderMixin,
-                                        SentBytesMixin, FinishServingMixin, ForkedTorchThreadsMixin, RoundReportMixin, compose_averager,
-                                        recording_state_averager_class, round_report_averager_class)
+from collab_kit.swarm.averagers import (
+    ANCHOR_ROLE,
+    ClientModeMatchmakingMixin,
+    DirectStateMixin,
+    DownloadRecorderMixin,
+    FinishServingMixin,
+    ForkedTorchThreadsMixin,
+    RoundReportMixin,
+    SentBytesMixin,
+    compose_averager,
+    recording_state_averager_class,
+    round_report_averager_class,
+)
 from collab_kit.swarm.bindings import AuthorizedAveragerMixin, authorized_averager_class
 from collab_kit.swarm.dht import start_dht
 from collab_kit.swarm.local_updates import mode_averager_class
@@ -41,17 +52,30 @@ def test_the_keys_the_monitor_reads_are_those_hivemind_writes(optimizer):
     assert optimizer.tracker.training_progress_key == keys.progress_key("keys_run") == "keys_run_progress"
     assert optimizer.state_averager.prefix == keys.state_averager_prefix("keys_run")
     assert optimizer.grad_averager.prefix == keys.grad_averager_prefix("keys_run")
-    names = [keys.progress_key("r"), keys.grad_averager_prefix("r"), keys.state_averager_prefix("r"),
-             keys.metrics_key("r"), keys.presence_key("r"), keys.peer_tokens_key("r")]
+    names = [
+        keys.progress_key("r"),
+        keys.grad_averager_prefix("r"),
+        keys.state_averager_prefix("r"),
+        keys.metrics_key("r"),
+        keys.presence_key("r"),
+        keys.peer_tokens_key("r"),
+    ]
     assert len(set(names)) == len(names) and all(name.startswith("r_") for name in names)
 
 
 def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise():
     state = recording_state_averager_class()
     assert state.__name__ == "TrainingStateAverager" and state.__qualname__ == "RecordingTrainingStateAverager"
-    assert state.__mro__[1:9] == (ForkedTorchThreadsMixin, SentBytesMixin, DirectStateMixin, FinishServingMixin,
-                                  CallerClosesStreamsMixin, ClientModeMatchmakingMixin, TrainingStateAverager,
-                                  DownloadRecorderMixin)
+    assert state.__mro__[1:9] == (
+        ForkedTorchThreadsMixin,
+        SentBytesMixin,
+        DirectStateMixin,
+        FinishServingMixin,
+        CallerClosesStreamsMixin,
+        ClientModeMatchmakingMixin,
+        TrainingStateAverager,
+        DownloadRecorderMixin,
+    )
     gradients = round_report_averager_class(GradientAverager, ANCHOR_ROLE)
     assert gradients.__name__ == "GradientAverager" and gradients.round_role == ANCHOR_ROLE
     assert issubclass(gradients, RoundReportMixin)
@@ -68,8 +92,9 @@ def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_ot
     local = get_preset("tiny", optimizer=dict(local_steps=4)).optimizer
     assert mode_averager_class(gradients, get_preset("tiny").optimizer) is gradients
     assert mode_averager_class(gradients, local).__name__ == "LocalUpdatesGradientAverager"
-    assert with_centered_clip(mode_averager_class(gradients, local)).__name__ == \
-        "CenteredClipLocalUpdatesGradientAverager"
+    assert (
+        with_centered_clip(mode_averager_class(gradients, local)).__name__ == "CenteredClipLocalUpdatesGradientAverager"
+    )
     assert mode_averager_class(state, local).__name__ == "LocalUpdatesTrainingStateAverager"
     assert issubclass(mode_averager_class(state, local), SentBytesMixin)
 
@@ -81,19 +106,24 @@ def test_each_composed_class_collects_its_own_rpc_handlers_under_its_rpc_name():
     assert "_rpc_handlers" in vars(gated) and vars(gated)["_rpc_handlers"] is None
     gated._collect_rpc_handlers()
     assert gated._rpc_handlers is not GradientAverager._rpc_handlers
-    assert {handler.method_name for handler in gated._rpc_handlers} >= {"rpc_join_group", "rpc_aggregate_part",
-                                                                         "rpc_download_state"}
+    assert {handler.method_name for handler in gated._rpc_handlers} >= {
+        "rpc_join_group",
+        "rpc_aggregate_part",
+        "rpc_download_state",
+    }
     # the name other peers call it by is GradientAverager's, and the call reaches the gate first
-    assert gated._get_handle_name("run_grad_averager", "rpc_join_group") == \
-        GradientAverager._get_handle_name("run_grad_averager", "rpc_join_group")
+    assert gated._get_handle_name("run_grad_averager", "rpc_join_group") == GradientAverager._get_handle_name(
+        "run_grad_averager", "rpc_join_group"
+    )
     assert gated.rpc_join_group is AuthorizedAveragerMixin.rpc_join_group
 
 
 class SlowReducerMixin:
     """A reducer that sends each averaged part back half a second late: a slow uplink, made certain."""
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super().rpc_aggregate_part(stream, context):
             await asyncio.sleep(0.5)
             yield message
@@ -108,9 +138,10 @@ def test_a_peer_that_stops_after_its_last_round_first_sends_the_parts_it_owes_it
     slow_class = compose_averager(DecentralizedAverager, *mixins)
     first = start_dht(SwarmConfig(host="127.0.0.1"))
     second = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=[str(a) for a in first.get_visible_maddrs()]))
-    size = 2 ** 20  # 4 MiB of fp32: each peer reduces 2 MiB, 4 parts of hivemind's 512 KiB
-    common = dict(prefix="finish_serving", target_group_size=2, min_matchmaking_time=2.0, request_timeout=2.0,
-                  start=True)
+    size = 2**20  # 4 MiB of fp32: each peer reduces 2 MiB, 4 parts of hivemind's 512 KiB
+    common = dict(
+        prefix="finish_serving", target_group_size=2, min_matchmaking_time=2.0, request_timeout=2.0, start=True
+    )
     stopping = slow_class([torch.ones(size)], dht=first, **common)
     staying = DecentralizedAverager([torch.zeros(size)], dht=second, **common)
     try:
@@ -157,14 +188,25 @@ def test_a_sharer_serves_the_state_of_the_peers_it_names():
     # a volunteer behind NAT (client mode) holds the swarm's state and lets two anchors read it; theirs are stale
     first = start_dht(SwarmConfig(host="127.0.0.1"))
     initial = [str(a) for a in first.get_visible_maddrs()]
-    dhts = [first, start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial)),
-            start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial, client_mode=True)),
-            start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial))]
+    dhts = [
+        first,
+        start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial)),
+        start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial, client_mode=True)),
+        start_dht(SwarmConfig(host="127.0.0.1", initial_peers=initial)),
+    ]
     state_class = recording_state_averager_class()
     first_anchor, second_anchor, volunteer, joiner = [
-        state_class(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.01), params=model(seed).parameters(),
-                    prefix="proxy_run_state_averager", start=True, request_timeout=2.0, client_mode=dht.client_mode)
-        for seed, dht in enumerate(dhts)]
+        state_class(
+            dht=dht,
+            optimizer=partial(torch.optim.Adam, lr=0.01),
+            params=model(seed).parameters(),
+            prefix="proxy_run_state_averager",
+            start=True,
+            request_timeout=2.0,
+            client_mode=dht.client_mode,
+        )
+        for seed, dht in enumerate(dhts)
+    ]
     anchors = (first_anchor, second_anchor)
     try:
         swarm_state = [p.detach().clone() for p in volunteer.main_parameters]
@@ -173,8 +215,11 @@ def test_a_sharer_serves_the_state_of_the_peers_it_names():
         for anchor in anchors:
             anchor.serve_state_of([dhts[2].peer_id.to_bytes()])
         key = "proxy_run_state_averager.all_averagers"
-        wait_until(lambda: (found := dhts[3].get(key, latest=True)) is not None and len(found.value) >= 2,
-                   timeout=30, what="both anchors in the DHT")
+        wait_until(
+            lambda: (found := dhts[3].get(key, latest=True)) is not None and len(found.value) >= 2,
+            timeout=30,
+            what="both anchors in the DHT",
+        )
         # in parts from both anchors, each taking from the volunteer only the part it serves
         joiner.load_state_from_peers(timeout=30)
         assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.main_parameters, swarm_state))
@@ -213,8 +258,14 @@ def test_a_late_joiner_downloads_different_tensors_from_each_sharer():
         return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
 
     def averager(averager_class, dht, built):
-        return averager_class(dht=dht, optimizer=partial(torch.optim.Adam, lr=0.01), params=built.parameters(),
-                              prefix="parts_run_state_averager", start=True, request_timeout=2.0)
+        return averager_class(
+            dht=dht,
+            optimizer=partial(torch.optim.Adam, lr=0.01),
+            params=built.parameters(),
+            prefix="parts_run_state_averager",
+            start=True,
+            request_timeout=2.0,
+        )
 
     first = start_dht(SwarmConfig(host="127.0.0.1"))
     initial = [str(a) for a in first.get_visible_maddrs()]

@@ -5,6 +5,7 @@ One swarm serves most tests (tests/round_probe_peer.py reports each round): peer
 in fp16 (the compression threshold is above every tensor), without state averaging, so that what the outer steps make
 of them can be checked exactly.
 """
+
 import json
 import math
 import os
@@ -25,19 +26,45 @@ from collab_kit.swarm.local_updates import OuterNesterovSGD, make_outer_sgd
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(TESTS, "round_probe_peer.py")
 ROUNDS = 8
-SETTINGS = ("optimizer.local_steps=4", "optimizer.target_batch_size=256", "optimizer.average_state_every=1000",
-            "optimizer.state_compression='none'", f"optimizer.compression_threshold={2 ** 30}")
+SETTINGS = (
+    "optimizer.local_steps=4",
+    "optimizer.target_batch_size=256",
+    "optimizer.average_state_every=1000",
+    "optimizer.state_compression='none'",
+    f"optimizer.compression_threshold={2**30}",
+)
 
 
 def _join_args(run_id: str, shards: str, peers: int, max_epochs: int, settings=SETTINGS):
-    return ["join", "--preset", "tiny", "--run-id", run_id, "--host", "127.0.0.1", "--data", shards,
-            "--threads", "1", "--events", "--no-progress", "--wait-for-peers", str(peers),
-            "--max-epochs", str(max_epochs), *[arg for setting in settings for arg in ("--set", setting)]]
+    return [
+        "join",
+        "--preset",
+        "tiny",
+        "--run-id",
+        run_id,
+        "--host",
+        "127.0.0.1",
+        "--data",
+        shards,
+        "--threads",
+        "1",
+        "--events",
+        "--no-progress",
+        "--wait-for-peers",
+        str(peers),
+        "--max-epochs",
+        str(max_epochs),
+        *[arg for setting in settings for arg in ("--set", setting)],
+    ]
 
 
 def _probe(name: str, out: str, log_dir: str, period: float, args, *extra: str) -> PeerProcess:
-    return PeerProcess(name, ["--out", out, "--name", name, "--step-period", str(period), *extra, *args],
-                       os.path.join(log_dir, f"{name}.log"), command=(sys.executable, PROBE))
+    return PeerProcess(
+        name,
+        ["--out", out, "--name", name, "--step-period", str(period), *extra, *args],
+        os.path.join(log_dir, f"{name}.log"),
+        command=(sys.executable, PROBE),
+    )
 
 
 def _uneven_peers(folder, tiny_shards, run_id: str, settings=SETTINGS):
@@ -85,8 +112,11 @@ def _round_file(out, round_event):
 
 def _each_tensor_from(digests, sources) -> bool:
     """Whether each tensor (by its digest) is that tensor of one of ``sources`` (lists of digests, in the same order)."""
-    return bool(sources) and all(len(source) == len(digests) for source in sources) and all(
-        any(source[index] == tensor for source in sources) for index, tensor in enumerate(digests))
+    return (
+        bool(sources)
+        and all(len(source) == len(digests) for source in sources)
+        and all(any(source[index] == tensor for source in sources) for index, tensor in enumerate(digests))
+    )
 
 
 def _distance(first, second) -> float:
@@ -104,8 +134,11 @@ def test_peers_end_every_round_with_equal_global_parameters(uneven_swarm):
     differ by the compression's rounding (fp16 here), far below what a round changes, and they do not drift apart."""
     events, out = uneven_swarm
     rounds = {name: _rounds(events, name) for name in events}
-    together = [epoch for epoch in rounds["A"] if epoch in rounds["B"]
-                and rounds["A"][epoch]["group_size"] >= 2 and rounds["B"][epoch]["group_size"] >= 2]
+    together = [
+        epoch
+        for epoch in rounds["A"]
+        if epoch in rounds["B"] and rounds["A"][epoch]["group_size"] >= 2 and rounds["B"][epoch]["group_size"] >= 2
+    ]
     assert len(together) >= ROUNDS - 3, rounds
     gaps = {}
     for epoch in together:
@@ -118,8 +151,11 @@ def test_peers_end_every_round_with_equal_global_parameters(uneven_swarm):
     assert max(gaps.values()) < 0.01, gaps
     # a round C took part in from global parameters behind the swarm's is followed by a download (it goes on from the
     # swarm's parameters, not from its own): every other round of all three must end with A's global parameters
-    with_c = [epoch for epoch in rounds["C"] if epoch in rounds["A"] and rounds["C"][epoch]["group_size"] == 3
-              and not rounds["C"][epoch]["resync"]]
+    with_c = [
+        epoch
+        for epoch in rounds["C"]
+        if epoch in rounds["A"] and rounds["C"][epoch]["group_size"] == 3 and not rounds["C"][epoch]["resync"]
+    ]
     assert with_c, rounds["C"]
     for epoch in with_c:
         a, c = (_round_file(out, rounds[name][epoch]) for name in ("A", "C"))
@@ -146,17 +182,22 @@ def test_pseudo_gradients_are_weighted_by_the_samples_each_peer_processed(uneven
         share_b = b["weight"] / (a["weight"] + b["weight"])
         # B steps half as often as A: it processes about half as many samples, and weighs half as much
         assert 0.2 < share_b < 0.45, (epoch, a["weight"], b["weight"])
-        weighted = [(a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
-                    for pa, pb in zip(a["pseudo"], b["pseudo"])]
+        weighted = [
+            (a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
+            for pa, pb in zip(a["pseudo"], b["pseudo"])
+        ]
         plain = [(pa + pb) / 2 for pa, pb in zip(a["pseudo"], b["pseudo"])]
 
         def error(expected):
-            return math.sqrt(sum(float((got - want).norm() ** 2) for got, want in zip(a["averaged"], expected))) / \
-                math.sqrt(sum(float(want.norm() ** 2) for want in expected))
+            return math.sqrt(
+                sum(float((got - want).norm() ** 2) for got, want in zip(a["averaged"], expected))
+            ) / math.sqrt(sum(float(want.norm() ** 2) for want in expected))
 
-        print(f"round ending at epoch {epoch}:"
-              f" B's share {share_b:.3f}, error from the weighted mean {error(weighted):.5f}, "
-              f"from the plain mean {error(plain):.5f}")
+        print(
+            f"round ending at epoch {epoch}:"
+            f" B's share {share_b:.3f}, error from the weighted mean {error(weighted):.5f}, "
+            f"from the plain mean {error(plain):.5f}"
+        )
         assert error(weighted) < 0.01  # fp16 on the way
         assert error(plain) > 5 * error(weighted)
         # both peers got the same average, up to its compression's rounding
@@ -188,8 +229,7 @@ OVERLAPPED_FRAGMENTS = (*SETTINGS, "optimizer.overlap_rounds=true", "optimizer.f
 
 
 @pytest.mark.slow
-def test_overlapped_fragment_rounds_weigh_uneven_peers_and_take_a_late_joiner_in_without_a_wait(tiny_shards,
-                                                                                                  tmp_path):
+def test_overlapped_fragment_rounds_weigh_uneven_peers_and_take_a_late_joiner_in_without_a_wait(tiny_shards, tmp_path):
     """The uneven swarm with optimizer.overlap_rounds and optimizer.fragments=2: each round's fragment comes back as
     the mean of A's and B's pseudo-gradients weighted by their samples, every round leaves all peers with the same
     global parameters, and the late joiner C downloads a state A or B held after a round, while A's rounds go on: C's
@@ -197,16 +237,23 @@ def test_overlapped_fragment_rounds_weigh_uneven_peers_and_take_a_late_joiner_in
     parameters to the swarm's (every round it averages in ends with A's global parameters)."""
     events, out = _uneven_peers(tmp_path, tiny_shards, "test_overlapped_uneven", OVERLAPPED_FRAGMENTS)
     applied = {name: {e["epoch"]: e for e in events[name] if e["type"] == "applied"} for name in events}
-    print({name: [(epoch, e["group_size"], e["weight"], e["problem"]) for epoch, e in sorted(rounds.items())]
-           for name, rounds in applied.items()})
+    print(
+        {
+            name: [(epoch, e["group_size"], e["weight"], e["problem"]) for epoch, e in sorted(rounds.items())]
+            for name, rounds in applied.items()
+        }
+    )
     weighed, together = 0, 0
     for epoch, round_a in sorted(applied["A"].items()):
         round_b = applied["B"].get(epoch)
         if round_b is None or round_a["group_size"] < 2 or round_b["group_size"] < 2:
             continue
         a, b = (torch.load(os.path.join(out, event["file"])) for event in (round_a, round_b))
-        fragment = [index for index, owner in enumerate(fragment_of_tensors([t.numel() for t in a["global"]], 2))
-                    if owner == epoch % 2]
+        fragment = [
+            index
+            for index, owner in enumerate(fragment_of_tensors([t.numel() for t in a["global"]], 2))
+            if owner == epoch % 2
+        ]
         change = _norm([a["averaged"][index] for index in fragment])
         # every peer of the round ends it with the same global parameters, the other fragment's included
         assert _distance(a["global"], b["global"]) < 0.01 * change, epoch
@@ -214,8 +261,10 @@ def test_overlapped_fragment_rounds_weigh_uneven_peers_and_take_a_late_joiner_in
         if round_a["group_size"] == 2 and a["pseudo"] is not None and b["pseudo"] is not None:
             share_b = b["weight"] / (a["weight"] + b["weight"])
             assert 0.2 < share_b < 0.45, (epoch, a["weight"], b["weight"])  # B steps at half A's pace
-            weighted = [(a["weight"] * a["pseudo"][i] + b["weight"] * b["pseudo"][i]) / (a["weight"] + b["weight"])
-                        for i in fragment]
+            weighted = [
+                (a["weight"] * a["pseudo"][i] + b["weight"] * b["pseudo"][i]) / (a["weight"] + b["weight"])
+                for i in fragment
+            ]
             assert _distance([a["averaged"][i] for i in fragment], weighted) < 0.01 * _norm(weighted), epoch
             weighed += 1
     assert together >= ROUNDS - 4 and weighed >= 1, applied
@@ -240,10 +289,12 @@ def test_overlapped_fragment_rounds_weigh_uneven_peers_and_take_a_late_joiner_in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("optimizer.overlap_rounds=true", "optimizer.fragments=2")],
-                         ids=["plain", "overlap-fragments"])
-def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_from_the_swarm(tiny_shards, tmp_path,
-                                                                                            extra):
+@pytest.mark.parametrize(
+    "extra", [(), ("optimizer.overlap_rounds=true", "optimizer.fragments=2")], ids=["plain", "overlap-fragments"]
+)
+def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_from_the_swarm(
+    tiny_shards, tmp_path, extra
+):
     out, logs = str(tmp_path / "rounds"), str(tmp_path)
     settings = (*SETTINGS, *extra)
     peers = []
@@ -251,8 +302,15 @@ def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_fro
         first = _probe("A", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5, settings))
         peers.append(first)
         addresses = first.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-        faulty = _probe("B", out, logs, 0.05, _join_args("test_local_nan", tiny_shards, 2, 5, settings)
-                        + ["--initial-peers", *addresses], "--nan-at-epoch", "2")
+        faulty = _probe(
+            "B",
+            out,
+            logs,
+            0.05,
+            _join_args("test_local_nan", tiny_shards, 2, 5, settings) + ["--initial-peers", *addresses],
+            "--nan-at-epoch",
+            "2",
+        )
         peers.append(faulty)
         for peer in peers:
             assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
@@ -285,17 +343,28 @@ def test_a_peer_whose_pseudo_gradient_is_not_finite_adds_nothing_and_goes_on_fro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("settings", [
-    ("optimizer.local_steps=2",),
-    # an epoch as long, of fragment rounds that overlap the next inner steps, in 4 bits
-    ("optimizer.local_steps=4", "optimizer.fragments=2", "optimizer.overlap_rounds=true",
-     "optimizer.pseudo_gradient_bits=4")], ids=["plain", "overlap-fragments-4bit"])
-def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_contained(tiny_shards, tmp_path,
-                                                                                           settings):
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ("optimizer.local_steps=2",),
+        # an epoch as long, of fragment rounds that overlap the next inner steps, in 4 bits
+        (
+            "optimizer.local_steps=4",
+            "optimizer.fragments=2",
+            "optimizer.overlap_rounds=true",
+            "optimizer.pseudo_gradient_bits=4",
+        ),
+    ],
+    ids=["plain", "overlap-fragments-4bit"],
+)
+def test_with_centered_clip_a_peer_sending_pseudo_gradients_times_minus_1000_is_contained(
+    tiny_shards, tmp_path, settings
+):
     from byzantine_peer import loss_ratio, run_poisoned_swarm
 
-    epochs_by_peer = run_poisoned_swarm("centered_clip", -1000.0, 8, tiny_shards, str(tmp_path), "test_local_clip",
-                                        extra_settings=settings)
+    epochs_by_peer = run_poisoned_swarm(
+        "centered_clip", -1000.0, 8, tiny_shards, str(tmp_path), "test_local_clip", extra_settings=settings
+    )
     ratio = loss_ratio(epochs_by_peer)
     print(f"honest loss last / first: {ratio:.4f}; rounds: {json.dumps(epochs_by_peer)}")
     assert all(len(epochs) >= 6 for epochs in epochs_by_peer)
@@ -313,8 +382,11 @@ def _two_peers_for(epochs: int, settings, run_id: str, shards: str, tmp_path) ->
     try:
         peers.append(_probe("A", out, logs, 0.05, _join_args(run_id, shards, 2, epochs, settings)))
         addresses = peers[0].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
-        peers.append(_probe("B", out, logs, 0.05, _join_args(run_id, shards, 2, epochs, settings)
-                            + ["--initial-peers", *addresses]))
+        peers.append(
+            _probe(
+                "B", out, logs, 0.05, _join_args(run_id, shards, 2, epochs, settings) + ["--initial-peers", *addresses]
+            )
+        )
         for peer in peers:
             assert peer.wait_exit(timeout=150) == 0, peer.log_tail()
         return {peer.name: peer.events for peer in peers}
@@ -330,13 +402,17 @@ def test_overlapped_rounds_train_through_the_averaging_and_keep_the_inner_progre
     both peers' global parameters stay equal (up to the compression's rounding, as without overlap)."""
     out = str(tmp_path / "rounds")
     events = _two_peers_for(5, (*SETTINGS, "optimizer.overlap_rounds=true"), "test_overlap", tiny_shards, tmp_path)
-    applied = {name: {e["epoch"]: e for e in peer_events if e["type"] == "applied"}
-               for name, peer_events in events.items()}
+    applied = {
+        name: {e["epoch"]: e for e in peer_events if e["type"] == "applied"} for name, peer_events in events.items()
+    }
     done = {name: next(e for e in peer_events if e["type"] == "done") for name, peer_events in events.items()}
     epochs = {name: [e for e in peer_events if e["type"] == "epoch"] for name, peer_events in events.items()}
     print({name: (d["overlapped_steps"], d["local_steps"], d["averaged_rounds"]) for name, d in done.items()})
-    together = [epoch for epoch in applied["A"] if epoch in applied["B"]
-                and applied["A"][epoch]["group_size"] == applied["B"][epoch]["group_size"] == 2]
+    together = [
+        epoch
+        for epoch in applied["A"]
+        if epoch in applied["B"] and applied["A"][epoch]["group_size"] == applied["B"][epoch]["group_size"] == 2
+    ]
     assert len(together) >= 3, applied
     for name in ("A", "B"):
         # inner steps went on while rounds averaged, and every epoch was reported once its round was over
@@ -368,14 +444,21 @@ def test_4_bit_pseudo_gradients_with_error_feedback_average_through_hivemind(tin
     settings = (*SETTINGS[:-1], f"optimizer.compression_threshold={threshold}", "optimizer.pseudo_gradient_bits=4")
     events = _two_peers_for(4, settings, "test_4_bit", tiny_shards, tmp_path)
     rounds = {name: _rounds(events, name) for name in events}
-    together = [epoch for epoch in rounds["A"] if epoch in rounds["B"] and rounds["A"][epoch]["file"]
-                and rounds["B"][epoch]["file"] and rounds["A"][epoch]["group_size"] == rounds["B"][epoch]["group_size"]
-                == 2]
+    together = [
+        epoch
+        for epoch in rounds["A"]
+        if epoch in rounds["B"]
+        and rounds["A"][epoch]["file"]
+        and rounds["B"][epoch]["file"]
+        and rounds["A"][epoch]["group_size"] == rounds["B"][epoch]["group_size"] == 2
+    ]
     assert len(together) >= 2, rounds
     for epoch in together:
         a, b = (_round_file(out, rounds[name][epoch]) for name in ("A", "B"))
-        weighted = [(a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
-                    for pa, pb in zip(a["pseudo"], b["pseudo"])]
+        weighted = [
+            (a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
+            for pa, pb in zip(a["pseudo"], b["pseudo"])
+        ]
         large = [index for index, tensor in enumerate(weighted) if tensor.numel() >= threshold]
         assert large
         for round_ in (a, b):
@@ -388,12 +471,14 @@ def test_4_bit_pseudo_gradients_with_error_feedback_average_through_hivemind(tin
                 step = (blocks.abs().amax(dim=1, keepdim=True) / 7 * 1.01 + 1e-9).expand_as(blocks)
                 assert torch.equal(round_4bit(got), got), (epoch, index)
                 off = (got.reshape(-1) - round_4bit(mean)).abs()
-                assert bool((off <= step.reshape(-1)[:off.numel()]).all()), (epoch, index)
+                assert bool((off <= step.reshape(-1)[: off.numel()]).all()), (epoch, index)
                 assert float((off > 1e-9).float().mean()) < 0.001, (epoch, index)
         apart = _distance(a["global"], b["global"]) / _norm(a["averaged"])
-        print(f"round ending at epoch {epoch}: A's average off the weighted mean by "
-              f"{_distance(a['averaged'], weighted) / _norm(weighted):.4f} of its norm, A's and B's global parameters "
-              f"{apart:.6f} of the round's change apart")
+        print(
+            f"round ending at epoch {epoch}: A's average off the weighted mean by "
+            f"{_distance(a['averaged'], weighted) / _norm(weighted):.4f} of its norm, A's and B's global parameters "
+            f"{apart:.6f} of the round's change apart"
+        )
         # the same 4-bit average for both (the small tensors, in fp16, differ by fp16's rounding, as in 8-bit mode)
         assert all(torch.allclose(a["averaged"][i], b["averaged"][i], rtol=0, atol=1e-9) for i in large), epoch
         assert apart < 0.01, epoch
@@ -408,9 +493,14 @@ def test_fragments_average_in_turn_and_the_others_keep_training(tiny_shards, tmp
     out = str(tmp_path / "rounds")
     events = _two_peers_for(6, (*SETTINGS, "optimizer.fragments=2"), "test_fragments", tiny_shards, tmp_path)
     rounds = {name: _rounds(events, name) for name in events}
-    together = [epoch for epoch in rounds["A"] if epoch in rounds["B"] and rounds["A"][epoch]["file"]
-                and rounds["B"][epoch]["file"] and rounds["A"][epoch]["group_size"] == rounds["B"][epoch]["group_size"]
-                == 2]
+    together = [
+        epoch
+        for epoch in rounds["A"]
+        if epoch in rounds["B"]
+        and rounds["A"][epoch]["file"]
+        and rounds["B"][epoch]["file"]
+        and rounds["A"][epoch]["group_size"] == rounds["B"][epoch]["group_size"] == 2
+    ]
     assert len(together) >= 3 and {(epoch - 1) % 2 for epoch in together} == {0, 1}, rounds
     for epoch in together:
         a, b = (_round_file(out, rounds[name][epoch]) for name in ("A", "B"))
@@ -418,8 +508,10 @@ def test_fragments_average_in_turn_and_the_others_keep_training(tiny_shards, tmp
         assignment = fragment_of_tensors([tensor.numel() for tensor in a["pseudo"]], 2)
         averaged = [index for index, owner in enumerate(assignment) if owner == (epoch - 1) % 2]
         kept = [index for index, owner in enumerate(assignment) if owner != (epoch - 1) % 2]
-        weighted = [(a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
-                    for pa, pb in zip(a["pseudo"], b["pseudo"])]
+        weighted = [
+            (a["weight"] * pa + b["weight"] * pb) / (a["weight"] + b["weight"])
+            for pa, pb in zip(a["pseudo"], b["pseudo"])
+        ]
         change = _norm([weighted[index] for index in averaged])
         for round_ in (a, b):
             got = [round_["averaged"][index] for index in averaged]
@@ -472,8 +564,9 @@ BEHIND_THE_SWARM = textwrap.dedent("""
 def test_a_peer_behind_the_swarm_loads_its_state_unless_its_round_can_join_the_one_in_flight(mode):
     """A download the swarm overtook is never gone on from (its outer steps would start an update short for good: in
     the uneven swarm a late joiner that did so ended each round 4 times a round's change away from the others)."""
-    finished = subprocess.run([sys.executable, "-c", BEHIND_THE_SWARM, mode], capture_output=True, text=True,
-                              timeout=180)
+    finished = subprocess.run(
+        [sys.executable, "-c", BEHIND_THE_SWARM, mode], capture_output=True, text=True, timeout=180
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     answers = json.loads(finished.stdout.strip().splitlines()[-1])
     # with overlapped rounds the others report the next epoch once their round is sent: one epoch behind on its own
@@ -524,6 +617,8 @@ def test_the_memory_estimate_counts_the_global_copy_and_the_outer_momentum():
     overlapped = estimate(get_preset("small", optimizer=dict(local_steps=10, overlap_rounds=True)), optimizer="8bit")
     assert overlapped.cpu_bytes == 16 * trainable and "parameters sent" in overlapped.table()
     # 4-bit pseudo-gradients keep what rounding dropped from the last one
-    both = estimate(get_preset("small", optimizer=dict(local_steps=10, overlap_rounds=True, pseudo_gradient_bits=4)),
-                    optimizer="8bit")
+    both = estimate(
+        get_preset("small", optimizer=dict(local_steps=10, overlap_rounds=True, pseudo_gradient_bits=4)),
+        optimizer="8bit",
+    )
     assert both.cpu_bytes == 20 * trainable and "parameters sent, error feedback" in both.table()

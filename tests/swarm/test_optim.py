@@ -1,4 +1,5 @@
 """The paper's optimizer: schedule, parameter groups, 8-bit LAMB, compression, and the hivemind wiring."""
+
 import contextlib
 import gc
 import json
@@ -14,18 +15,16 @@ import pytest
 import torch
 from hivemind.compression.base import CompressionInfo
 from hivemind.proto import runtime_pb2
+from waiting import wait_until
 
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.model.transformer import TextToImageTransformer
 from collab_kit.swarm.anchor import state_sources
-from collab_kit.swarm.averagers import ForkedTorchThreadsMixin
-from collab_kit.swarm.lamb import linear_warmup_then_decay
-from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT
-from collab_kit.swarm.lamb import gradient_compression, make_lamb8bit, parameter_groups
+from collab_kit.swarm.averagers import CLIENT_JOIN_ANSWER_TIMEOUT, STATE_DOWNLOAD_PART_TIMEOUT, ForkedTorchThreadsMixin
+from collab_kit.swarm.dht import start_dht
+from collab_kit.swarm.lamb import gradient_compression, linear_warmup_then_decay, make_lamb8bit, parameter_groups
 from collab_kit.swarm.optimizer import NO_STATE_AVERAGING
 from collab_kit.swarm.progress import SwarmProgressTracker
-from waiting import wait_until
-from collab_kit.swarm.dht import start_dht
 
 
 def test_schedule_warms_up_linearly_then_decays_to_zero():
@@ -35,8 +34,8 @@ def test_schedule_warms_up_linearly_then_decays_to_zero():
     assert rates[warmup] == pytest.approx(1.0)
     assert rates[warmup + (total - warmup) // 2] == pytest.approx(0.5, abs=1e-3)
     assert rates[total] == 0.0
-    assert all(a <= b for a, b in zip(rates[:warmup], rates[1:warmup + 1]))
-    assert all(a >= b for a, b in zip(rates[warmup:], rates[warmup + 1:]))
+    assert all(a <= b for a, b in zip(rates[:warmup], rates[1 : warmup + 1]))
+    assert all(a >= b for a, b in zip(rates[warmup:], rates[warmup + 1 :]))
 
 
 def test_biases_and_norms_get_no_weight_decay():
@@ -47,10 +46,11 @@ def test_biases_and_norms_get_no_weight_decay():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("numel, expected", [(2 ** 16, "UNIFORM_8BIT"), (2 ** 16 + 5, "UNIFORM_8BIT"),
-                                             (2 ** 16 - 1, "FLOAT16"), (32, "FLOAT16")])
+@pytest.mark.parametrize(
+    "numel, expected", [(2**16, "UNIFORM_8BIT"), (2**16 + 5, "UNIFORM_8BIT"), (2**16 - 1, "FLOAT16"), (32, "FLOAT16")]
+)
 def test_size_adaptive_compression_follows_the_papers_threshold(numel, expected):
-    compression = gradient_compression(threshold=2 ** 16)
+    compression = gradient_compression(threshold=2**16)
     tensor = torch.randn(numel)
     serialized = compression.compress(tensor, CompressionInfo.from_tensor(tensor))
     assert runtime_pb2.CompressionType.Name(serialized.compression) == expected
@@ -71,7 +71,7 @@ def test_lamb8bit_keeps_8bit_statistics_clips_gradients_and_moves_biases():
     layer.weight.grad = torch.full_like(layer.weight, 10.0)  # norm 2560, far above max_grad_norm=4
     layer.bias.grad = torch.ones_like(layer.bias)
     optimizer.step()
-    assert optimizer.last_grad_norm == pytest.approx((2560.0 ** 2 + 256) ** 0.5, rel=1e-4)
+    assert optimizer.last_grad_norm == pytest.approx((2560.0**2 + 256) ** 0.5, rel=1e-4)
     clipped = torch.cat([layer.weight.grad.flatten(), layer.bias.grad]).norm()
     assert clipped == pytest.approx(config.max_grad_norm, rel=1e-4)
     state = optimizer.state[layer.weight]
@@ -148,7 +148,7 @@ def test_make_optimizer_wires_the_papers_choices_into_hivemind():
     assert wiring["target"] == config.target_batch_size
     assert wiring["matchmaking"] == config.matchmaking_time and wiring["timeout"] == config.averaging_timeout
     assert wiring["join_timeout"] == config.averaging_timeout  # a round not scheduled ahead, in client mode
-    assert wiring["compression"] == "SizeAdaptiveCompression" and wiring["threshold"] == 2 ** 16
+    assert wiring["compression"] == "SizeAdaptiveCompression" and wiring["threshold"] == 2**16
     # gradients and parameters are averaged in the order the README documents for a hand-written peer (hivemind
     # pairs tensors by position): not the model's own order
     assert wiring["averaged_shapes"] == wiring["documented_shapes"] == wiring["state_shapes"]
@@ -217,18 +217,20 @@ def test_an_anchor_serves_no_state_older_than_the_swarms():
 
 
 def test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_claim():
-    from collab_kit.swarm.averagers import round_member
-    from collab_kit.swarm.averagers import ANCHOR_ROLE, TRAINER_ROLE, RoundResult
+    from collab_kit.swarm.averagers import ANCHOR_ROLE, TRAINER_ROLE, RoundResult, round_member
 
     def epoch_of(*members):
         return RoundResult({f"peer{i}": member for i, member in enumerate(members)}).epoch()
 
-    trainer, anchor = (lambda epoch: round_member(TRAINER_ROLE, epoch)), (lambda epoch: round_member(ANCHOR_ROLE, epoch))
+    trainer, anchor = (
+        (lambda epoch: round_member(TRAINER_ROLE, epoch)),
+        (lambda epoch: round_member(ANCHOR_ROLE, epoch)),
+    )
     assert epoch_of(trainer(10), anchor(11), trainer(11), trainer(11)) == 11  # the NAT lab's late joiner
     assert epoch_of(trainer(10), anchor(11)) == 11  # the anchor's epoch is the swarm's for peers in client mode
     assert epoch_of(trainer(4), trainer(4), trainer(9)) == 4  # the majority
     # a hostile member's claim decides nothing, alone against one other, or as half of the group
-    assert epoch_of(trainer(4), trainer(10 ** 9)) is None
+    assert epoch_of(trainer(4), trainer(10**9)) is None
     assert epoch_of(trainer(4), trainer(4), trainer(7), trainer(7)) is None
     assert epoch_of(trainer(4), "trainer", "not a member") is None  # peers that sent no epoch count against it
 
@@ -298,8 +300,12 @@ def test_averager_processes_rebuild_torch_threads_before_their_threads_race():
     # every averager the kit builds carries it: gradient averagers (plain, CenteredClip, authorized) and state averagers
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.swarm.averagers import (ANCHOR_ROLE, TRAINER_ROLE, recording_state_averager_class,
-                                            round_report_averager_class)
+    from collab_kit.swarm.averagers import (
+        ANCHOR_ROLE,
+        TRAINER_ROLE,
+        recording_state_averager_class,
+        round_report_averager_class,
+    )
     from collab_kit.swarm.robust import with_centered_clip
 
     for role in (TRAINER_ROLE, ANCHOR_ROLE):
@@ -344,11 +350,14 @@ CLIENT_MODE_AVERAGERS = textwrap.dedent("""
 def test_a_peer_in_client_mode_waits_for_its_leader_and_for_state_parts_as_its_link_needs_and_prints_no_advice():
     """A join request crosses a volunteer's home link twice; on a thin link that is full, that takes seconds whatever
     the preset's matchmaking time. hivemind's advice to wait less than matchmaking_time is for peers that lead."""
-    finished = subprocess.run([sys.executable, "-c", CLIENT_MODE_AVERAGERS], capture_output=True, text=True,
-                              timeout=180)
+    finished = subprocess.run(
+        [sys.executable, "-c", CLIENT_MODE_AVERAGERS], capture_output=True, text=True, timeout=180
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(finished.stdout.strip().splitlines()[-1])
-    assert result["waits"] == [CLIENT_JOIN_ANSWER_TIMEOUT] * 2 and CLIENT_JOIN_ANSWER_TIMEOUT > result["matchmaking_time"]
+    assert (
+        result["waits"] == [CLIENT_JOIN_ANSWER_TIMEOUT] * 2 and CLIENT_JOIN_ANSWER_TIMEOUT > result["matchmaking_time"]
+    )
     kit, plain = finished.stderr.split("--- hivemind's own averager")
     advice = "request_timeout smaller than min_matchmaking_time"
     assert advice not in kit, kit
@@ -408,8 +417,9 @@ LEADER_AND_CLIENT = textwrap.dedent("""
 
 
 def run_leader_and_client(leader: str, client_round: str):
-    finished = subprocess.run([sys.executable, "-c", LEADER_AND_CLIENT, leader, client_round], capture_output=True,
-                              text=True, timeout=120)
+    finished = subprocess.run(
+        [sys.executable, "-c", LEADER_AND_CLIENT, leader, client_round], capture_output=True, text=True, timeout=120
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     return json.loads(finished.stdout.strip().splitlines()[-1]), finished.stderr
 
@@ -488,8 +498,9 @@ def test_an_anchor_that_leads_waits_for_the_runs_other_anchor_before_it_starts_t
     once its training peers are in)."""
     results = {}
     for expected in ("expected", "unexpected"):
-        finished = subprocess.run([sys.executable, "-c", LEADER_AND_LATE_CO_ANCHOR, expected], capture_output=True,
-                                  text=True, timeout=120)
+        finished = subprocess.run(
+            [sys.executable, "-c", LEADER_AND_LATE_CO_ANCHOR, expected], capture_output=True, text=True, timeout=120
+        )
         assert finished.returncode == 0, finished.stderr[-3000:]
         results[expected] = json.loads(finished.stdout.strip().splitlines()[-1])["members"]
     # the control: a leader that waits only for its training peers starts without the late anchor
@@ -521,8 +532,9 @@ STATE_ROUND_AFTER_RESYNC = textwrap.dedent("""
 
 def test_a_peer_apart_from_the_swarm_takes_no_state_round_before_it_loads_the_swarms_state():
     """Its parameters would be handed to the others, and its download would wait for the round (averaging_timeout)."""
-    finished = subprocess.run([sys.executable, "-c", STATE_ROUND_AFTER_RESYNC], capture_output=True, text=True,
-                              timeout=180)
+    finished = subprocess.run(
+        [sys.executable, "-c", STATE_ROUND_AFTER_RESYNC], capture_output=True, text=True, timeout=180
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(finished.stdout.strip().splitlines()[-1])
     configured = result["configured"]
@@ -559,8 +571,9 @@ STALE_PROGRESS_AFTER_A_SLOW_DOWNLOAD = textwrap.dedent("""
 
 def test_a_peer_just_loaded_does_not_download_again_before_it_has_read_the_swarms_progress():
     """hivemind's exact-epoch rule, against progress read before the download, asked for a second download at once."""
-    finished = subprocess.run([sys.executable, "-c", STALE_PROGRESS_AFTER_A_SLOW_DOWNLOAD], capture_output=True,
-                              text=True, timeout=180)
+    finished = subprocess.run(
+        [sys.executable, "-c", STALE_PROGRESS_AFTER_A_SLOW_DOWNLOAD], capture_output=True, text=True, timeout=180
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     answers = json.loads(finished.stdout.strip().splitlines()[-1])
     # [load?, its epoch after the check]: no download against the stale reading; against the fresh one it goes on at
@@ -643,21 +656,33 @@ PEER_READING_EPOCH_4 = textwrap.dedent("""
 
 @pytest.mark.parametrize("parameters", ["loaded", "its_own"])
 def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_others_if_it_holds_their_state(
-        tmp_path, parameters):
+    tmp_path, parameters
+):
     """In the NAT lab, the late joiner adopted epoch 10 0.7 s before the anchor ended it and joined the round of 11: it
     moved to 11 while the others moved to 12, was taken for a peer that missed a round, and downloaded the state again
     (11 s on its thin link, in which it missed the next rounds). A peer with parameters of its own stays behind, to
     load the swarm's state (in the CenteredClip test, one that followed drifted away for good)."""
     others_log = open(tmp_path / "others.log", "w")
     # each in a session of its own: hivemind's DHT and averagers are processes of their own, killed with it
-    others = subprocess.Popen([sys.executable, "-c", OTHERS_AT_THE_NEXT_EPOCH], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=others_log, text=True, start_new_session=True)
+    others = subprocess.Popen(
+        [sys.executable, "-c", OTHERS_AT_THE_NEXT_EPOCH],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=others_log,
+        text=True,
+        start_new_session=True,
+    )
     peer = None
     try:
         addresses = others.stdout.readline()
         assert addresses, (tmp_path / "others.log").read_text()[-3000:]
-        peer = subprocess.Popen([sys.executable, "-c", PEER_READING_EPOCH_4, addresses, parameters], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        peer = subprocess.Popen(
+            [sys.executable, "-c", PEER_READING_EPOCH_4, addresses, parameters],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         out, err = peer.communicate(timeout=180)
         assert peer.returncode == 0, err[-3000:]
         said = json.loads(others.stdout.readline())
@@ -681,8 +706,12 @@ def test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_other
 
 def test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels():
     # plain bitsandbytes warns at import that its CPU 4-bit kernels are missing: a red box in every notebook
-    result = subprocess.run([sys.executable, "-c", "import collab_kit.swarm.optimizer, collab_kit.tutorial.finetuning"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", "import collab_kit.swarm.optimizer, collab_kit.tutorial.finetuning"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gemm_4bit" not in result.stderr and "kernels" not in result.stderr, result.stderr
 
@@ -704,8 +733,9 @@ def test_the_progress_tracker_leaves_no_task_of_its_loop_pending_when_it_stops()
     try:
         # a race: with hivemind's own ending, 1 of 20 stops left a task pending here (0 of 40 with the kit's)
         for attempt in range(6):
-            tracker = SwarmProgressTracker(dht=dht, prefix=f"tracker_{attempt}", target_batch_size=64,
-                                           min_refresh_period=0.05, start=True)
+            tracker = SwarmProgressTracker(
+                dht=dht, prefix=f"tracker_{attempt}", target_batch_size=64, min_refresh_period=0.05, start=True
+            )
             assert tracker.fetched_global_progress_this_epoch.wait(30), "the tracker never read the swarm's progress"
             tracker.shutdown(timeout=30)
             tracker.join(timeout=30)
@@ -742,8 +772,9 @@ def test_the_progress_tracker_publishes_a_burst_of_steps_once_per_period_and_a_n
 
     try:
         # a period far longer than the test: within an epoch, only the first step of the burst goes out
-        tracker = SwarmProgressTracker(dht=dht, prefix="burst", target_batch_size=10 ** 6, min_report_period=600.0,
-                                       start=True)
+        tracker = SwarmProgressTracker(
+            dht=dht, prefix="burst", target_batch_size=10**6, min_report_period=600.0, start=True
+        )
         # the first step comes after the tracker has looked at its (empty) progress, as a peer's first step, slower
         # than the others, does: that look published nothing, and must not hold the first step's report for a period
         wait_until(tracker.fetched_global_progress_this_epoch.is_set, 30, "the tracker's first reading of the swarm")
@@ -755,16 +786,18 @@ def test_the_progress_tracker_publishes_a_burst_of_steps_once_per_period_and_a_n
         assert len(stores) == 1, f"{len(stores)} stores for one burst of 200 steps"
         with tracker.pause_updates():  # a new epoch waits for no period
             tracker.update_epoch(1)
-        record = wait_until(lambda: (published("burst") or {}).get("epoch") == 1 and published("burst"), 30,
-                            "the new epoch in the DHT")
+        record = wait_until(
+            lambda: (published("burst") or {}).get("epoch") == 1 and published("burst"), 30, "the new epoch in the DHT"
+        )
         assert record["samples_accumulated"] == 0 and len(stores) == 2, (record, len(stores))
         tracker.shutdown(timeout=30)
         tracker.join(timeout=30)
 
         # with a period of 1 s, a burst's last count goes out within a period of its last step
         stores.clear()
-        tracker = SwarmProgressTracker(dht=dht, prefix="last", target_batch_size=10 ** 6, min_report_period=1.0,
-                                       start=True)
+        tracker = SwarmProgressTracker(
+            dht=dht, prefix="last", target_batch_size=10**6, min_report_period=1.0, start=True
+        )
         started = time.monotonic()
         for samples in range(4, 4 * 201, 4):
             tracker.report_local_progress(0, samples)

@@ -1,6 +1,7 @@
 """The kit's fixes of hivemind's processes (collab_kit.swarm.p2p_fixes): an answer that arrives as its call is given up
 on is dropped, and every later call of the process is still answered (as shipped, none ever is again); a DHT request
 whose sender is gone is dropped, and the DHT's process goes on (as shipped, it ends: docs/hivemind.md's reports)."""
+
 import json
 import os
 import pathlib

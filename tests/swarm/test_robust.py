@@ -1,16 +1,16 @@
 """Robust gradient aggregation (collab_kit.swarm.robust): CenteredClip alone, inside hivemind's all-reduce, and in a swarm
 with a peer that poisons its gradients."""
+
 import json
-import sys
 import time
 
 import pytest
 import torch
 
+from collab_kit.config import OptimizerConfig, get_preset
 from collab_kit.swarm import averagers, robust, runners
 from collab_kit.swarm.four_bit import round_4bit
 from collab_kit.swarm.p2p_fixes import install_p2p_fixes
-from collab_kit.config import OptimizerConfig, get_preset
 from collab_kit.swarm.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
 
 
@@ -72,8 +72,9 @@ def test_weights_are_respected():
     assert weighted_median(vectors, torch.tensor([6.0, 1.0, 1.0])).item() == 0.0
     assert centered_clip(vectors, weights, tau=100.0, iterations=1).item() == pytest.approx(7.625)
     # a row of weight 0 counts for nothing, however far
-    assert centered_clip(torch.tensor([[1.0], [3.0], [1e6]]), torch.tensor([1.0, 1.0, 0.0]), tau=100.0,
-                         iterations=20).item() == pytest.approx(2.0)
+    assert centered_clip(
+        torch.tensor([[1.0], [3.0], [1e6]]), torch.tensor([1.0, 1.0, 0.0]), tau=100.0, iterations=20
+    ).item() == pytest.approx(2.0)
 
 
 def test_zero_iterations_return_the_start_and_non_finite_rows_get_no_weight():
@@ -88,18 +89,21 @@ def test_zero_iterations_return_the_start_and_non_finite_rows_get_no_weight():
     assert torch.isfinite(result).all() and (result - honest.mean(0)).norm() < 1.0
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: centered_clip(torch.ones(3), torch.ones(3), 1.0, 1), "vectors must be a tensor \\[n, d\\]"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.ones(2), 1.0, 1), "one weight per row"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.tensor([1.0, -1.0, 1.0]), 1.0, 1), ">= 0 and not all zero"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.zeros(3), 1.0, 1), "not all zero"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), -1.0, 1), "tau=-1.0 is not allowed"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), float("nan"), 1), "tau=nan is not allowed"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, -1), "iterations=-1 is not allowed"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, 1.5), "iterations=1.5 is not allowed"),
-    (lambda: centered_clip(torch.ones(3, 2, dtype=torch.long), torch.ones(3), 1.0, 1), "floating point"),
-    (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, 1, start=torch.ones(3)), "start must have shape"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: centered_clip(torch.ones(3), torch.ones(3), 1.0, 1), "vectors must be a tensor \\[n, d\\]"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.ones(2), 1.0, 1), "one weight per row"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.tensor([1.0, -1.0, 1.0]), 1.0, 1), ">= 0 and not all zero"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.zeros(3), 1.0, 1), "not all zero"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), -1.0, 1), "tau=-1.0 is not allowed"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), float("nan"), 1), "tau=nan is not allowed"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, -1), "iterations=-1 is not allowed"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, 1.5), "iterations=1.5 is not allowed"),
+        (lambda: centered_clip(torch.ones(3, 2, dtype=torch.long), torch.ones(3), 1.0, 1), "floating point"),
+        (lambda: centered_clip(torch.ones(3, 2), torch.ones(3), 1.0, 1, start=torch.ones(3)), "start must have shape"),
+    ],
+)
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -109,9 +113,11 @@ def test_config_checks_the_aggregation_fields():
     config = OptimizerConfig()
     assert (config.aggregation, config.clip_tau, config.clip_iterations) == ("mean", 0.5, 30)
     assert OptimizerConfig(aggregation="centered_clip", clip_tau=0.5, clip_iterations=3).clip_tau == 0.5
-    for fields, message in ((dict(aggregation="median"), "optimizer.aggregation='median' is not allowed"),
-                            (dict(clip_tau=0.0), "optimizer.clip_tau=0.0 is not allowed"),
-                            (dict(clip_iterations=0), "optimizer.clip_iterations=0 is not allowed")):
+    for fields, message in (
+        (dict(aggregation="median"), "optimizer.aggregation='median' is not allowed"),
+        (dict(clip_tau=0.0), "optimizer.clip_tau=0.0 is not allowed"),
+        (dict(clip_iterations=0), "optimizer.clip_iterations=0 is not allowed"),
+    ):
         with pytest.raises(ValueError, match=message):
             OptimizerConfig(**fields)
 
@@ -119,8 +125,8 @@ def test_config_checks_the_aggregation_fields():
 def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collab_kit.swarm import optimizer as optim
     from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm import optimizer as optim
 
     built = []
 
@@ -145,15 +151,17 @@ def test_make_optimizer_chooses_the_gradient_averager_from_the_config():
     assert issubclass(robust_factory.func, robust.CenteredClipAveragerMixin)
     assert issubclass(robust_factory.func, averagers.RoundReportMixin)
     assert robust_factory.func.__name__ == robust.CenteredClipGradientAverager.__name__
-    assert robust_factory.keywords == dict(clip_tau=2.0, clip_iterations=30, request_timeout=1.0,
-                                           allow_state_sharing=False)
+    assert robust_factory.keywords == dict(
+        clip_tau=2.0, clip_iterations=30, request_timeout=1.0, allow_state_sharing=False
+    )
     # a peer in client mode waits for its reducer as long as the round may last: its averaged parts come back only
     # after it has sent all of its own, and after every member's first part reached the reducer
     optim.make_optimizer(model, None, "run", config.optimizer, client_mode=True, optimizer_class=RecordingOptimizer)
     assert built[-1]["grad_averager_factory"].keywords["reducer_timeout"] == config.optimizer.averaging_timeout
     mine = object()
-    optim.make_optimizer(model, None, "run", config.optimizer, grad_averager_factory=mine,
-                         optimizer_class=RecordingOptimizer)
+    optim.make_optimizer(
+        model, None, "run", config.optimizer, grad_averager_factory=mine, optimizer_class=RecordingOptimizer
+    )
     assert built[-1]["grad_averager_factory"] is mine  # the caller's factory wins
 
 
@@ -165,8 +173,11 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 
     combined = robust.with_centered_clip(CheckingGradientAverager)
     assert combined.__name__ == "CenteredClipCheckingGradientAverager"  # the same on every peer: RPC names match
-    assert combined.__mro__[1:4] == (robust.CenteredClipAveragerMixin, runners.RunnerChoiceMixin,
-                                     CheckingGradientAverager)
+    assert combined.__mro__[1:4] == (
+        robust.CenteredClipAveragerMixin,
+        runners.RunnerChoiceMixin,
+        CheckingGradientAverager,
+    )
     assert robust.with_centered_clip(combined) is combined
     assert robust.with_centered_clip(GradientAverager) is robust.CenteredClipGradientAverager
     with pytest.raises(ValueError, match="aggregation='trimmed_mean' is not allowed"):
@@ -175,6 +186,7 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 
 # ---------------------------------------------------------------------------------------------
 # inside hivemind: real averagers on 127.0.0.1 (plain averagers may share a process; each forks its own)
+
 
 def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, auxiliary=(), bits=8, **kwargs):
     """One round of ``averager_class`` (or of one class per DHT) among one averager per DHT; each averager's tensors
@@ -185,13 +197,27 @@ def _average_in_group(averager_class, prefix, dhts, tensors_by_peer, weights, au
     from collab_kit.swarm.lamb import gradient_compression
 
     classes = averager_class if isinstance(averager_class, list) else [averager_class] * len(dhts)
-    averagers = [cls([t.clone() for t in tensors], dht=dht, prefix=prefix, start=True, auxiliary=index in auxiliary,
-                     target_group_size=len(dhts), min_group_size=len(dhts), min_matchmaking_time=2.0,
-                     request_timeout=1.0, compression=gradient_compression(threshold=1024, bits=bits), **kwargs)
-                 for index, (cls, dht, tensors) in enumerate(zip(classes, dhts, tensors_by_peer))]
+    averagers = [
+        cls(
+            [t.clone() for t in tensors],
+            dht=dht,
+            prefix=prefix,
+            start=True,
+            auxiliary=index in auxiliary,
+            target_group_size=len(dhts),
+            min_group_size=len(dhts),
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            compression=gradient_compression(threshold=1024, bits=bits),
+            **kwargs,
+        )
+        for index, (cls, dht, tensors) in enumerate(zip(classes, dhts, tensors_by_peer))
+    ]
     try:
-        controls = [averager.step(weight=None if index in auxiliary else weight, wait=False, timeout=60)
-                    for index, (averager, weight) in enumerate(zip(averagers, weights))]
+        controls = [
+            averager.step(weight=None if index in auxiliary else weight, wait=False, timeout=60)
+            for index, (averager, weight) in enumerate(zip(averagers, weights))
+        ]
         rounds = [control.result(timeout=90) for control in controls]
         assert all(len(round_result) == len(dhts) for round_result in rounds), "the peers did not average in one group"
         results = []
@@ -217,24 +243,30 @@ def test_hivemind_allreduce_with_centered_clip_resists_one_peer_times_1000():
     tensors_by_peer[3] = [1000 * t for t in tensors_by_peer[3]]  # the attacker
     weights = [1.0, 2.0, 1.0, 1.0]  # sample counts
     honest_weights = torch.tensor(weights[:3])
-    honest_mean = [(honest_weights[:, None] * torch.stack([peer[i] for peer in tensors_by_peer[:3]])).sum(0) / 4.0
-                   for i in range(2)]
+    honest_mean = [
+        (honest_weights[:, None] * torch.stack([peer[i] for peer in tensors_by_peer[:3]])).sum(0) / 4.0
+        for i in range(2)
+    ]
 
     # the averager classes the kit trains with (collab_kit.swarm.optimizer), on hivemind's DecentralizedAverager: the
     # plain mean and the same with CenteredClip. With hivemind's class as it is, a CI run once had a partial plain
     # round (one reducer went on without an honest peer, which got 2.4% of the average back and kept its own values);
     # the kit's classes carry its fixes of hivemind's streams (collab_kit.swarm.streams), and report a partial round
-    plain_class = averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager,
-                                                        averagers.TRAINER_ROLE)
+    plain_class = averagers.round_report_averager_class(
+        hivemind.averaging.DecentralizedAverager, averagers.TRAINER_ROLE
+    )
     robust_class = robust.with_centered_clip(plain_class)
     install_p2p_fixes()  # as the kit's own DHTs have them: the first averagers end beside DHTs that go on
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
-             for _ in range(3)]
+    dhts += [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+        for _ in range(3)
+    ]
     try:
         start = time.perf_counter()
-        robust_results, robust_rounds = _average_in_group(robust_class, "robust", dhts, tensors_by_peer, weights,
-                                                          clip_tau=1.0, clip_iterations=5)
+        robust_results, robust_rounds = _average_in_group(
+            robust_class, "robust", dhts, tensors_by_peer, weights, clip_tau=1.0, clip_iterations=5
+        )
         plain_results, plain_rounds = _average_in_group(plain_class, "plain", dhts, tensors_by_peer, weights)
         seconds = time.perf_counter() - start
     finally:
@@ -253,8 +285,10 @@ def test_hivemind_allreduce_with_centered_clip_resists_one_peer_times_1000():
     for i in range(2):
         robust_errors = [error(result, i) for result in robust_results[:3]]
         plain_errors = [error(result, i) for result in plain_results[:3]]
-        print(f"tensor {i}: relative error robust {max(robust_errors):.3f}, plain {min(plain_errors):.1f} "
-              f"({seconds:.1f} s)")
+        print(
+            f"tensor {i}: relative error robust {max(robust_errors):.3f}, plain {min(plain_errors):.1f} "
+            f"({seconds:.1f} s)"
+        )
         assert max(robust_errors) < 0.1, robust_errors
         assert min(plain_errors) > 50, plain_errors
 
@@ -271,12 +305,16 @@ def _two_trainers_and_two_anchors(seed: int):
     trainers = [[torch.randn(size, generator=generator) for size in shapes] for _ in range(2)]
     tensors_by_peer = trainers + [[torch.zeros(size) for size in shapes] for _ in range(2)]
     mean = torch.cat([(first + 2 * second) / 3 for first, second in zip(*trainers)])
-    trainer_class, anchor_class = (averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager, role)
-                                   for role in (averagers.TRAINER_ROLE, averagers.ANCHOR_ROLE))
+    trainer_class, anchor_class = (
+        averagers.round_report_averager_class(hivemind.averaging.DecentralizedAverager, role)
+        for role in (averagers.TRAINER_ROLE, averagers.ANCHOR_ROLE)
+    )
     install_p2p_fixes()
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
-             for _ in range(3)]
+    dhts += [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+        for _ in range(3)
+    ]
     return tensors_by_peer, [1.0, 2.0, 0.0, 0.0], mean, trainer_class, anchor_class, dhts
 
 
@@ -286,13 +324,21 @@ def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average(
     whole_parts_class = averagers.compose_averager(anchor_class, qualname="WholePartsAnchor", sends_stand_ins=False)
     try:
         outcomes = {}
-        for name, anchors, aggregation in (("whole", whole_parts_class, {}), ("stand-ins", anchor_class, {}),
-                                           ("robust stand-ins", robust.with_centered_clip(anchor_class),
-                                            dict(clip_tau=1.0, clip_iterations=5)),
-                                           ("4-bit stand-ins", anchor_class, dict(bits=4))):
+        for name, anchors, aggregation in (
+            ("whole", whole_parts_class, {}),
+            ("stand-ins", anchor_class, {}),
+            ("robust stand-ins", robust.with_centered_clip(anchor_class), dict(clip_tau=1.0, clip_iterations=5)),
+            ("4-bit stand-ins", anchor_class, dict(bits=4)),
+        ):
             trainer = robust.with_centered_clip(trainer_class) if "clip_tau" in aggregation else trainer_class
-            outcomes[name] = _average_in_group([trainer, trainer, anchors, anchors], name.replace(" ", "_"), dhts,
-                                               tensors_by_peer, weights, **aggregation)
+            outcomes[name] = _average_in_group(
+                [trainer, trainer, anchors, anchors],
+                name.replace(" ", "_"),
+                dhts,
+                tensors_by_peer,
+                weights,
+                **aggregation,
+            )
     finally:
         for dht in dhts:
             dht.shutdown()
@@ -305,8 +351,9 @@ def test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average(
     # in 4 bits each reducer rounds its parts' average once and every member, the anchors too, gets that same average
     # (collab_kit.swarm.runners.SharedFourBitAverageMixin)
     four_bit = outcomes["4-bit stand-ins"][0]
-    assert all(torch.allclose(torch.cat(result[:-1]), torch.cat(four_bit[2][:-1]), rtol=0, atol=1e-6)
-               for result in four_bit)
+    assert all(
+        torch.allclose(torch.cat(result[:-1]), torch.cat(four_bit[2][:-1]), rtol=0, atol=1e-6) for result in four_bit
+    )
     assert all(torch.equal(round_4bit(tensor), tensor) for tensor in four_bit[2][:-1])  # an anchor's: exact
     # an anchor reduces a quarter of the vector and sends its three senders their averages (3/4 of a vector) in both
     # cases; with whole parts it sent its zeros as well (3/4 more), with stand-ins a few bytes per part
@@ -324,9 +371,17 @@ def test_an_auxiliary_anchor_only_reduces():
     # sends them its averages (2/4 of a vector); with stand-ins it sent the other anchor its averages as well (3/4)
     tensors_by_peer, weights, mean, trainer_class, anchor_class, dhts = _two_trainers_and_two_anchors(seed=3)
     try:
-        outcomes = {name: _average_in_group([trainer_class, trainer_class, anchor_class, anchor_class], prefix, dhts,
-                                            tensors_by_peer, weights, auxiliary=auxiliary)
-                    for name, prefix, auxiliary in (("stand-ins", "stand_ins", ()), ("auxiliary", "aux", (2, 3)))}
+        outcomes = {
+            name: _average_in_group(
+                [trainer_class, trainer_class, anchor_class, anchor_class],
+                prefix,
+                dhts,
+                tensors_by_peer,
+                weights,
+                auxiliary=auxiliary,
+            )
+            for name, prefix, auxiliary in (("stand-ins", "stand_ins", ()), ("auxiliary", "aux", (2, 3)))
+        }
     finally:
         for dht in dhts:
             dht.shutdown()
@@ -337,7 +392,9 @@ def test_an_auxiliary_anchor_only_reduces():
             error = ((torch.cat(result) - mean).norm() / mean.norm()).item()
             assert error < 0.05, (name, error)
     aux_results = outcomes["auxiliary"][0]
-    assert all(bool((tensor == 0).all()) for result in aux_results[2:] for tensor in result), "an auxiliary peer changed"
+    assert all(bool((tensor == 0).all()) for result in aux_results[2:] for tensor in result), (
+        "an auxiliary peer changed"
+    )
     slim = [r.bytes_sent for r in outcomes["stand-ins"][1]]
     aux = [r.bytes_sent for r in outcomes["auxiliary"][1]]
     print(f"bytes sent by the trainers and the anchors: stand-ins {slim}, auxiliary {aux}")
@@ -372,8 +429,9 @@ def test_a_member_in_client_mode_gets_averages_while_it_sends():
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
     dhts += [hivemind.DHT(start=True, client_mode=True, initial_peers=dhts[0].get_visible_maddrs()) for _ in range(2)]
     try:
-        results, rounds = _average_in_group([kit_class, kit_class, hivemind.averaging.DecentralizedAverager],
-                                            "streamed", dhts, tensors_by_peer, weights)
+        results, rounds = _average_in_group(
+            [kit_class, kit_class, hivemind.averaging.DecentralizedAverager], "streamed", dhts, tensors_by_peer, weights
+        )
     finally:
         for dht in dhts:
             dht.shutdown()
@@ -386,9 +444,11 @@ def test_a_member_in_client_mode_gets_averages_while_it_sends():
 # ---------------------------------------------------------------------------------------------
 # a swarm: 3 honest volunteers and one that sends its gradients times -1000 (tests/byzantine_peer.py)
 
+
 @pytest.mark.slow
 def test_with_centered_clip_honest_peers_still_learn_beside_a_peer_sending_gradients_times_minus_1000(
-        tiny_shards, tmp_path):
+    tiny_shards, tmp_path
+):
     from byzantine_peer import loss_ratio, run_poisoned_swarm
 
     epochs_by_peer = run_poisoned_swarm("centered_clip", -1000.0, 10, tiny_shards, str(tmp_path), "test_robust_swarm")

@@ -1,5 +1,6 @@
 """The run's card on real DHTs (127.0.0.1): published signed by the run's first peer, read and compared by a peer that
 joins, out of reach of anyone else's pen; and which data a peer trains on."""
+
 import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
@@ -10,9 +11,20 @@ from hivemind.utils.timed_storage import get_dht_time
 from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.data.synthetic import SYNTHETIC
 from collab_kit.swarm.dht import join_addresses, start_dht
-from collab_kit.swarm.run_card import (KEY_PREFIX, RUNS_KEY, DataMismatch, RunCard, RunCardKeeper, RunCardSchema,
-                                       RunMismatch, check_fits_run, choose_data, find_run_card, read_run_cards,
-                                       run_card_validators)
+from collab_kit.swarm.run_card import (
+    KEY_PREFIX,
+    RUNS_KEY,
+    DataMismatch,
+    RunCard,
+    RunCardKeeper,
+    RunCardSchema,
+    RunMismatch,
+    check_fits_run,
+    choose_data,
+    find_run_card,
+    read_run_cards,
+    run_card_validators,
+)
 
 ELSEWHERE = "/ip4/10.77.0.10/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
@@ -34,8 +46,12 @@ def test_a_joining_peer_reads_the_runs_card_and_nobody_else_can_rewrite_it(swarm
     keeper = RunCardKeeper(first, RunCard.of(config, "someone/codes", author=first.peer_id.to_base58()))
     try:
         card = find_run_card(joined, "card_run", addresses)
-        assert (card.run_id, card.preset, card.data, card.author) == ("card_run", "tiny", "someone/codes",
-                                                                      first.peer_id.to_base58())
+        assert (card.run_id, card.preset, card.data, card.author) == (
+            "card_run",
+            "tiny",
+            "someone/codes",
+            first.peer_id.to_base58(),
+        )
         assert card.run_config().optimizer.target_batch_size == 8192
         assert "--set optimizer.target_batch_size=8192 --data someone/codes" in " ".join(card.join_options())
         check_fits_run(config, card, addresses)  # the run's own settings fit
@@ -47,21 +63,28 @@ def test_a_joining_peer_reads_the_runs_card_and_nobody_else_can_rewrite_it(swarm
         # another key cannot write under the author's: an unsigned (or wrongly signed) record is refused by every
         # DHT node that holds the validators
         pen = RSASignatureValidator(RSAPrivateKey())  # the intruder's own key (its DHT's process gets a copy)
-        intruder = hivemind.DHT(initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
-                                record_validators=[SchemaValidator(RunCardSchema, prefix=KEY_PREFIX), pen])
+        intruder = hivemind.DHT(
+            initial_peers=addresses,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            start=True,
+            record_validators=[SchemaValidator(RunCardSchema, prefix=KEY_PREFIX), pen],
+        )
         try:
             forged = RunCard.of(get_preset("tiny", swarm=dict(run_id="card_run")), "evil/codes", author="me")
             author_key = RSASignatureValidator().local_public_key  # this process's key: the first peer's
-            assert not intruder.store(RUNS_KEY, subkey=author_key, value=forged.to_record(),
-                                      expiration_time=get_dht_time() + 60)
+            assert not intruder.store(
+                RUNS_KEY, subkey=author_key, value=forged.to_record(), expiration_time=get_dht_time() + 60
+            )
             # its own card of the run is signed and stored, and is newer; a peer that joined through the first
             # peer still takes the first peer's
             own_key = pen.local_public_key
-            assert intruder.store(RUNS_KEY, subkey=own_key, value=forged.to_record(),
-                                  expiration_time=get_dht_time() + 60)
+            assert intruder.store(
+                RUNS_KEY, subkey=own_key, value=forged.to_record(), expiration_time=get_dht_time() + 60
+            )
             # a value that is not a card is refused by the schema, even under its own key
-            assert not intruder.store(RUNS_KEY, subkey=own_key, value=dict(run_id="card_run"),
-                                      expiration_time=get_dht_time() + 60)
+            assert not intruder.store(
+                RUNS_KEY, subkey=own_key, value=dict(run_id="card_run"), expiration_time=get_dht_time() + 60
+            )
         finally:
             intruder.shutdown()
         cards = read_run_cards(joined)

@@ -3,6 +3,7 @@
 Real hivemind averagers on 127.0.0.1, each in its own process as hivemind runs them; a recorder in front of the
 kit's mixin tells, in the serving process, whether each stream it served was closed by its caller or by itself.
 """
+
 import asyncio
 import multiprocessing as mp
 from typing import AsyncIterator
@@ -12,12 +13,12 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from waiting import wait_until
 
 from collab_kit.config import SwarmConfig
 from collab_kit.swarm.averagers import compose_averager
 from collab_kit.swarm.dht import start_dht
 from collab_kit.swarm.streams import CallerClosesStreamsMixin
-from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +32,9 @@ class StreamEndRecorderMixin:
         with self.ends[stream, closed_by].get_lock():
             self.ends[stream, closed_by].value += 1
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         try:
             async for message in super().rpc_aggregate_part(stream, context):
                 yield message
@@ -41,8 +43,9 @@ class StreamEndRecorderMixin:
             raise
         self._record("aggregate", "server")
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         try:
             async for message in super().rpc_join_group(request, context):
                 yield message
@@ -54,8 +57,9 @@ class StreamEndRecorderMixin:
 
 def recorded_class(*mixins, linger: float):
     ends = {(stream, by): mp.Value("i", 0) for stream in ("aggregate", "join") for by in ("caller", "server")}
-    averager_class = compose_averager(DecentralizedAverager, StreamEndRecorderMixin, *mixins, ends=ends,
-                                      answered_stream_linger=linger)
+    averager_class = compose_averager(
+        DecentralizedAverager, StreamEndRecorderMixin, *mixins, ends=ends, answered_stream_linger=linger
+    )
     return averager_class, ends
 
 
@@ -65,11 +69,18 @@ def averaging_rounds(first_class, second_class, rounds: int, served: list):
     The averagers stop once ``served`` (each serving class's counters) holds an end for each all-reduce stream.
     """
     first_dht = start_dht(SwarmConfig(host="127.0.0.1"))
-    second_dht = start_dht(SwarmConfig(host="127.0.0.1",
-                                       initial_peers=[str(a) for a in first_dht.get_visible_maddrs()]))
-    size = 2 ** 16
-    common = dict(prefix="streams", target_group_size=2, min_matchmaking_time=2.0, request_timeout=2.0,
-                  part_size_bytes=2 ** 14, start=True)  # 8 parts of 16 KiB for each peer to reduce
+    second_dht = start_dht(
+        SwarmConfig(host="127.0.0.1", initial_peers=[str(a) for a in first_dht.get_visible_maddrs()])
+    )
+    size = 2**16
+    common = dict(
+        prefix="streams",
+        target_group_size=2,
+        min_matchmaking_time=2.0,
+        request_timeout=2.0,
+        part_size_bytes=2**14,
+        start=True,
+    )  # 8 parts of 16 KiB for each peer to reduce
     first = first_class([torch.zeros(size)], dht=first_dht, **common)
     second = second_class([torch.zeros(size)], dht=second_dht, **common)
     missed = []
@@ -84,8 +95,11 @@ def averaging_rounds(first_class, second_class, rounds: int, served: list):
                 with averager.get_tensors() as (tensor,):
                     missed.append((tensor != 0.5).sum().item())
         # a round is over for a peer once its own results are in; the streams it served end in the background
-        wait_until(lambda: sum(ends["aggregate", by].value for ends in served for by in ("caller", "server"))
-                   == 2 * rounds, timeout=30, what="an end of every all-reduce stream served")
+        wait_until(
+            lambda: sum(ends["aggregate", by].value for ends in served for by in ("caller", "server")) == 2 * rounds,
+            timeout=30,
+            what="an end of every all-reduce stream served",
+        )
     finally:
         for process in (first, second, second_dht, first_dht):
             process.shutdown()

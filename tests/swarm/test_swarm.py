@@ -1,10 +1,18 @@
 """Real DHTs on 127.0.0.1: addresses, joining, presence, and clear errors for bad addresses."""
+
 import pytest
 
-from collab_kit.config import SwarmConfig, get_preset
 from collab_kit.addresses import parse_initial_peers
-from collab_kit.swarm.dht import (CLIENT_DHT_REQUEST_TIMEOUT, SwarmConnectionError, count_present_peers,
-                                  join_addresses, join_instructions, start_dht, wait_for_peers)
+from collab_kit.config import SwarmConfig, get_preset
+from collab_kit.swarm.dht import (
+    CLIENT_DHT_REQUEST_TIMEOUT,
+    SwarmConnectionError,
+    count_present_peers,
+    join_addresses,
+    join_instructions,
+    start_dht,
+    wait_for_peers,
+)
 
 GOOD = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
 
@@ -15,11 +23,14 @@ def test_parse_initial_peers_accepts_lists_and_strings():
     assert parse_initial_peers(f"{GOOD}, {GOOD.replace('31337', '31338')}") == [GOOD, GOOD.replace("31337", "31338")]
 
 
-@pytest.mark.parametrize("address, message", [
-    ("127.0.0.1:31337", "not a valid multiaddr"),
-    ("/ip4/999.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t", "not a valid multiaddr"),
-    ("/ip4/127.0.0.1/tcp/31337", "no /p2p/"),
-])
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("127.0.0.1:31337", "not a valid multiaddr"),
+        ("/ip4/999.0.0.1/tcp/31337/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t", "not a valid multiaddr"),
+        ("/ip4/127.0.0.1/tcp/31337", "no /p2p/"),
+    ],
+)
 def test_malformed_addresses_explain_what_a_good_one_looks_like(address, message):
     with pytest.raises(ValueError, match=message) as error:
         parse_initial_peers([address])
@@ -31,19 +42,23 @@ def test_a_second_peer_joins_the_first_and_they_see_each_other():
     try:
         addresses = join_addresses(first)
         assert addresses and all(a.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in a for a in addresses)
-        line = join_instructions(first, get_preset("tiny", swarm=dict(run_id="run1"),
-                                                   optimizer=dict(target_batch_size=512)))
+        line = join_instructions(
+            first, get_preset("tiny", swarm=dict(run_id="run1"), optimizer=dict(target_batch_size=512))
+        )
         # the line carries what the joining peer must share: preset, run id, every setting changed from the preset
-        assert line == (f"To join this swarm: collab-kit join --preset tiny --run-id run1 "
-                        f"--set optimizer.target_batch_size=512 --initial-peers {' '.join(addresses)}")
+        assert line == (
+            f"To join this swarm: collab-kit join --preset tiny --run-id run1 "
+            f"--set optimizer.target_batch_size=512 --initial-peers {' '.join(addresses)}"
+        )
         # the run's other anchors follow this peer's own addresses, each once
         other = "/ip4/10.77.0.11/tcp/4000/p2p/12D3KooWBmwXN3rsVfnLsZKbXeBrSLfczHxZHwVjPrbKwpLfYm3t"
-        both = join_instructions(first, get_preset("tiny", swarm=dict(run_id="run1")),
-                                 other_anchors=[other, addresses[0]])
+        both = join_instructions(
+            first, get_preset("tiny", swarm=dict(run_id="run1")), other_anchors=[other, addresses[0]]
+        )
         assert both.endswith(f"--initial-peers {' '.join(addresses)} {other}"), both
         second = start_dht(SwarmConfig(host="127.0.0.1", initial_peers=addresses))
         try:
-            second.store("greeting", "hello", expiration_time=10 ** 10)
+            second.store("greeting", "hello", expiration_time=10**10)
             assert first.get("greeting", latest=True).value == "hello"
             # the presence barrier counts both peers once each has announced itself
             assert count_present_peers(first, "run1") == 0
@@ -83,7 +98,7 @@ def test_client_mode_peer_trains_without_listening():
         client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(first)))
         try:
             assert client.client_mode
-            client.store("from-client", 1, expiration_time=10 ** 10)
+            client.store("from-client", 1, expiration_time=10**10)
             assert first.get("from-client", latest=True).value == 1
             # a peer behind NAT knows one or two neighbours and is often on a home link that its downloads fill: it
             # waits longer for their answers before hivemind drops them (test_network_lab's late joiner kept its
@@ -147,8 +162,9 @@ def test_where_a_peer_listens_and_whether_it_is_asked_to_be_dialled_back(monkeyp
 def test_a_failed_averaging_round_is_one_log_line(caplog):
     import logging
 
-    from collab_kit.swarm.dht import install_log_filters
     from hivemind.averaging.partition import AllreduceException
+
+    from collab_kit.swarm.dht import install_log_filters
 
     install_log_filters()
     logger = logging.getLogger("hivemind.averaging.averager")

@@ -1,5 +1,6 @@
 """The swarm scaling benchmark's simulated peers (benchmarks/swarm_scaling.py): how an epoch's end is read
 from the peers' events, and a real 2-peer swarm on 127.0.0.1 where one peer is 8x slower."""
+
 import os
 import sys
 
@@ -17,9 +18,11 @@ def epoch_events(times):
 
 
 def test_epoch_end_is_the_median_over_peers_and_needs_most_of_them():
-    peers = [epoch_events({1: 10.0, 2: 20.0, 4: 40.0}),
-             epoch_events({1: 10.2, 2: 20.4, 3: 30.0, 4: 40.2}),
-             epoch_events({1: 50.0, 3: 31.0})]  # a straggler: epoch 1 far too late, epochs 2 and 4 skipped
+    peers = [
+        epoch_events({1: 10.0, 2: 20.0, 4: 40.0}),
+        epoch_events({1: 10.2, 2: 20.4, 3: 30.0, 4: 40.2}),
+        epoch_events({1: 50.0, 3: 31.0}),
+    ]  # a straggler: epoch 1 far too late, epochs 2 and 4 skipped
     ends = swarm_scaling.epoch_end_times(peers)
     assert ends[1] == pytest.approx(10.2)  # the straggler's late time does not move the median
     assert ends[2] == pytest.approx(20.2) and ends[3] == pytest.approx(30.5)
@@ -42,14 +45,23 @@ def test_simulated_swarm_predictions():
 def test_epoch_does_not_wait_for_a_slow_peer(tmp_path):
     """Two simulated peers, one taking 8x longer per micro-batch: epochs take about what their summed throughput
     needs (144 samples/s, 3.6 s for 512 samples), far from the 16 s the slow peer needs for half of the batch."""
-    sim = swarm_scaling.Simulation(target_batch_size=512, micro_batch=32, compute_seconds=0.25, matchmaking_time=2.0,
-                                   progress_refresh_period=0.6,
-                                   warmup_epochs=1, measured_epochs=2, width=64)
+    sim = swarm_scaling.Simulation(
+        target_batch_size=512,
+        micro_batch=32,
+        compute_seconds=0.25,
+        matchmaking_time=2.0,
+        progress_refresh_period=0.6,
+        warmup_epochs=1,
+        measured_epochs=2,
+        width=64,
+    )
     speeds = [1.0, 1.0 / 8]
     epochs_by_peer, left_behind = swarm_scaling.run_swarm(speeds, sim, "test_scaling_uneven", str(tmp_path))
     # each peer's log, for a failure to be read from the report alone (a round that stalls shows there)
-    logs = "\n".join(f"--- {path.name}:\n" + "".join(path.read_text().splitlines(keepends=True)[-40:])
-                     for path in sorted(tmp_path.glob("*.log")))
+    logs = "\n".join(
+        f"--- {path.name}:\n" + "".join(path.read_text().splitlines(keepends=True)[-40:])
+        for path in sorted(tmp_path.glob("*.log"))
+    )
     assert left_behind == [], logs
     seconds = swarm_scaling.seconds_per_epoch(epochs_by_peer, sim.warmup_epochs, sim.measured_epochs)
     waiting_for_slow_peer = sim.target_batch_size / 2 / (sim.peer_rate / 8)

@@ -4,6 +4,7 @@ Real DHTs on 127.0.0.1: the first peer is shut down and another one (a new ident
 joined through it must take that for a link that is down, say why, and take the first peer's return with its key file
 for the link's return.
 """
+
 import logging
 import queue
 import socket
@@ -46,8 +47,16 @@ def test_another_peer_on_the_first_peers_port_is_no_link_back_and_the_same_peer_
     peer = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=[address]))
     events: queue.Queue = queue.Queue()
     started = [peer]
-    watchdog = SwarmWatchdog(peer, [address], period=0.2, timeout=1.0, probe_every=0.5, down_after=1.5,
-                             on_link_down=lambda: events.put("down"), on_link_back=lambda: events.put("back"))
+    watchdog = SwarmWatchdog(
+        peer,
+        [address],
+        period=0.2,
+        timeout=1.0,
+        probe_every=0.5,
+        down_after=1.5,
+        on_link_down=lambda: events.put("down"),
+        on_link_back=lambda: events.put("back"),
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="collab_kit.swarm.watchdog"):
             first.shutdown()

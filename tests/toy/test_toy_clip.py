@@ -1,4 +1,5 @@
 """The toy CLIP: the shipped one loads offline, is small, and reaches its stated held-out accuracy; training writes one."""
+
 import dataclasses
 import json
 import os
@@ -9,9 +10,21 @@ import torch
 from collab_kit.data import synthetic
 from collab_kit.data.tokenizers import ToyTokenizer
 from collab_kit.model.clip_rank import ClipRanker
-from collab_kit.toy.clip import (HELD_OUT_SEED, METRICS_FILE, TOY_CLIP_DIR, TRAIN_SEED_BASE, evaluate_toy_clip,
-                                 fixed_blur, load_toy_clip, main, scene_pixels, toy_clip_metrics, toy_clip_tokenizer,
-                                 train_toy_clip, training_scenes)
+from collab_kit.toy.clip import (
+    HELD_OUT_SEED,
+    METRICS_FILE,
+    TOY_CLIP_DIR,
+    TRAIN_SEED_BASE,
+    evaluate_toy_clip,
+    fixed_blur,
+    load_toy_clip,
+    main,
+    scene_pixels,
+    toy_clip_metrics,
+    toy_clip_tokenizer,
+    train_toy_clip,
+    training_scenes,
+)
 
 ACCURACY_FLOOR = 0.8  # the least the shipped CLIP may state; it must then measure within 0.05 of what it states
 
@@ -35,7 +48,7 @@ def test_the_shipped_clip_is_small_and_complete():
     names = set(os.listdir(TOY_CLIP_DIR))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", METRICS_FILE} <= names
     total = sum(os.path.getsize(os.path.join(TOY_CLIP_DIR, name)) for name in names)
-    assert total < 10 * 2 ** 20, f"the shipped toy CLIP takes {total / 2 ** 20:.1f} MB"
+    assert total < 10 * 2**20, f"the shipped toy CLIP takes {total / 2**20:.1f} MB"
 
 
 def test_the_shipped_clip_reaches_its_stated_accuracy(shipped):
@@ -61,8 +74,9 @@ def test_the_shipped_clip_ranks_the_right_colour_first_through_cliprank(shipped)
             wrong += variants[order[0]].color != scene.color
         # and a picture's own caption above the same caption in another colour, as ClipRanker scores it
         other = dataclasses.replace(scene, color="blue" if scene.color != "blue" else "red")
-        own_score, other_score = (shipped.score(s.caption, pixels[list(synthetic.COLORS).index(scene.color)][None])
-                                  for s in (scene, other))
+        own_score, other_score = (
+            shipped.score(s.caption, pixels[list(synthetic.COLORS).index(scene.color)][None]) for s in (scene, other)
+        )
         wrong += bool(own_score <= other_score)
     assert wrong <= 1, f"{wrong} of 36 colour choices wrong"
 

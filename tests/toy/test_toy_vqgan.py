@@ -1,4 +1,5 @@
 """The toy VQGAN shipped with the package: 64x64 pictures <-> 8x8 codes at its stated held-out PSNR; its training runs."""
+
 import json
 import os
 
@@ -6,11 +7,22 @@ import pytest
 import torch
 
 from collab_kit.data import synthetic
-from collab_kit.toy.vqgan import (HELD_OUT_COUNT, HELD_OUT_SEED, METRICS_NAME, TOY_VQGAN_CONFIG, TOY_VQGAN_DIR,
-                                  ToyVQGANMissing, evaluate_toy_vqgan, load_toy_vqgan, main, scenes_to_tensor,
-                                  toy_vqgan_metrics, training_scenes)
 from collab_kit.model.vqgan import CHECKPOINT_NAME, CONFIG_NAME
 from collab_kit.model.vqgan_files import load_vqgan
+from collab_kit.toy.vqgan import (
+    HELD_OUT_COUNT,
+    HELD_OUT_SEED,
+    METRICS_NAME,
+    TOY_VQGAN_CONFIG,
+    TOY_VQGAN_DIR,
+    ToyVQGANMissing,
+    evaluate_toy_vqgan,
+    load_toy_vqgan,
+    main,
+    scenes_to_tensor,
+    toy_vqgan_metrics,
+    training_scenes,
+)
 
 PSNR_FLOOR_DB = 25.0  # what the shipped model must state at least: flat-coloured pictures come back sharp
 PSNR_SLACK_DB = 0.5  # 64 held-out pictures measured here against the 256 of the stated figure
@@ -64,8 +76,7 @@ def test_training_never_sees_the_held_out_pictures():
 
 def test_a_short_training_run_writes_a_loadable_model_and_its_metrics(tmp_path, capsys):
     folder = tmp_path / "vqgan"
-    assert main(["--output", str(folder), "--steps", "3", "--batch-size", "2", "--held-out", "8",
-                 "--no-progress"]) == 0
+    assert main(["--output", str(folder), "--steps", "3", "--batch-size", "2", "--held-out", "8", "--no-progress"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("toy vqgan: psnr=") and "held_out=8" in line and "steps=3" in line
 

