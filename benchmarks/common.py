@@ -15,8 +15,8 @@ import os
 import platform
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Callable, Sequence
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -246,8 +246,9 @@ def main_or_peer(
 
 
 def require_network_lab() -> None:
-    """Raise RuntimeError, with the reason, where this machine cannot build the network lab (collab_kit.netlab)."""
-    from collab_kit.netlab import lab_unavailable
+    """Raise RuntimeError, with the reason, where this machine cannot build the network lab
+    (tests/helpers/netlab.py)."""
+    from tests.helpers.netlab import lab_unavailable
 
     reason = lab_unavailable()
     if reason is not None:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from benchmarks import common, local_updates, swarm_scaling
 
@@ -26,7 +26,7 @@ WINDOW = 1.0  # seconds of the mean whose highest value is the peak
 
 TITLE = "Fragments: the peak rate of a volunteer's link, F = 4 against F = 1 (network lab)"
 HOW = f"""
-`collab_kit.netlab`: `collab-kit monitor --preset toy` on a public host (its anchor reduces every round) and 2
+`tests/helpers/netlab.py`: `collab-kit monitor --preset toy` on a public host (its anchor reduces every round) and 2
 volunteers (`collab-kit join --preset toy`, 1 torch thread each, the toy world's dataset), each behind its own NAT
 router with its link capped at {LINK_MBIT:g} Mbit/s each way, in the local-update mode with H = {LOCAL_STEPS}
 (`optimizer.local_steps={LOCAL_STEPS}`, 8-bit pseudo-gradients, {", ".join(f"`{s}`" for s in SETTINGS)}): once with
@@ -76,7 +76,7 @@ def peak_rate(samples: Sequence[tuple[float, int, int]], window: float = WINDOW)
 
 
 def _lab_run(fragments: int, local_steps: int, rounds: int, shards: str, log_dir: str) -> dict[str, object]:
-    from collab_kit.netlab import NetworkLab
+    from tests.helpers.netlab import NetworkLab
 
     run_id = f"bench_fragments_{fragments}_{os.getpid()}"
     epochs = rounds * fragments

@@ -1,6 +1,6 @@
 """Volunteers behind NAT on capped links (the network lab): time per global epoch against the ideal, and bytes.
 
-A network lab (collab_kit.netlab) with the run's monitor on a public host (its anchor reduces every round)
+A network lab (tests/helpers/netlab.py) with the run's monitor on a public host (its anchor reduces every round)
 and volunteers each behind their own NAT router, every volunteer's link capped at 100, 20 and 5 Mbit/s in
 turn (tc tbf, each direction). Each volunteer is a simulated peer as in the swarm-scaling benchmark: the
 `small` preset's real model, real gradients, the kit's real optimizer (hivemind.Optimizer, 8-bit
@@ -21,8 +21,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from benchmarks import common
 from benchmarks.swarm_scaling import epoch_end_times, step_on_simulated_accelerator, stop_peers
@@ -56,17 +56,20 @@ QUICK = Setting(target_batch_size=512, warmup_epochs=1, measured_epochs=2)
 
 TITLE = "Volunteers behind NAT on capped links (network lab): time per epoch vs ideal, and bytes on the links"
 HOW = f"""
-The network lab (`collab_kit.netlab`, Linux network namespaces): `collab-kit monitor --preset small` on a public
+The network lab (`tests/helpers/netlab.py`, Linux network namespaces): `collab-kit monitor --preset small` on a public
 host (its anchor leads and reduces every gradient round, its link uncapped), and {FULL.volunteers} volunteers each
 behind its own NAT router (iptables MASQUERADE), every volunteer's link capped with tc tbf at 100, 20 and 5 Mbit/s
 each way in turn. Each volunteer is `python -m benchmarks.internet_links --peer ...` inside its home: the `small`
 preset's model and the kit's optimizer (`collab_kit.swarm.optimizer.make_optimizer`), client mode
 chosen by the reachability probe (the monitor cannot dial it back); only the compute is simulated, a micro-batch of
-{FULL.micro_batch} taking {FULL.compute_seconds:g} s (a real forward / backward of one of its samples on the CPU, then a sleep
-up to that time: the gradients are real, their bytes depend on the shapes only). Target batch {FULL.target_batch_size}: {FULL.compute_time:.1f} s of compute per epoch for the swarm.
+{FULL.micro_batch} taking {FULL.compute_seconds:g} s (a real forward / backward of one of its samples on the CPU, then
+a sleep
+up to that time: the gradients are real, their bytes depend on the shapes only). Target batch {FULL.target_batch_size}:
+{FULL.compute_time:.1f} s of compute per epoch for the swarm.
 
 Time per epoch: the median over volunteers of the wall time at which each reached each global epoch; after
-{FULL.warmup_epochs} warm-up epochs, the mean of the next {FULL.measured_epochs}. Ideal: the compute time plus the bytes a
+{FULL.warmup_epochs} warm-up epochs, the mean of the next {FULL.measured_epochs}. Ideal: the compute time plus the
+bytes a
 volunteer must move per epoch over its link at the capped rate, sent and received one after the other (its
 compressed gradients up to the anchor, their average back: twice what hivemind's
 SizeAdaptiveCompression makes of the model's gradients, 8-bit for tensors of 2^16 elements or more, fp16 below).
@@ -182,7 +185,7 @@ def parameter_count() -> int:
 
 def measure(rate: float, setting: Setting, log_dir: str) -> dict:
     """One swarm in a fresh lab with every volunteer's link at ``rate`` Mbit/s."""
-    from collab_kit.netlab import NetworkLab
+    from tests.helpers.netlab import NetworkLab
 
     epochs = setting.warmup_epochs + setting.measured_epochs
     run_id = f"bench_links_{int(rate)}_{os.getpid()}"

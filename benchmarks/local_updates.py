@@ -79,7 +79,7 @@ DiLoCo's figure), at a loss no worse than the synchronous run's over the same la
 (this run / synchronous <= 1.0). `--quick`: H = 4 and 8, 2 rounds against 8 global steps. `--only small` measures
 this part alone (as `--only toy`, `lab` and `uneven` the others).
 
-Network lab (`collab_kit.netlab`): `collab-kit monitor --preset toy` on a public host (its anchor reduces every
+Network lab (`tests/helpers/netlab.py`): `collab-kit monitor --preset toy` on a public host (its anchor reduces every
 round, its link uncapped) and 2 volunteers (`collab-kit join --preset toy`, 1 torch thread each, the toy world's
 dataset) each behind its own NAT router with its link capped at {LAB_MBIT:g} Mbit/s each way (tc tbf): every
 global step moves the toy model's 8-bit gradients (about 4.2 MiB) up and their average back down, about 14 s on such
@@ -232,7 +232,7 @@ def start_toy_swarm(
 
 def _lab_run(lab_setting: dict, overrides, epochs: int, shards: str, log_dir: str, tag: str) -> list[list[dict]]:
     """One run in a fresh network lab: the volunteers' epoch events."""
-    from collab_kit.netlab import NetworkLab
+    from tests.helpers.netlab import NetworkLab
 
     run_id = f"bench_local_lab_{tag}_{os.getpid()}"
     with NetworkLab() as lab:
@@ -266,8 +266,8 @@ def _loss_over_time(epochs_by_peer: list[list[dict]]) -> list[tuple]:
 
 
 def _lab_time_to_loss(quick: bool, folder: str) -> dict:
-    from collab_kit.netlab import lab_unavailable
     from collab_kit.toy.dataset import prepare_toy_dataset
+    from tests.helpers.netlab import lab_unavailable
 
     reason = lab_unavailable()
     if reason is not None:
@@ -444,7 +444,8 @@ def _lab_rows(quick: bool, folder: str) -> list[dict]:
             lab_ratio,
             "<= 0.5",
             f"{lab_ratio:.2f}x" if lab_ratio is not None else "not reached",
-            f"synchronous reached {lab['target_loss']:.3f} after {lab['target_seconds']:.0f} s of training; local updates "
+            f"synchronous reached {lab['target_loss']:.3f} after {lab['target_seconds']:.0f} s of training; "
+            "local updates "
             + (f"reached {reached[1]:.3f} after {reached[0]:.0f} s" if reached is not None else "never reached it")
             + f". Loss by training time (end of each global epoch): synchronous {curve(lab['synchronous'])}; local "
             f"updates {curve(lab['local'])}.",
@@ -471,7 +472,8 @@ def _uneven_rows(quick: bool, folder: str) -> list[dict]:
         common.make_row(
             __spec__.name,
             f"local updates (H = {sim.local_steps}), simulated compute: time per round with 1 of "
-            f"{swarm_scaling.UNEVEN_PEERS} peers {swarm_scaling.SLOW_FACTOR:g}x slower / predicted by summed throughput",
+            f"{swarm_scaling.UNEVEN_PEERS} peers {swarm_scaling.SLOW_FACTOR:g}x slower / "
+            "predicted by summed throughput",
             ratio,
             "<= 1.15",
             f"{ratio:.2f}x",

@@ -1,6 +1,6 @@
 """Two anchors beside one (the network lab): time per global epoch, and a late joiner's state download.
 
-A network lab (collab_kit.netlab): the run's monitor on a public host, and for the second measurement a second
+A network lab (tests/helpers/netlab.py): the run's monitor on a public host, and for the second measurement a second
 public host running ``collab-kit anchor`` with the join line's options; every anchor's link capped (tc tbf, each
 direction); volunteers each behind their own NAT router, their links uncapped, simulated as in the Internet links
 benchmark (the `small` preset's real model and gradients, the kit's optimizer, the compute a sleep). Then, while the
@@ -18,8 +18,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from benchmarks import common, internet_links
 from benchmarks.internet_links import small_preset_peer
@@ -47,7 +47,7 @@ QUICK = Setting(warmup_epochs=1, measured_epochs=2)
 
 TITLE = "Two anchors beside one (network lab): time per epoch, each anchor's link, and a late joiner's state download"
 HOW = f"""
-The network lab (`collab_kit.netlab`): `collab-kit monitor --preset small` on a public host, and for the second
+The network lab (`tests/helpers/netlab.py`): `collab-kit monitor --preset small` on a public host, and for the second
 measurement `collab-kit anchor` with the join line's options on a second public host; every anchor's link capped
 at {FULL.anchor_mbit:g} Mbit/s each way (tc tbf). {FULL.volunteers} volunteers, each behind its own NAT router with an
 uncapped link, simulated as in the Internet links benchmark (`python -m benchmarks.internet_links --peer`: the
@@ -86,7 +86,7 @@ def peer_main(args: argparse.Namespace) -> int:
 
 def measure(anchors: int, setting: Setting, log_dir: str) -> dict:
     """One swarm in a fresh lab with ``anchors`` anchors, then a late joiner's download."""
-    from collab_kit.netlab import NetworkLab
+    from tests.helpers.netlab import NetworkLab
 
     epochs = setting.warmup_epochs + setting.measured_epochs
     run_id = f"bench_anchors_{anchors}_{os.getpid()}"

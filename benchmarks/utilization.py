@@ -13,8 +13,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from benchmarks import common
 from benchmarks.internet_links import volunteer_peer
@@ -66,7 +66,8 @@ START_TIMEOUT = 600  # the paper preset's model and optimizer take minutes to bu
 
 TITLE = "Compute utilization in the network lab: overlapped fragment rounds against today's local-update rounds"
 HOW = f"""
-`collab_kit.netlab`: `collab-kit monitor --preset {FULL.preset}` on a public host (its anchor reduces every round, its
+`tests/helpers/netlab.py`: `collab-kit monitor --preset {FULL.preset}` on a public host (its anchor reduces every
+round, its
 link uncapped) and {FULL.volunteers} volunteers each behind its own NAT router with its link capped at
 {FULL.link_mbit:g} Mbit/s each way (tc tbf). Each volunteer is `python -m benchmarks.utilization --peer ...` in its
 home: the {FULL.preset} preset's model (125 M stored parameters: the paper's pseudo-gradient sizes) and the kit's
@@ -169,7 +170,7 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(setting: Setting, overlapped: bool, log_dir: str) -> dict[str, object]:
     """One run in a fresh lab: each volunteer's utilization over the measured rounds, and their rounds' outcomes."""
-    from collab_kit.netlab import NetworkLab
+    from tests.helpers.netlab import NetworkLab
 
     epochs_per_round = setting.fragments if overlapped else 1
     first, last = (

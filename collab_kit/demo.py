@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from collab_kit.config import get_preset, parse_overrides
 from collab_kit.data.preprocess import preprocess
@@ -37,11 +37,11 @@ from collab_kit.data.synthetic import color_match, make_synthetic_images
 from collab_kit.errors import CollabKitError
 from collab_kit.images.inference import draw_prompts, load_for_inference
 from collab_kit.model.vqgan import untrained_vqgan
-from collab_kit.notebook.dashboard import write_page
 from collab_kit.roles.monitor_settings import MonitorSettings
 from collab_kit.roles.processes import PeerProcess
 from collab_kit.roles.services import Service, ServiceError, start_monitor, start_volunteer_process
 from collab_kit.toy.dataset import prepare_toy_dataset
+from collab_kit.widgets.dashboard import write_page
 
 logger = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ def _draw_from_checkpoint(
 
 
 def write_dashboard(monitor_db: str, path: str) -> str:
-    """The dashboard page (collab_kit.notebook.dashboard) of what the demo's monitor recorded."""
+    """The dashboard page (collab_kit.widgets.dashboard) of what the demo's monitor recorded."""
 
     if not os.path.exists(monitor_db):
         raise DemoFailed(f"the first peer wrote no history to {monitor_db}: see its log")

@@ -9,14 +9,14 @@ and :func:`lazy_exports` imports the module on the first use of one of its names
 import importlib
 import os
 import sys
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 
 def lazy_exports(package: str, exports: dict[str, Iterable[str]]) -> tuple[Callable[[str], object], list[str]]:
     """A module ``__getattr__`` for ``package`` and the names for its ``__all__``.
 
     :param package: the package's ``__name__``
-    :param exports: module path relative to ``package`` (``"shards"``, ``"notebook.dashboard"``) -> the names of it
+    :param exports: module path relative to ``package`` (``"shards"``, ``"widgets.dashboard"``) -> the names of it
       that the package offers; the name ``"*module*"`` offers the module itself, under its last component
     """
     where: dict[str, tuple[str, str]] = {}

@@ -7,6 +7,7 @@ fixture kills every one it started, with its p2p daemons, however the test ends.
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 # before anything imports huggingface_hub or datasets: never reach for the network, never touch ~/.cache
@@ -32,6 +33,8 @@ from collab_kit.config import get_preset  # noqa: E402
 from collab_kit.data.synthetic import make_synthetic_shards  # noqa: E402
 from collab_kit.roles.processes import PeerProcess  # noqa: E402
 
+# the suite's helper modules (stand-in services, scripted peers, waits) live in tests/helpers/ and import by name
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 pytest_plugins = ["hub_server", "file_times"]  # the stand-in Hub on 127.0.0.1 (`hub_server`); --file-times
 
 

@@ -10,6 +10,8 @@
 What peers do with their tokens in the swarm (bindings in the DHT, the averagers' gate) is collab_kit.swarm.bindings.
 """
 
+from typing import TYPE_CHECKING
+
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(
@@ -22,3 +24,17 @@ __getattr__, __all__ = lazy_exports(
         "server": ["create_app", "serve"],
     },
 )
+
+if TYPE_CHECKING:  # editors and type checkers follow these; at run time each loads on first use
+    from collab_kit.auth.client import AuthorizationError as AuthorizationError
+    from collab_kit.auth.client import HubAuthorizer as HubAuthorizer
+    from collab_kit.auth.client import login as login
+    from collab_kit.auth.client import request_access as request_access
+    from collab_kit.auth.ledger import JoinLedger as JoinLedger
+    from collab_kit.auth.server import create_app as create_app
+    from collab_kit.auth.server import serve as serve
+    from collab_kit.auth.server_settings import AuthServerSettings as AuthServerSettings
+    from collab_kit.auth.tokens import MalformedToken as MalformedToken
+    from collab_kit.auth.tokens import binding_problem as binding_problem
+    from collab_kit.auth.tokens import issue_token as issue_token
+    from collab_kit.auth.tokens import token_problem as token_problem

@@ -34,7 +34,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: the libraries the command needs (torch, hivemind) load when it runs: `collab-kit --help` answers at once
-    from collab_kit.notebook.dashboard import load, write_page
+    from collab_kit.widgets.dashboard import load, write_page
 
     data = load(args.db)  # a missing file: an error that says how to get one (collab-kit monitor --db)
     out = args.out or os.path.join(os.path.dirname(data.db_path), "dashboard.html")

@@ -14,6 +14,8 @@
 - ``widgets``: the stacked bar chart and the notebook's interactive calculator.
 """
 
+from typing import TYPE_CHECKING
+
 from collab_kit.lazy import lazy_exports
 from collab_kit.units import GiB, MiB, format_bytes
 
@@ -43,4 +45,33 @@ __getattr__, _lazy_names = lazy_exports(
         "widgets": ["plot_estimates", "figure_png", "calculator_widget", "MemoryCalculator", "summary"],
     },
 )
+
+if TYPE_CHECKING:  # editors and type checkers follow these; at run time each loads on first use
+    from collab_kit.memory.catalogue import CATALOGUE as CATALOGUE
+    from collab_kit.memory.catalogue import ModelShape as ModelShape
+    from collab_kit.memory.catalogue import known_models as known_models
+    from collab_kit.memory.estimator import BNB_MIN_8BIT_SIZE as BNB_MIN_8BIT_SIZE
+    from collab_kit.memory.estimator import OPTIMIZER_NAMES as OPTIMIZER_NAMES
+    from collab_kit.memory.estimator import OPTIMIZERS as OPTIMIZERS
+    from collab_kit.memory.estimator import PRECISIONS as PRECISIONS
+    from collab_kit.memory.estimator import MemoryEstimate as MemoryEstimate
+    from collab_kit.memory.estimator import compare as compare
+    from collab_kit.memory.estimator import estimate as estimate
+    from collab_kit.memory.estimator import optimizer_bytes_for as optimizer_bytes_for
+    from collab_kit.memory.measured import gradient_bytes as gradient_bytes
+    from collab_kit.memory.measured import optimizer_state_bytes as optimizer_state_bytes
+    from collab_kit.memory.measured import parameter_bytes as parameter_bytes
+    from collab_kit.memory.recommend import (
+        MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING as MIN_MICRO_BATCH_WITHOUT_CHECKPOINTING,
+    )
+    from collab_kit.memory.recommend import DeviceFit as DeviceFit
+    from collab_kit.memory.recommend import Recommendation as Recommendation
+    from collab_kit.memory.recommend import fit_to_device as fit_to_device
+    from collab_kit.memory.recommend import recommend_for_plan as recommend_for_plan
+    from collab_kit.memory.recommend import recommend_settings as recommend_settings
+    from collab_kit.memory.widgets import MemoryCalculator as MemoryCalculator
+    from collab_kit.memory.widgets import calculator_widget as calculator_widget
+    from collab_kit.memory.widgets import figure_png as figure_png
+    from collab_kit.memory.widgets import plot_estimates as plot_estimates
+    from collab_kit.memory.widgets import summary as summary
 __all__ = ["GiB", "MiB", "format_bytes", *_lazy_names]

@@ -13,6 +13,8 @@
 - ``clip_rank``: ranking drawn images by CLIP's similarity to the prompt.
 """
 
+from typing import TYPE_CHECKING
+
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(
@@ -41,3 +43,34 @@ __getattr__, __all__ = lazy_exports(
         "clip_rank": ["ClipRanker", "DEFAULT_CLIP"],
     },
 )
+
+if TYPE_CHECKING:  # editors and type checkers follow these; at run time each loads on first use
+    from collab_kit.model.attention import Layout as Layout
+    from collab_kit.model.checkpoint import list_checkpoints as list_checkpoints
+    from collab_kit.model.checkpoint import load_checkpoint as load_checkpoint
+    from collab_kit.model.checkpoint import load_latest_checkpoint as load_latest_checkpoint
+    from collab_kit.model.checkpoint import rotate_checkpoints as rotate_checkpoints
+    from collab_kit.model.checkpoint import save_checkpoint as save_checkpoint
+    from collab_kit.model.clip_rank import DEFAULT_CLIP as DEFAULT_CLIP
+    from collab_kit.model.clip_rank import ClipRanker as ClipRanker
+    from collab_kit.model.device import DevicePlan as DevicePlan
+    from collab_kit.model.device import LossScaler as LossScaler
+    from collab_kit.model.device import choose_device as choose_device
+    from collab_kit.model.device import read_device_facts as read_device_facts
+    from collab_kit.model.sampling import PAPER_TOP_K as PAPER_TOP_K
+    from collab_kit.model.sampling import PAPER_TOP_P as PAPER_TOP_P
+    from collab_kit.model.sampling import TOY_TOP_K as TOY_TOP_K
+    from collab_kit.model.sampling import generate_image_codes as generate_image_codes
+    from collab_kit.model.transformer import TextToImageTransformer as TextToImageTransformer
+    from collab_kit.model.transformer import count_parameters as count_parameters
+    from collab_kit.model.transformer import describe as describe
+    from collab_kit.model.transformer import initial_model as initial_model
+    from collab_kit.model.transformer import model_seed as model_seed
+    from collab_kit.model.transformer import non_finite_parameters as non_finite_parameters
+    from collab_kit.model.vqgan import VQGAN as VQGAN
+    from collab_kit.model.vqgan import build_vqgan as build_vqgan
+    from collab_kit.model.vqgan import images_to_pil as images_to_pil
+    from collab_kit.model.vqgan import pil_to_tensor as pil_to_tensor
+    from collab_kit.model.vqgan import untrained_vqgan as untrained_vqgan
+    from collab_kit.model.vqgan_files import load_vqgan as load_vqgan
+    from collab_kit.model.vqgan_files import save_vqgan as save_vqgan

@@ -16,6 +16,8 @@
 - ``services``: a maintainer's one-call start of the monitor, the auth server and volunteers, with join lines.
 """
 
+from typing import TYPE_CHECKING
+
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(
@@ -40,3 +42,29 @@ __getattr__, __all__ = lazy_exports(
         ],
     },
 )
+
+if TYPE_CHECKING:  # editors and type checkers follow these; at run time each loads on first use
+    from collab_kit.roles.checkpointer import Checkpointer as Checkpointer
+    from collab_kit.roles.live_page import LivePage as LivePage
+    from collab_kit.roles.live_page import LivePageError as LivePageError
+    from collab_kit.roles.monitor import Monitor as Monitor
+    from collab_kit.roles.monitor_settings import MonitorError as MonitorError
+    from collab_kit.roles.monitor_settings import MonitorSettings as MonitorSettings
+    from collab_kit.roles.processes import PeerFailed as PeerFailed
+    from collab_kit.roles.processes import PeerProcess as PeerProcess
+    from collab_kit.roles.processes import emit_event as emit_event
+    from collab_kit.roles.records import LONE_AFTER_EPOCHS as LONE_AFTER_EPOCHS
+    from collab_kit.roles.records import EpochRecord as EpochRecord
+    from collab_kit.roles.records import LoneWarning as LoneWarning
+    from collab_kit.roles.records import RestoreRecord as RestoreRecord
+    from collab_kit.roles.records import TrainingHistory as TrainingHistory
+    from collab_kit.roles.recovery import NonFiniteRecoveryMixin as NonFiniteRecoveryMixin
+    from collab_kit.roles.recovery import NonFiniteTrainingError as NonFiniteTrainingError
+    from collab_kit.roles.run_history import RunHistory as RunHistory
+    from collab_kit.roles.services import ServiceError as ServiceError
+    from collab_kit.roles.services import running_services as running_services
+    from collab_kit.roles.services import start_auth_server as start_auth_server
+    from collab_kit.roles.services import start_monitor as start_monitor
+    from collab_kit.roles.services import start_volunteer_process as start_volunteer_process
+    from collab_kit.roles.services import stop_all as stop_all
+    from collab_kit.roles.volunteer import Volunteer as Volunteer

@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from collab_kit.auth.client import login
 from collab_kit.auth.server_settings import AuthServerSettings
@@ -474,7 +474,7 @@ def start_monitor(
     """Start the run's monitor (``collab-kit monitor``), the first peer volunteers join through; wait for its addresses.
 
     It trains nothing: it records the swarm's loss, alive peers, throughput and the contributors' leaderboard in
-    ``settings.db_path`` (what collab_kit.notebook.dashboard draws) and saves checkpoints (collab_kit.roles.monitor).
+    ``settings.db_path`` (what collab_kit.widgets.dashboard draws) and saves checkpoints (collab_kit.roles.monitor).
 
     :param config: the run's configuration, the volunteers' own (get_preset(...)): its swarm section says where
       the monitor listens and, with ``auth_server``, makes the run authorized

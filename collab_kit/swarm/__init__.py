@@ -32,6 +32,8 @@
   now (connected, or dialled at once).
 """
 
+from typing import TYPE_CHECKING
+
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(
@@ -62,3 +64,51 @@ __getattr__, __all__ = lazy_exports(
         "metrics": ["MetricsPublisher", "PeerMetrics", "SwarmSnapshot", "read_metrics", "summarize"],
     },
 )
+
+if TYPE_CHECKING:  # editors and type checkers follow these; at run time each loads on first use
+    from collab_kit.swarm.anchor import Anchor as Anchor
+    from collab_kit.swarm.anchor import AnchorError as AnchorError
+    from collab_kit.swarm.averagers import compose_averager as compose_averager
+    from collab_kit.swarm.bindings import BindingKeeper as BindingKeeper
+    from collab_kit.swarm.bindings import PeerGate as PeerGate
+    from collab_kit.swarm.bindings import authorized_averager_class as authorized_averager_class
+    from collab_kit.swarm.bindings import publish_peer_binding as publish_peer_binding
+    from collab_kit.swarm.dht import SwarmConnectionError as SwarmConnectionError
+    from collab_kit.swarm.dht import join_addresses as join_addresses
+    from collab_kit.swarm.dht import join_command as join_command
+    from collab_kit.swarm.dht import join_instructions as join_instructions
+    from collab_kit.swarm.dht import resolve_reachability as resolve_reachability
+    from collab_kit.swarm.dht import start_dht as start_dht
+    from collab_kit.swarm.dht import wait_for_peers as wait_for_peers
+    from collab_kit.swarm.lamb import LAMB8bit as LAMB8bit
+    from collab_kit.swarm.lamb import gradient_compression as gradient_compression
+    from collab_kit.swarm.lamb import make_lamb8bit as make_lamb8bit
+    from collab_kit.swarm.lamb import parameter_groups as parameter_groups
+    from collab_kit.swarm.local_updates import OuterNesterovSGD as OuterNesterovSGD
+    from collab_kit.swarm.local_updates import mode_averager_class as mode_averager_class
+    from collab_kit.swarm.local_updates import with_local_updates as with_local_updates
+    from collab_kit.swarm.membership import SwarmMembership as SwarmMembership
+    from collab_kit.swarm.membership import authorize as authorize
+    from collab_kit.swarm.metrics import MetricsPublisher as MetricsPublisher
+    from collab_kit.swarm.metrics import PeerMetrics as PeerMetrics
+    from collab_kit.swarm.metrics import SwarmSnapshot as SwarmSnapshot
+    from collab_kit.swarm.metrics import read_metrics as read_metrics
+    from collab_kit.swarm.metrics import summarize as summarize
+    from collab_kit.swarm.optimizer import CollaborativeOptimizer as CollaborativeOptimizer
+    from collab_kit.swarm.optimizer import make_optimizer as make_optimizer
+    from collab_kit.swarm.p2p_fixes import install_p2p_fixes as install_p2p_fixes
+    from collab_kit.swarm.progress import SwarmProgressTracker as SwarmProgressTracker
+    from collab_kit.swarm.progress import is_anchor_record as is_anchor_record
+    from collab_kit.swarm.reachability import ReachabilityVerdict as ReachabilityVerdict
+    from collab_kit.swarm.reachability import probe_reachability as probe_reachability
+    from collab_kit.swarm.robust import AGGREGATIONS as AGGREGATIONS
+    from collab_kit.swarm.robust import centered_clip as centered_clip
+    from collab_kit.swarm.robust import grad_averager_factory as grad_averager_factory
+    from collab_kit.swarm.robust import with_centered_clip as with_centered_clip
+    from collab_kit.swarm.run_card import DataMismatch as DataMismatch
+    from collab_kit.swarm.run_card import RunCard as RunCard
+    from collab_kit.swarm.run_card import RunMismatch as RunMismatch
+    from collab_kit.swarm.run_card import check_fits_run as check_fits_run
+    from collab_kit.swarm.run_card import choose_data as choose_data
+    from collab_kit.swarm.run_card import find_run_card as find_run_card
+    from collab_kit.swarm.watchdog import SwarmWatchdog as SwarmWatchdog

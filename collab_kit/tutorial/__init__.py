@@ -6,6 +6,8 @@
   optimizer memory beside collab_kit.memory's estimate, as a table and a chart.
 """
 
+from typing import TYPE_CHECKING
+
 from collab_kit.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(
@@ -31,3 +33,19 @@ __getattr__, __all__ = lazy_exports(
         ],
     },
 )
+
+if TYPE_CHECKING:  # editors and type checkers follow these; at run time each loads on first use
+    from collab_kit.tutorial.finetuning import TrainResult as TrainResult
+    from collab_kit.tutorial.finetuning import compare_optimizer_memory as compare_optimizer_memory
+    from collab_kit.tutorial.finetuning import finetune as finetune
+    from collab_kit.tutorial.finetuning import load_gpt2 as load_gpt2
+    from collab_kit.tutorial.finetuning import make_adam as make_adam
+    from collab_kit.tutorial.finetuning import memory_table as memory_table
+    from collab_kit.tutorial.finetuning import plot_losses as plot_losses
+    from collab_kit.tutorial.finetuning import plot_memory_comparison as plot_memory_comparison
+    from collab_kit.tutorial.text_stream import GPT2_CONTEXT as GPT2_CONTEXT
+    from collab_kit.tutorial.text_stream import block_batches as block_batches
+    from collab_kit.tutorial.text_stream import gpt2_tokenizer as gpt2_tokenizer
+    from collab_kit.tutorial.text_stream import make_text_shards as make_text_shards
+    from collab_kit.tutorial.text_stream import pack_blocks as pack_blocks
+    from collab_kit.tutorial.text_stream import stream_texts as stream_texts

@@ -16,9 +16,9 @@ import threading
 import time
 
 import pytest
+from netlab import NetworkLab, lab_unavailable, list_namespaces
 from waiting import wait_until
 
-from collab_kit.netlab import NetworkLab, lab_unavailable, list_namespaces
 from collab_kit.roles.run_history import RunHistory, peer_id_of
 
 REASON = lab_unavailable()

@@ -3,11 +3,11 @@ the dashboard and the join notebook's live view (the swarm itself: tests/netlab/
 
 import pytest
 
-from collab_kit.notebook.dashboard import averaging_html, load
-from collab_kit.notebook.live_view import LiveView
 from collab_kit.roles.records import LONE_AFTER_EPOCHS, EpochRecord, LoneTrainingWatch
 from collab_kit.roles.run_history import RunHistory
 from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
+from collab_kit.widgets.dashboard import averaging_html, load
+from collab_kit.widgets.live_view import LiveView
 
 
 def epoch(number, averaged, training_peers=3, problem=None, anchors=0):

@@ -1,4 +1,4 @@
-"""The dashboard's plots (collab_kit.notebook.dashboard): loss, alive peers and throughput over the run, each drawn on an
+"""The dashboard's plots (collab_kit.widgets.dashboard): loss, alive peers and throughput over the run, each drawn on an
 Axes you give it, or as a PNG.
 
 Figures are ``matplotlib.figure.Figure`` objects, not pyplot's: PNGs are written through the Agg canvas whatever
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime
 import io
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.dates as mdates
 from matplotlib.figure import Figure

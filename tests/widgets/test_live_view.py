@@ -1,7 +1,7 @@
-"""collab_kit.notebook.live_view: the join notebook's figure, drawn from real epoch records."""
+"""collab_kit.widgets.live_view: the join notebook's figure, drawn from real epoch records."""
 
-from collab_kit.notebook.live_view import LiveView
 from collab_kit.roles.records import EpochRecord
+from collab_kit.widgets.live_view import LiveView
 
 
 def records():

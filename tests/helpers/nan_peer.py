@@ -1,6 +1,6 @@
 """A volunteer whose training goes nan, for the fault tests (tests/roles/test_faults.py).
 
-Run as ``python tests/nan_peer.py [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N]
+Run as ``python tests/helpers/nan_peer.py [--nan-at-epoch E] [--nan-at-step K] [--what parameters|loss] [--steps N]
 join OPTIONS...``: the same peer as ``collab-kit join OPTIONS...``, except that its first local training
 step at global epoch E or later that is its K-th step or later goes wrong:
 

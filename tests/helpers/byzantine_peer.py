@@ -1,6 +1,6 @@
 """A malicious volunteer for the robust-aggregation tests and benchmark: it poisons the gradients it averages.
 
-Run as ``python tests/byzantine_peer.py --scale -1000 join --preset tiny ...``: the same peer as
+Run as ``python tests/helpers/byzantine_peer.py --scale -1000 join --preset tiny ...``: the same peer as
 ``collab-kit join ...`` (same options, same ``--events``), except that before each averaging round it
 multiplies the gradients it sends by ``--scale``. It still reduces its span of the all-reduce
 honestly and steps with what the swarm returns, so the attack is on what it sends, nothing else;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from collab_kit.roles.processes import PeerFailed, PeerProcess
 

@@ -1,7 +1,7 @@
 """The dashboard: plots and leaderboard from a monitor database, a static page, and that page in a real browser.
 
 The database is written the way the monitor writes it (RunHistory.record of summarized PeerMetrics
-records, tests/example_history.py). The page is opened in headless Chromium (Debian's package; `make
+records, tests/helpers/example_history.py). The page is opened in headless Chromium (Debian's package; `make
 test` installs it where missing): the screenshot must show each embedded plot, pixel for pixel where
 the browser laid it out, and one stripe per leaderboard row; the browser's DOM must hold every
 contributor's name as text (names come from peers: none may become markup).
@@ -21,10 +21,10 @@ from example_history import NAMES, START, write_example_history
 from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a fixture)
 from PIL import Image
 
-from collab_kit.notebook import dashboard
-from collab_kit.notebook.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
 from collab_kit.roles.run_history import RunHistory
 from collab_kit.swarm.metrics import PeerMetrics, summarize
+from collab_kit.widgets import dashboard
+from collab_kit.widgets.dashboard import COLORS, PLOT_DPI, PLOT_SIZE
 
 TITLE = "Test run <b>bold</b>"
 # the leaderboard's row backgrounds (dashboard.TABLE_STYLE) and its header's

@@ -1,4 +1,4 @@
-"""collab_kit.notebook.preflight: each problem a volunteer can meet is forced, and must be named with what to do.
+"""collab_kit.widgets.preflight: each problem a volunteer can meet is forced, and must be named with what to do.
 
 The facts of this machine are read for real (gather_facts); a case this machine does not have (a GPU too
 small, a full disk) is forced by changing the facts the checks judge. Reachability is tried for real on
@@ -12,7 +12,10 @@ import pytest
 
 from collab_kit import get_preset
 from collab_kit.config import SwarmConfig
-from collab_kit.notebook.preflight import (
+from collab_kit.swarm.dht import start_dht
+from collab_kit.swarm.reachability import HelperAnswer, ReachabilityVerdict
+from collab_kit.units import GiB
+from collab_kit.widgets.preflight import (
     NOTE,
     OK,
     PROBLEM,
@@ -22,9 +25,6 @@ from collab_kit.notebook.preflight import (
     gather_facts,
     run_preflight,
 )
-from collab_kit.swarm.dht import start_dht
-from collab_kit.swarm.reachability import HelperAnswer, ReachabilityVerdict
-from collab_kit.units import GiB
 
 
 @pytest.fixture(scope="module")

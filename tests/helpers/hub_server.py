@@ -65,15 +65,15 @@ import sys
 import tempfile
 import textwrap
 import threading
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the file types the Hub's default .gitattributes sends to git-LFS (hence through the CDN)
 LFS_SUFFIXES = (
     ".safetensors",

@@ -36,8 +36,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from collab_kit.errors import CollabKitError
 from collab_kit.roles.processes import PeerProcess

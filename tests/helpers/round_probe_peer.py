@@ -1,17 +1,20 @@
 """A volunteer that reports what each of its local-update rounds did, for tests/swarm/test_local_updates.py.
 
-Run as ``python tests/round_probe_peer.py --out FOLDER [--step-period S] [--nan-at-epoch E] join OPTIONS...``: the same
+Run as ``python tests/helpers/round_probe_peer.py --out FOLDER [--step-period S] [--nan-at-epoch E] join OPTIONS...``:
+the same
 peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.local_steps=H``), which also
 
 - after each round prints ``@event {"type": "round", "epoch": E, "weight": ..., "group_size": ..., "global": DIGESTS,
-  "momentum": DIGESTS, "model": DIGESTS, "resync": ...}`` (DIGESTS: one per tensor), E being the epoch the round ended (the global parameters, the outer momentum
+  "momentum": DIGESTS, "model": DIGESTS, "resync": ...}`` (DIGESTS: one per tensor), E being the epoch the round ended
+  (the global parameters, the outer momentum
   and the model's parameters after the round, ``"file"``: NAME-R.pt or null, ``"resync"``: whether the peer loads
   the swarm's state next instead of going on from its own), and saves its own pseudo-gradient, its
   weight (samples), the average the round gave back and the global parameters after it in ``FOLDER/NAME-R.pt``, R
   being the peer's epoch when the round began: E - 1, or less for a late joiner that was behind (its update goes to
   the swarm's epoch);
 - after each download of the swarm's state prints ``@event {"type": "loaded", "epoch": ..., "downloaded": ...,
-  "global": DIGESTS, "momentum": DIGESTS}`` ("downloaded": the epoch of the state a peer gave, which hivemind moves a peer
+  "global": DIGESTS, "momentum": DIGESTS}`` ("downloaded": the epoch of the state a peer gave,
+  which hivemind moves a peer
   one epoch behind past);
 - with ``--step-period S``, takes one local step every S seconds at most (a slower machine, of a known speed);
   with ``--slowness K``, each step lasts at least K times its own work (K times slower than a peer without it, however

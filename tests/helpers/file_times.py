@@ -1,8 +1,9 @@
 """Where the suite's time goes: wall time against CPU time, per test file (tests/README.md's table); and the order
 the files run in, longest first.
 
-    python -m pytest --file-times=times.json        # then: python tests/file_times.py times.json
-    python tests/file_times.py times.json --weights tests/file_weights.json    # keep a run's file times for the order
+    python -m pytest --file-times=times.json        # then: python tests/helpers/file_times.py times.json
+    python tests/helpers/file_times.py times.json --weights tests/helpers/file_weights.json    # keep a run's file
+    times for the order
 
 A test's wall time is its setup, call and teardown; its CPU time is that of the process that ran it and of the
 children it waited for (the peers, kernels and services it started), from ``resource.getrusage``: a file whose CPU

@@ -28,8 +28,8 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import psutil
 import torch

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ORG = "training-transformers-together"
 LISTENING = re.compile(r"^auth server for run (\S+) \((.*)\) listening on (http://127\.0\.0\.1:(\d+))$")
@@ -54,7 +54,7 @@ class AuthServerProcess:
                 line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 self.stop()
-                raise AssertionError(f"no listening line within {timeout} s; output:\n{''.join(self.output)}")
+                raise AssertionError(f"no listening line within {timeout} s; output:\n{''.join(self.output)}") from None
             if line is None:
                 raise AssertionError(
                     f"the auth server exited with {self.process.wait()}; output:\n{''.join(self.output)}"

@@ -6,7 +6,7 @@ dashboard's tests and the dashboard notebook's test.
 """
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from collab_kit.model.checkpoint import checkpoint_name
 from collab_kit.roles.run_history import RunHistory
