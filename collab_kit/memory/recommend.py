@@ -8,8 +8,8 @@ peer's device plan: the preflight and ``Volunteer.from_config`` decide the same 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from collab_kit.memory.estimator import MemoryEstimate, check_positive_int, estimate
 from collab_kit.model.device import DeviceFacts, DevicePlan, choose_device
@@ -205,8 +205,8 @@ def recommend_for_plan(config, plan: DevicePlan, ram_available_bytes: int) -> Re
 
     The kit's checkpointing is its reversible layers, so the choice is made for the model with plain layers: with
     checkpointing means reversible layers (which keep fewer activations than checkpointing counts), without means plain
-    ones. Estimated as the preset's reversible model, every choice came out "without checkpointing", and applying it
-    turned reversible layers off under a micro-batch sized for them."""
+    ones; estimated with reversible layers, every choice would read "without checkpointing". Shown by
+    tests/memory/test_memory.py::test_a_cpu_with_ram_to_spare_trains_without_reversible_layers."""
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, reversible=False))
     on_gpu = plan.device.type == "cuda"
     budget = plan.memory_bytes if on_gpu else ram_available_bytes

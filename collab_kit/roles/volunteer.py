@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -53,11 +53,10 @@ from collab_kit.swarm.watchdog import SwarmWatchdog
 
 logger = logging.getLogger(__name__)
 
-# seconds training waits after a step that found this peer behind the swarm could not get the swarm's state (no peer
-# answered: a DHT that lost its neighbours on a full link, or every download given up), before the next step tries
-# again; each failure in a row takes the next wait, the last one repeating. Without a wait, a peer behind would try at
-# every batch (a late joiner of the NAT lab tried 1197 times in 49 s, a hundred a second with the tiny model), spending
-# its data and a core that the machine's other processes needed, and filling its log, while it could not train
+# seconds training waits after a step that could not get the swarm's state, before the next step tries again; each
+# failure in a row takes the next wait, the last one repeating. Without a wait a peer behind would try at every batch,
+# spending its data and a core (tests/roles/test_faults.py::
+# test_a_peer_that_cannot_get_the_swarms_state_waits_longer_between_tries_instead_of_spinning)
 STATE_RETRY_WAITS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
 

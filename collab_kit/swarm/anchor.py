@@ -1,34 +1,17 @@
 """The anchor: the public peer that volunteers behind NAT average through and load the swarm's state from.
 
-Why a swarm needs one. A volunteer behind NAT (Colab, Kaggle, a home router) can dial out but nobody
-can dial it, so it joins in client mode, and hivemind's rule for client-mode averagers is that they
-only join groups in which some peer accepts connections: that peer reduces the whole vector for the
-group, the client-mode peers send it their parts and get the averages back over the connections they
-opened themselves. Client-mode peers cannot share their state either (nobody can open a stream to
-them). A swarm of volunteers who are all behind NAT therefore forms no group at all, and each trains
-alone on its own gradients.
+hivemind's client-mode averagers only join groups in which some peer accepts connections, so volunteers all behind
+NAT form no group. The anchor is a training peer that contributes no samples and accepts connections:
 
-What it is. The anchor is a training peer that contributes no samples: a hivemind.Optimizer built like
-every volunteer's (the same model, seed, parameter groups, 8-bit LAMB, compression; collab_kit.swarm.optimizer),
-listening for connections, that
+- while some training peer is in client mode, it joins every gradient round with weight 0 and reduces; otherwise it
+  stands by;
+- it applies the averaged gradients, so late joiners and the monitor's checkpoints take the swarm's state from it
+  (beside another anchor it only reduces: ``reduces_only``);
+- its progress record has a throughput of exactly 0, and sets the global epoch for peers in client mode;
+- it tells each group it is an anchor, so a volunteer with no other trainer knows it trained alone.
 
-- while some training peer is in client mode, joins every gradient round with weight 0: it reduces the
-  parts of the volunteers behind NAT, and since its own (zero) gradients weigh nothing, the average is the
-  volunteers' own. While every training peer accepts connections, hivemind's matchmaking needs no anchor:
-  it stands by (no rounds, no progress record) and downloads the swarm's state when the monitor asks;
-- applies the averaged gradients like any volunteer, so it holds the swarm's parameters and optimizer
-  state: late joiners download them from it, and the monitor saves its checkpoints from it without a
-  download. Beside another anchor it only reduces, and serves the volunteers' state (reduces_only);
-- publishes a progress record with a throughput of exactly 0 (collab_kit.swarm.progress.is_anchor_record): its
-  epoch is the swarm's global epoch for peers in client mode (hivemind counts only the epochs of peers
-  that accept connections), and volunteers know not to count it as a training peer;
-- tells each group it is an anchor (the round's all-gather), so that a volunteer whose group held no other
-  training peer knows that it trained alone.
-
-The organizer runs it on a machine others can dial: ``collab-kit monitor`` starts one when its own
-address is reachable (collab_kit.roles.monitor). Its link carries every volunteer's gradients in and their
-average out: about 2 x (volunteers) x (the compressed gradients) per global step, the price of serving
-peers that cannot reach each other (what the README's "Behind NAT" section measures).
+``collab-kit monitor`` starts one (collab_kit.roles.monitor). Its link carries about 2 x volunteers x the compressed
+gradients per global step.
 """
 
 from __future__ import annotations
@@ -37,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import hivemind
 import torch
@@ -62,9 +45,8 @@ class AnchorError(CollabKitError, RuntimeError):
 class AnchorProgressTracker(SwarmProgressTracker):
     """The anchor's progress record: published although it accumulates no samples, with a throughput of exactly 0.
 
-    hivemind publishes a peer's record only once it has accumulated samples (its "do not report auxiliary
-    peers" rule); the anchor's record must be there all the time, since for peers in client mode only
-    the epochs of peers that accept connections set the swarm's global epoch.
+    hivemind publishes a record only once samples are accumulated; for peers in client mode the anchor's sets the
+    global epoch, so it must be there all the time.
     """
 
     @property
@@ -74,13 +56,11 @@ class AnchorProgressTracker(SwarmProgressTracker):
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        """The anchor follows the training peers: its epoch ends when they have accumulated the target batch, when one of
-        them has moved on, or at the estimated end of an epoch to which they have contributed samples.
+        """The anchor follows the training peers: its epoch ends when they have accumulated the target batch, when one
+        of them has moved on, or at the estimated end of an epoch to which they have contributed samples.
 
-        hivemind's peers end an epoch at its estimated time whatever was accumulated, so that slow reports do not hold
-        the swarm; the peers of a round start it at about the same moment, having the same estimate. An anchor doing
-        so in an epoch with no samples yet would run ahead of peers that are merely late, and take the peers in client
-        mode with it (its epoch is theirs).
+        An anchor ending an empty epoch at its estimated time would run ahead of late peers, taking client-mode peers
+        with it.
         """
         progress = self.global_progress
         return (
@@ -150,15 +130,9 @@ def state_sources(trainer_records, epoch: int) -> tuple[bytes, ...]:
 class AnchorOptimizer(CollaborativeOptimizer):
     """A CollaborativeOptimizer that contributes no samples: it averages with weight 0 and steps like the others.
 
-    The averaged gradients are checked before the step: a round whose weights summed to 0 (only peers tagging
-    along) averages to 0 / 0, and an anchor with non-finite parameters would hand them to every late joiner. A
-    round that no training peer reached leaves the anchor's parameters as they are (LAMB8bit.hold_next_step).
-
-    While another anchor shares the rounds, the anchor only reduces (``reduces_only``): an anchor that kept the whole
-    state would take the average of the parts it does not reduce, which makes its link carry (volunteers + 1) /
-    (2 x volunteers) of one anchor's alone instead of half. Its parameters are then no longer the swarm's: it serves the
-    training peers' state to late joiners (DirectStateMixin.serve_state_of), and its snapshots are theirs, until it
-    loads the swarm's state again.
+    Non-finite averaged gradients (a round of weight 0) are zeroed before the step; a round no training peer reached
+    leaves its parameters as they are. Beside another anchor it only reduces (``reduces_only``, half the traffic) and
+    serves the training peers' state (tests/swarm/test_robust.py::test_an_auxiliary_anchor_only_reduces).
 
     :param retry_state_every: seconds between two tries to download the swarm's state when the anchor is behind
     """
@@ -236,10 +210,8 @@ class AnchorOptimizer(CollaborativeOptimizer):
         self.scheduled_grads = self._triggered_early = None
 
     def trigger_formed_round(self) -> None:
-        """Let the round start as soon as its group has formed. A training peer starts its all-reduce when its own
-        epoch ends; the anchor adds nothing to the average (weight 0), so nothing of its own needs to be ready, and
-        every member that sends it a part (the whole vector, from peers in client mode) would otherwise wait for the
-        anchor's reading of the swarm to catch up, and give up after next_chunk_timeout."""
+        """Let the round start as soon as its group has formed: the anchor adds nothing (weight 0), and its members
+        would otherwise wait for its reading of the swarm, and give up after next_chunk_timeout."""
         self.tracker.set_leading(True)
         control = self.scheduled_grads
         if control is None or control.triggered or control.done() or control.stage != AveragingStage.AWAITING_TRIGGER:
@@ -273,26 +245,17 @@ class AnchorOptimizer(CollaborativeOptimizer):
         )
 
     def _maybe_schedule_gradient_averaging(self) -> None:
-        """hivemind's pre-scheduling, with a group that waits for its peers. The anchor leads the groups of peers in
-        client mode, which can join no other leader, and one whose estimate of the epoch's end is later than the
-        anchor's starts looking later. So the anchor tells its averager which training peers to expect (those whose
-        progress record is at this epoch or the one before, counted afresh at every tick): the group starts as soon as
-        all of them have joined (others are welcome) and the run's other anchors at this epoch have too, or
-        matchmaking_time has passed since, and at the latest ``next_chunk_timeout`` after the later of the estimated end
-        and matchmaking_time from now. Peers in client mode ask to join for later than that
-        (collab_kit.swarm.averagers.RoundReportMixin.schedule_step)."""
+        """hivemind's pre-scheduling, with a group that waits for the training peers at this epoch or the one before
+        (counted afresh at every tick) and the run's other anchors (RoundReportMixin.expect_peers); at the latest
+        ``next_chunk_timeout`` after the later of the estimated end and matchmaking_time from now."""
         if self.early_round_pending:
-            # the round of this epoch, started as soon as its group formed (trigger_formed_round), may be over before
-            # the anchor reads that its peers moved on: it stays the epoch's round until the epoch ends, and the next
-            # is scheduled after that (a round scheduled now would replace it, and end the epoch with the next one's)
+            # the early round stays this epoch's until the epoch ends; a round scheduled now would replace it
             return
         if self.tracker.global_progress.num_peers <= 1:
             return
         now, estimated_end = get_dht_time(), self.tracker.estimated_next_update_time
         if estimated_end - now > self.matchmaking_time:
             return
-        # counted afresh at every tick while the round is pending: a peer that joined the swarm or fell behind since
-        # the round was scheduled changes the group to wait for
         anchors = [peer for peer, epoch in self.tracker.other_anchor_records if epoch >= self.local_epoch - 1]
         self.grad_averager.expect_peers(
             self.tracker.trainers_in_epoch(self.local_epoch), anchors, co_anchor_wait=self.matchmaking_time
@@ -316,17 +279,14 @@ class AnchorOptimizer(CollaborativeOptimizer):
         if self.local_epoch >= self.swarm_epoch or time.monotonic() < self._next_state_attempt:
             return False
         if self.early_round_pending:
-            # the round of this epoch is under way or over: the training peers in it moved on before the anchor read
-            # its result, and this epoch ends with that round (hivemind checks for a download before the epoch's end)
+            # this epoch's round is under way or over: the epoch ends with it
             return False
         self._next_state_attempt = time.monotonic() + self.retry_state_every
         return True
 
     def load_state_from_peers(self, **kwargs) -> bool:
-        """Download the swarm's state, first from the training peers ahead of the anchor (volunteers behind NAT serve
-        it over the connections they opened to it: collab_kit.swarm.averagers.DirectStateMixin), then from hivemind's
-        sharers; when nobody gives it, take the swarm's epoch with the anchor's own parameters (from the monitor's
-        newest checkpoint)."""
+        """Download the swarm's state, first from the training peers ahead (DirectStateMixin), then from hivemind's
+        sharers; when nobody gives it, take the swarm's epoch with the anchor's own parameters."""
         epoch_before = self.local_epoch
         ahead = sorted(
             (record for record in self.tracker.trainer_records if record[1] > epoch_before),
@@ -363,8 +323,7 @@ class AnchorOptimizer(CollaborativeOptimizer):
             self._serve_training_peers_state()
             return
         if self.last_group_size == 0 or self.last_round_problem is not None:
-            # no training peer's gradients reached the anchor (no round, a failed one, or nobody but itself): its share
-            # is zeros, and a step on them would move it away from the peers (momentum, weight decay)
+            # no training peer's gradients reached it: a step on zeros would still move it (momentum, weight decay)
             self.state_averager.optimizer.hold_next_step()
             return
         if self.keeps_state:  # the training peers of this whole round take the same step: they hold the state too
@@ -442,10 +401,8 @@ class Anchor:
         return not self.optimizer.state_is_swarms and not self.optimizer.tracker.trainer_records
 
     def resume_from(self, parameters: dict[str, torch.Tensor], epoch: int) -> None:
-        """Start from a checkpoint of this run (the monitor's newest) rather than the initial parameters: after a
-        restart, while the volunteers behind NAT train on, nobody else holds the swarm's state to give the anchor; or
-        once every training peer left while it only reduced (``lost_the_swarms_state``). The optimizer's statistics
-        start anew. Its epoch never goes back: it goes on at the later of its own and the checkpoint's."""
+        """Start from a checkpoint of this run (the monitor's newest) when nobody else holds the swarm's state. The
+        optimizer's statistics start anew; its epoch never goes back."""
         with self._lock:
             self._resume_from(parameters, max(epoch, self.local_epoch))
             self.optimizer.take_own_state(only_holder=True)

@@ -18,7 +18,8 @@ from collab_kit.swarm.keys import anchors_key
 class AnchorsSchema(BaseModel):
     """The DHT key ``<run_id>_anchors``: each anchor's join addresses, under its public key (signed)."""
 
-    anchors: dict[BytesWithPublicKey, conlist(constr(max_length=512), max_items=16) | None]
+    # mypy reads pydantic's conlist/constr as calls, not the types they build
+    anchors: dict[BytesWithPublicKey, conlist(constr(max_length=512), max_items=16) | None]  # type: ignore[valid-type]
 
 
 def anchor_validators(run_id: str) -> list:

@@ -1,10 +1,7 @@
 """hivemind's averagers as the kit builds them: one way to compose them, and the mixins that go in front.
 
-hivemind names an averager's RPCs after its class (``GradientAverager.rpc_join_group``), and peers reach each
-other's handlers by those names. ``compose_averager`` is the one place that rule is applied: a composed class keeps
-its base's name, so peers with and without local mixins (thread pool, round reports, the authorization gate) still
-average together, unless a mixin changes what a round computes and says so (``rpc_name_prefix``: CenteredClip, which
-peers averaging by the plain mean must not join).
+hivemind names an averager's RPCs after its class; ``compose_averager`` keeps the base's name, so peers with and
+without local mixins still average together, unless a mixin changes what a round computes (``rpc_name_prefix``).
 
 - ``ForkedTorchThreadsMixin``: an averager's process rebuilds torch's thread pool before its threads race to.
 - ``SentBytesMixin``: counts the bytes an averager's process sends to other peers.
@@ -12,13 +9,10 @@ peers averaging by the plain mean must not join).
 - ``DirectStateMixin`` (collab_kit.swarm.direct_state): a peer in client mode gives its state to the anchors it named;
   an anchor downloads first from the training peers it names.
 - ``FinishServingMixin``: at shutdown, the averaged parts still owed to the last round's group go out first.
-- ``CallerClosesStreamsMixin`` (collab_kit.swarm.streams): a round's streams and join requests are closed by their
-  caller once it has every message, not by the server right after writing the last one (which now and then lost it).
+- ``CallerClosesStreamsMixin`` (collab_kit.swarm.streams): a round's streams are closed by their caller.
 - ``ClientModeMatchmakingMixin``: leaves out hivemind's request-timeout advice that does not apply in client mode.
-- ``RoundReportMixin``: each gradient round reports who was in it (trainers, anchors) and what it received, and
-  lets the anchor hold a group open for the peers it expects.
-- ``RunnerChoiceMixin`` (collab_kit.swarm.runners): chooses the class of a round's all-reduce runner and gives it
-  each member's mode (an auxiliary peer only reduces); an anchor's sends its reducers one value per part.
+- ``RoundReportMixin``: each gradient round reports who was in it and what came back; an anchor holds groups open.
+- ``RunnerChoiceMixin`` (collab_kit.swarm.runners): chooses a round's all-reduce runner and each member's mode.
 """
 
 from __future__ import annotations
@@ -27,9 +21,11 @@ import asyncio
 import logging
 import math
 import time
+import typing
 import warnings
 from collections import Counter
-from typing import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import AsyncIterator  # noqa: UP035 (hivemind finds a stream rpc_ handler by typing's hint)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -43,6 +39,11 @@ from collab_kit.swarm.direct_state import DirectStateMixin
 from collab_kit.swarm.runners import RunnerChoiceMixin
 from collab_kit.swarm.streams import CallerClosesStreamsMixin
 
+if typing.TYPE_CHECKING:  # the type checker's view: what the mixins are put before
+    _AveragerBase: typing.TypeAlias = DecentralizedAverager
+else:
+    _AveragerBase = object
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,16 +52,13 @@ def compose_averager(
 ) -> type:
     """``base`` (a hivemind averager class) with ``mixins`` in front of it and ``behind`` after it, as one class.
 
-    Its ``__name__``, which hivemind names the RPCs after, is ``base``'s RPC name with the ``rpc_name_prefix`` of each
-    mixin that sets one in front (a mixin that changes what a round computes); a mixin that only watches or guards
-    keeps the name, so its peers still average with peers without it. Each composed class collects its own RPC
-    handlers: hivemind caches them in class attributes, and a class that inherited its base's cache would miss an RPC
-    a mixin adds.
+    Its ``__name__`` (the RPC name) is ``base``'s with each mixin's ``rpc_name_prefix`` in front; each composed class
+    collects its own RPC handlers. Shown by tests/swarm/test_keys_and_averagers.py::
+    test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise.
 
     :param behind: classes placed after ``base`` in the method resolution order (they are its ``super()``)
     :param qualname: the class's name in tracebacks and reprs (default: the mixins' names and ``base``'s)
-    :param attributes: class attributes, set before hivemind starts the averager's process (``start=True`` forks it
-      inside ``__init__``, so they travel into it)
+    :param attributes: class attributes, set before hivemind forks the averager's process
     """
     rpc_name = "".join(getattr(mixin, "rpc_name_prefix", "") for mixin in mixins) + base.__name__
     name = qualname or "".join(mixin.__name__.removesuffix("Mixin") for mixin in mixins) + base.__name__
@@ -68,35 +66,27 @@ def compose_averager(
     return type(rpc_name, (*mixins, base, *behind), namespace)
 
 
-class ForkedTorchThreadsMixin:
+class ForkedTorchThreadsMixin(_AveragerBase):
     """Put before a hivemind averager class: its process (a fork of the trainer's) rebuilds torch's thread pool once,
     before any of its threads runs a tensor operation.
 
-    A forked process inherits a torch whose thread pool belongs to the parent, and the first operation of each thread
-    rebuilds it. hivemind's averagers compress and decompress the parts of a round in several threads at once, and in
-    the first round of a process those first operations race: with more than one torch thread, one of them can fail
-    with "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (measured here: 91 of 100 forked processes whose 4
-    threads began together). hivemind drops that exception silently: the part is never sent, the reducer drops this
-    peer after next_chunk_timeout, and the round is lost (what a peer behind a 5 Mbit/s link met in one run of two).
+    Otherwise the first operations of its threads race to rebuild the pool ("Invalid thread pool!"), and hivemind
+    drops the part silently. Shown by tests/swarm/test_optim.py::
+    test_averager_processes_rebuild_torch_threads_before_their_threads_race.
     """
 
     def run(self):
         # in the averager's own process, in one thread, before hivemind starts its event loop and executors
         torch.set_num_threads(torch.get_num_threads())
-        # hivemind's 8-bit quantization, which runs here, calls a torch function that torch 2.13 marks as deprecated:
-        # nothing a user can act on, and this process alone meets it
+        # hivemind's 8-bit quantization calls a deprecated torch function: nothing a user can act on
         warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
         super().run()
 
 
-class SentBytesMixin:
-    """Put before a hivemind averager class: counts the bytes its process sends to other peers (the parts of its
-    rounds, the states it serves, its join requests and answers), and of those the states it served to peers that
-    downloaded them (a late joiner, the monitor's checkpoints), for ``bytes_sent()`` to read.
-
-    Every message of an averager's streams goes out through ``P2P.send_raw_data`` in the averager's own process (a
-    fork of the trainer's, with one averager in it): counting there counts this averager's traffic alone. Unary calls
-    (none carries tensors) go through the daemon's control connection and are not counted.
+class SentBytesMixin(_AveragerBase):
+    """Put before a hivemind averager class: counts the bytes its process sends to other peers, and of those the
+    states it served, for ``bytes_sent()`` to read. Counted in ``P2P.send_raw_data`` in the averager's own process;
+    unary calls (no tensors) are not counted.
     """
 
     _last_bytes_sent = (0, 0)  # in the trainer's process: the last count read (sent, of which served)
@@ -150,10 +140,8 @@ class SentBytesMixin:
 class DownloadRecorderMixin(DecentralizedAverager):
     """Remembers the epoch of the last state ``load_state_from_peers`` downloaded (None: no peer gave one).
 
-    hivemind's TrainingStateAverager.load_state_from_peers returns nothing, whether a peer gave its state
-    or none could; it gets the download from ``super().load_state_from_peers``. Placed *after*
-    TrainingStateAverager in the method resolution order (see ``recording_state_averager_class``), this
-    class is that ``super()`` and sees the download on its way.
+    hivemind's TrainingStateAverager returns nothing; placed *after* it in the method resolution order, this class is
+    its ``super()`` and sees the download on its way.
     """
 
     last_downloaded_epoch: int | None = None
@@ -167,19 +155,14 @@ class DownloadRecorderMixin(DecentralizedAverager):
         return loaded
 
 
-# seconds a peer in client mode waits for a leader's answer to its join request. The answer crosses the peer's home
-# link twice, and a thin link is often full (the state download, a round's parts, the DHT): a home router's queue of
-# 64 KiB holds 2 s at 0.25 Mbit/s. With the tiny preset's 0.9 x matchmaking_time (1.8 s), a late joiner on such a
-# link asked the anchor in every round and was never answered in time; a busy anchor, or a volunteer's process
-# waiting for a core on a machine shared with five others, cost a round now and then too
+# seconds a peer in client mode waits for a leader's answer to its join request: a home router's 64 KiB queue holds
+# 2 s at 0.25 Mbit/s, and the answer crosses it twice (docs/known-hivemind-behaviours.md)
 CLIENT_JOIN_ANSWER_TIMEOUT = 5.0
 
 
-# seconds a download of the swarm's state waits for its next part (64 KiB) before giving up on the peer that serves it.
-# hivemind waits next_chunk_timeout, which is set for averaging rounds (6 s for the CPU presets): a part takes 2 s at
-# 0.25 Mbit/s on an idle link and 5 s at 0.1 Mbit/s, and a thin link that drops packets stalls for seconds more while
-# TCP backs off (a late joiner of the NAT lab, at 0.25 Mbit/s, gave up five downloads in a row after 6-8 s each and
-# never trained). A download given up starts again from its first part, so waiting costs less than giving up
+# seconds a state download waits for its next part (64 KiB): 5 s at 0.1 Mbit/s, more while TCP backs off, and a
+# download given up starts again from its first part (tests/swarm/test_optim.py::
+# test_a_peer_in_client_mode_waits_for_its_leader_and_for_state_parts_as_its_link_needs_and_prints_no_advice)
 STATE_DOWNLOAD_PART_TIMEOUT = 30.0
 
 
@@ -191,14 +174,12 @@ class _LeaderlessRequestTimeoutFilter(logging.Filter):
         return "request_timeout smaller than min_matchmaking_time" not in record.getMessage()
 
 
-class FinishServingMixin:
+class FinishServingMixin(_AveragerBase):
     """Put before a hivemind averager class: told to shut down, its process first lets the averaged parts it is still
     sending back to its group go out (for up to ``serving_grace`` seconds), then shuts down as hivemind does.
 
-    hivemind's all-reduce is over for a peer once its own results are back, while as a reducer it may still be
-    streaming the averaged parts of the others. A peer stopping right after its last round (the end of --max-epochs)
-    cut those streams, and a groupmate missed part of the last average (made certain in
-    tests/swarm/test_keys_and_averagers.py by a reducer that answers slowly).
+    As a reducer it may still owe its group averaged parts after its own results are back. Shown by
+    tests/swarm/test_keys_and_averagers.py::test_a_peer_that_stops_after_its_last_round_first_sends_the_parts_it_owes_its_group.
     """
 
     serving_grace: float = 4.0  # under hivemind's shutdown_timeout (5 s by default), after which it terminates
@@ -233,7 +214,7 @@ class FinishServingMixin:
         await super()._shutdown(timeout)
 
 
-class ClientModeMatchmakingMixin:
+class ClientModeMatchmakingMixin(_AveragerBase):
     """Put before a hivemind averager class: in client mode, its process (where hivemind builds its matchmaking)
     leaves out the request_timeout advice that does not apply to it (see CLIENT_JOIN_ANSWER_TIMEOUT). The filter is
     installed in the averager's own process only, never in the user's."""
@@ -292,7 +273,7 @@ class RoundResult(dict):
     received: float = 1.0
     failed_senders: int = 0
 
-    def roles(self) -> list[str]:
+    def roles(self) -> list[str | None]:
         """Each member's role (a member of a kit that sent its role alone counts too)."""
         return [entry.get("role") if isinstance(entry, dict) else entry for entry in self.values()]
 
@@ -300,9 +281,8 @@ class RoundResult(dict):
         """The round's epoch: an anchor's when the group holds one (the organizer's peer, whose epoch is the swarm's for
         peers in client mode), else the one more than half of the members were at; None if no such epoch.
 
-        hivemind's groups are not keyed by epoch: a peer whose reading of the swarm lagged (it adopted the swarm's
-        epoch a moment before the others ended it) joins the round of the next epoch, and its gradients are averaged
-        into that epoch's update. A lone member's claim never decides (a hostile peer could name any epoch)."""
+        hivemind's groups are not keyed by epoch; a lone member's claim never decides. Shown by
+        tests/swarm/test_optim.py::test_a_rounds_epoch_is_its_anchors_or_its_majoritys_and_never_one_members_claim."""
         members = [entry for entry in self.values() if isinstance(entry, dict) and isinstance(entry.get("epoch"), int)]
         anchors = [member["epoch"] for member in members if member.get("role") == ANCHOR_ROLE]
         if anchors:
@@ -316,25 +296,18 @@ class RoundReportMixin(RunnerChoiceMixin):
     """Put before a hivemind gradient averager: each round carries this peer's ``round_role`` to its group, and its
     result is a RoundResult; an anchor's parts, of weight 0, go out as stand-ins (StandInRunnerMixin).
 
-    hivemind.Optimizer offers no way to add data to a round's all-gather, and says nothing about a round that
-    returned only part of the average ("Averaging: received 0.0% results" is a log line, and the round counts as
-    done); both are read here, in the averager's process, where the round runs.
+    hivemind reports a partial round only as a log line; both are read here, in the averager's process.
 
-    An anchor leads the groups of peers in client mode, which can lead none: it keeps its group open until every
-    training peer it expects has joined (``expect_peers``, kept up to date while the round is pending), then starts
-    ``join_grace`` seconds later, instead of closing at a fixed time and leaving out a peer whose estimate of the
-    epoch's end came later. The expected peers are no cap: a peer it did not expect (one that joined the swarm or
-    loaded its state a moment ago) is let in too, while the group is open, and so is a peer whose own time comes before
-    the anchor's: the group then starts by that peer's time. The run's other live anchors are waited for too, up to
-    ``co_anchor_wait`` seconds once the training peers are in: an anchor whose reading of the epoch's end came a moment
-    later would otherwise miss the round and leave the leader to reduce the whole vector (test_network_lab.py::
-    test_two_anchors_share_each_round_and_the_run_goes_on_through_one_when_the_other_dies).
+    An anchor keeps its group open until every expected training peer has joined (``expect_peers``), then starts
+    ``join_grace`` seconds later; others are let in too, a peer whose time comes first sets the start, and the run's
+    other anchors are waited for up to ``co_anchor_wait`` seconds. Shown by tests/swarm/test_optim.py::
+    test_an_anchor_that_leads_waits_for_the_runs_other_anchor_before_it_starts_the_group.
     """
 
     round_role = TRAINER_ROLE
 
-    @property
-    def sends_stand_ins(self) -> bool:
+    @property  # read-only on purpose, over RunnerChoiceMixin's plain class attribute
+    def sends_stand_ins(self) -> bool:  # type: ignore[override]
         return self.round_role == ANCHOR_ROLE
 
     round_epoch: Callable[[], int | None] = staticmethod(lambda: None)  # the epoch a round scheduled now is for
@@ -353,14 +326,8 @@ class RoundReportMixin(RunnerChoiceMixin):
     def schedule_step(self, scheduled_time=None, **kwargs):
         kwargs.setdefault("gather", round_member(self.round_role, self.round_epoch()))
         if self.client_mode:
-            # A peer in client mode never leads: its schedule only says until when it may join a group, and a leader
-            # turns away a peer that asks to start before the leader's own time (hivemind's BAD_EXPIRATION_TIME): a
-            # peer whose estimate of the epoch's end is a few seconds early (it just loaded the state, its link is
-            # slow) would find no group. So it asks for the latest start its timeout allows, less client_start_margin;
-            # the anchor starts the group as soon as its expected peers are in, so nobody waits longer for it. A round
-            # that was not scheduled ahead (hivemind's step at the epoch's end, after a download say) comes with no
-            # timeout and would ask to start within min_matchmaking_time, before the anchor's time (its time holds a
-            # chunk's timeout for late peers): it gets the optimizer's averaging timeout
+            # a leader turns away a peer that asks to start before its own time (BAD_EXPIRATION_TIME): ask for the
+            # latest start the timeout allows; a round not scheduled ahead gets the optimizer's averaging timeout
             if kwargs.get("timeout") is None:
                 kwargs["timeout"] = self.client_join_timeout
             if kwargs["timeout"] is not None:
@@ -393,10 +360,7 @@ class RoundReportMixin(RunnerChoiceMixin):
             self._follower_deadlines.pop(context.remote_id, None)
             declared = self._matchmaking.potential_leaders.declared_expiration_time
             if math.isfinite(declared) and math.isfinite(request.expiration) and request.expiration < declared:
-                # hivemind turns away a peer whose time is earlier than its leader's (BAD_EXPIRATION_TIME): it would
-                # give up before the leader's time. An anchor's time is no start time (it starts once its expected
-                # peers are in, and holds its group open for late ones, which pushes its time on), so it lets the
-                # peer in and starts the group by the peer's time instead (_start_group_when_expected_joined)
+                # an anchor's time is no start time: let the earlier peer in and start by its time instead
                 self._follower_deadlines[context.remote_id] = request.expiration
                 request.expiration = declared
             if self._group_starter is None or self._group_starter.done():
@@ -429,11 +393,8 @@ class RoundReportMixin(RunnerChoiceMixin):
             ) or time.monotonic() - trainers_in_since >= self._co_anchor_wait
 
         def due() -> bool:  # a follower let in before its time (rpc_join_group) gives up at its own time
-            deadlines = [
-                self._follower_deadlines[peer]
-                for peer in matchmaking.current_followers
-                if peer in (self._follower_deadlines or {})
-            ]
+            followers = self._follower_deadlines or {}
+            deadlines = [followers[peer] for peer in matchmaking.current_followers if peer in followers]
             return (
                 matchmaking.is_looking_for_group
                 and not matchmaking.assembled_group.done()

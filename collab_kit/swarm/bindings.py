@@ -14,7 +14,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator
+import typing
+from typing import AsyncIterator  # noqa: UP035 (hivemind finds a stream rpc_ handler by typing's hint)
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -121,10 +122,18 @@ class PeerGate:
         return False
 
 
-class AuthorizedAveragerMixin:
+if typing.TYPE_CHECKING:
+    from hivemind.averaging import DecentralizedAverager
+
+    _AveragerBase: typing.TypeAlias = DecentralizedAverager  # the type checker's view: what the mixin is put before
+else:
+    _AveragerBase = object
+
+
+class AuthorizedAveragerMixin(_AveragerBase):
     """Put before a hivemind averager class: only peers with a valid binding may join a group with this
-    averager, send it parts to average, or download its state (whole or in parts). Set ``self.peer_gate`` (a PeerGate) before
-    the averager's process starts (``start=False``, then ``run_in_background``).
+    averager, send it parts to average, or download its state (whole or in parts). Set ``self.peer_gate`` (a
+    PeerGate) before the averager's process starts (``start=False``, then ``run_in_background``).
 
     hivemind names a handler after the class (``prefix::GradientAverager.rpc_join_group``) and reads the
     message types from the annotations, so a combined class keeps the hivemind class's ``__name__`` (peers

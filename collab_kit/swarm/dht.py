@@ -1,14 +1,8 @@
 """Joining the swarm: the DHT every peer starts, the addresses peers give each other, reachability.
 
-A swarm starts from one peer (the coordinator, or simply the first volunteer). It prints the
-address others use to join; every later peer passes one or more such addresses as ``initial_peers``.
-
-Whether a peer accepts connections is found out, not configured: with ``swarm.client_mode`` left
-None, a peer joining through initial peers asks them to dial it back (collab_kit.swarm.reachability) and
-joins in client mode when they cannot: it then connects out only, trains and averages through a peer
-that accepts connections (the run's anchor, collab_kit.swarm.anchor), and serves nothing to others. A peer
-that accepts connections answers the same checks for later peers, and its join line lists only
-addresses others can use.
+A swarm starts from one peer; every later peer passes its address as ``initial_peers``. Whether a peer accepts
+connections is found out, not configured: its initial peers try to dial it back (collab_kit.swarm.reachability),
+and if they cannot it joins in client mode.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import shlex
 import socket
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import hivemind
 import psutil
@@ -36,22 +30,15 @@ from collab_kit.swarm.reachability import ReachabilityVerdict, probe_reachabilit
 
 logger = logging.getLogger(__name__)
 
-# Seconds a peer in client mode waits for an answer to each of its DHT requests (hivemind's wait_timeout, 3 s by
-# default). hivemind removes a neighbour whose answer is late, and a peer behind NAT knows one or two: its only
-# neighbour gone, it reads the swarm's progress and finds averaging groups no more until the watchdog dials again.
-# libp2p carries all of a peer's streams to another over one TCP connection, so on a home link that a state download
-# fills, a DHT answer waits behind what the sender has queued of the download: in the network lab, at 0.25 Mbit/s, 3 s
-# lost the late joiner's neighbour during every download (11 s) and its next gradient round and state load with it.
-# Peers that accept connections keep hivemind's 3 s: they know many neighbours, and a vanished one costs each of
-# their requests to it the whole wait.
+# Seconds a peer in client mode waits for each DHT answer (hivemind's wait_timeout, 3 s): hivemind drops a late
+# neighbour, and on a thin link a DHT answer queues behind a state download (docs/known-hivemind-behaviours.md).
 CLIENT_DHT_REQUEST_TIMEOUT = 20.0
 
 
 class _QuietShutdownFilter(logging.Filter):
     """Hide hivemind's noise when a peer leaves, which volunteers would read as a failure.
 
-    When the optimizer's averager processes stop, requests they left in flight make the DHT process
-    log tracebacks (the sender's pipe is gone), and the DHT may need a hard stop. Both are harmless.
+    Averagers that stop leave requests in flight: tracebacks and a hard stop, both harmless.
     """
 
     GONE_CLIENT = (FileNotFoundError, ConnectionResetError, ConnectionRefusedError, EOFError, BrokenPipeError)
@@ -60,8 +47,7 @@ class _QuietShutdownFilter(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], self.GONE_CLIENT) and record.funcName == "_run":
             return False
         if record.getMessage().startswith("DHT did not shut down within the grace period"):
-            # a debug message, shown only where debug logs are asked for: relabelled alone, it still reached
-            # hivemind's handler (the logger's level is checked before filters) and a notebook's red stderr box
+            # shown only where debug logs are asked for (the level is checked before filters)
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
@@ -70,9 +56,7 @@ class _QuietShutdownFilter(logging.Filter):
 class _OneLinePerFailedRoundFilter(logging.Filter):
     """An averaging round that fails is one line in the log, not a traceback.
 
-    hivemind logs every failed round with its traceback (``logger.exception``), in the averager's process: on an
-    Internet link that is a screenful per global step, for something the kit reports itself (the volunteer's
-    epoch record and its lone-training warning say which rounds failed and why).
+    The kit reports failed rounds itself (tests/swarm/test_swarm.py::test_a_failed_averaging_round_is_one_log_line).
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -129,20 +113,21 @@ def resolve_reachability(config: SwarmConfig, timeout: float = 10.0) -> tuple[Sw
     :returns: the configuration with ``host``, ``client_mode`` (and the probed ``port``, and announced addresses) set,
       and the verdict (None when nothing was asked)
     """
-    config = dataclasses.replace(config, host=config.listen_host)
+    host = config.listen_host
+    config = dataclasses.replace(config, host=host)
     if config.client_mode is not None:
         return config, None
     if not config.initial_peers or all_on_this_machine(config.initial_peers):
         return dataclasses.replace(config, client_mode=False), None
-    if is_loopback_host(config.host):
+    if is_loopback_host(host):
         logger.warning(
-            f"this peer listens on {config.host} only and its initial peers are on other machines, which "
+            f"this peer listens on {host} only and its initial peers are on other machines, which "
             f"cannot dial it: it joins in client mode (leave --host out to listen where they can)"
         )
         return dataclasses.replace(config, client_mode=True), None
     verdict = probe_reachability(
         config.initial_peers,
-        config.host,
+        host,
         config.port,
         timeout=timeout,
         extra_ports=[port for port in map(_port_of, config.announce_maddrs) if port],
@@ -186,7 +171,8 @@ def start_dht(config: SwarmConfig, **dht_kwargs) -> hivemind.DHT:
     initial_peers = parse_initial_peers(config.initial_peers)
     if config.client_mode:
         dht_kwargs.setdefault("wait_timeout", CLIENT_DHT_REQUEST_TIMEOUT)
-    host_maddrs = [f"/ip{'6' if ':' in config.host else '4'}/{config.host}/tcp/{config.port}"]
+    host = config.listen_host  # config.host, set by resolve_reachability
+    host_maddrs = [f"/ip{'6' if ':' in host else '4'}/{host}/tcp/{config.port}"]
     try:
         dht = hivemind.DHT(
             initial_peers=initial_peers,
@@ -296,9 +282,6 @@ def wait_for_peers(
     dht: hivemind.DHT, run_id: str, count: int, timeout: float, stop: threading.Event | None = None
 ) -> int:
     """Announce this peer, then wait until ``count`` peers (this one included) have announced themselves.
-
-    Starting together matters when steps are short: a peer alone would finish global steps by itself
-    before the others arrive.
 
     :returns: the number of peers present
     :raises SwarmConnectionError: if fewer than ``count`` peers arrived within ``timeout`` seconds

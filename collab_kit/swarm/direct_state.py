@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import AsyncIterator, Iterable, Sequence
+import typing
+from collections.abc import Iterable, Sequence
+from typing import AsyncIterator  # noqa: UP035 (hivemind finds a stream rpc_ handler by typing's hint)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
@@ -28,7 +30,8 @@ def state_parts(sizes: Sequence[int], count: int) -> list[list[int]]:
     """The indices of tensors of ``sizes`` (values each) split into ``count`` parts of about equal total size: largest
     first, each to the part with the least so far (the first such part on a tie). Every peer computes the same parts
     for the same model, so a part asked of one peer fits with the parts asked of others."""
-    parts, totals = [[] for _ in range(count)], [0] * count
+    parts: list[list[int]] = [[] for _ in range(count)]
+    totals = [0] * count
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         smallest = min(range(count), key=lambda part: (totals[part], part))
         parts[smallest].append(index)
@@ -40,7 +43,13 @@ class _NoStateToServe(RuntimeError):
     """No peer whose state this one serves gave it (the download asking for it fails, and asks another peer)."""
 
 
-class DirectStateMixin:
+if typing.TYPE_CHECKING:
+    _AveragerBase: typing.TypeAlias = DecentralizedAverager  # the type checker's view: what the mixin is put before
+else:
+    _AveragerBase = object
+
+
+class DirectStateMixin(_AveragerBase):
     """Put before TrainingStateAverager: states pass between the peers a trainer names, beside hivemind's rule (only
     peers that accept connections share their state, found through the DHT).
 
@@ -207,9 +216,9 @@ class DirectStateMixin:
                 yield averaging_pb2.DownloadData(tensor_part=chunk)
 
     async def _relayed_part(self, part: int, count: int) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """Part ``part`` of ``count`` of the state of a peer of ``serve_state_of`` (the first that gives it), each message
-        passed on as it arrives, so that the part crosses this peer's link in and out at once; kept for
-        ``proxy_max_age`` seconds for the next joiner. Nothing when no source gives it (the joiner asks another peer)."""
+        """Part ``part`` of ``count`` of the state of a peer of ``serve_state_of`` (the first that gives it), passed
+        on message by message as it arrives; kept ``proxy_max_age`` seconds for the next joiner. Nothing when no source
+        gives it (the joiner asks another peer)."""
         if self._proxy_lock is None:
             self._proxy_lock = asyncio.Lock()
         async with self._proxy_lock:  # a second joiner waits, then gets the kept part
@@ -315,8 +324,8 @@ class DirectStateMixin:
             if part not in parts:
                 return None
         tensors: dict[int, torch.Tensor] = {}
-        for _, got in parts.values():
-            tensors.update(got)
+        for _, part_tensors in parts.values():
+            tensors.update(part_tensors)
         if sorted(tensors) != list(range(reference["tensors"])):
             return None
         logger.info(f"downloaded the state in {count} parts from {count} peers in {get_dht_time() - started:.1f} s")
@@ -325,7 +334,9 @@ class DirectStateMixin:
     async def _read_state_stream(self, stream) -> tuple[dict | None, list[torch.Tensor]]:
         """The metadata and the tensors of a state as hivemind's rpc_download_state streams them (a message with a
         tensor part of a dtype begins the next tensor), waiting at most a chunk's timeout for each message."""
-        metadata, tensors, chunks = None, [], []
+        metadata: dict | None = None
+        tensors: list[torch.Tensor] = []
+        chunks: list[runtime_pb2.Tensor] = []
         async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or self.request_timeout):
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)

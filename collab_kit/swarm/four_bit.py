@@ -4,29 +4,20 @@
     feedback = ErrorFeedback(threshold=2 ** 16)
     feedback.quantize_(pseudo_gradients)                  # each on the 4-bit grid, what it dropped kept for next time
 
-Each block of 64 values travels as 64 signed integers in [-7, 7] (two to a byte) and one bf16 scale (the block's
-largest magnitude / 7): 0.53 bytes a value instead of 4, 0.133 of fp32 (Streaming DiLoCo sends its outer gradients
-in 4 bits with no loss at 1B parameters). What rounding drops is not lost: each peer keeps it (``ErrorFeedback``)
-and adds it to its next pseudo-gradient, so the sum of what a peer sends over many rounds stays within one round's
-rounding of the sum of its pseudo-gradients (tests/swarm/test_four_bit.py).
+A block of 64 values travels as 64 integers in [-7, 7] (two to a byte) and one bf16 scale: 0.53 bytes a value.
+Each peer keeps what rounding drops (``ErrorFeedback``) and adds it to its next pseudo-gradient, so what it sends
+sums to within one rounding of its pseudo-gradients (tests/swarm/test_four_bit.py).
 
-The wire. hivemind tags every tensor part with a CompressionType, a protobuf enum the kit cannot extend, and decodes
-a part by its tag. The kit never sends hivemind's blockwise 8-bit parts (its 8-bit parts are uniform 8-bit ones, its
-small tensors fp16), so 4-bit parts travel under that tag, with a ``dtype`` that starts with ``MARKER``; the codec
-registered for the tag (``install``, done when this module is imported) decodes both kinds, and hivemind's blockwise
-8-bit parts still decode as before. A reducer returns a 4-bit part's average rounded once, whole, under
-``AVERAGE_MARKER`` (collab_kit.swarm.runners.SharedFourBitAverageMixin): every member gets the same 4-bit average,
-where hivemind's reply (the average minus the sender's part, rounded for each sender) would set them apart.
-
-Blocks align with hivemind's parts: ``estimate_compression_ratio`` says 4 bits a value exactly (the scales' extra
-1/32 left out), so a part holds 2^20 values of a 2^19-byte part, a whole number of blocks, and a block is the same
-64 values whether the peer rounds the whole tensor (``ErrorFeedback``) or the averager rounds its parts.
+hivemind's CompressionType enum cannot be extended: 4-bit parts travel under the blockwise 8-bit tag (which the kit
+never sends otherwise), with a ``dtype`` starting with ``MARKER``; the codec ``install`` registers decodes both.
+A reducer's whole rounded average goes under ``AVERAGE_MARKER`` (collab_kit.swarm.runners). Blocks align with
+hivemind's parts (2^20 values a part), so peer and averager round the same 64 values.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from hivemind.compression import CompressionBase, CompressionInfo, serialization
@@ -106,7 +97,8 @@ class Blockwise4BitQuantization(CompressionBase):
         packed = torch.frombuffer(buffer, dtype=torch.uint8, offset=scale_bytes)
         dtype = getattr(torch, serialized_tensor.dtype[len(marker) :])
         values = dequantize_4bit(scales, packed, numel).view(shape).to(dtype)
-        values.is_whole_average = marker == AVERAGE_MARKER  # read by collab_kit.swarm.runners.SharedFourBitAverageMixin
+        # read by collab_kit.swarm.runners.SharedFourBitAverageMixin; torch's stubs declare no such attribute
+        values.is_whole_average = marker == AVERAGE_MARKER  # type: ignore[attr-defined]
         return values.requires_grad_(serialized_tensor.requires_grad)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
@@ -147,10 +139,8 @@ install()
 
 
 class ErrorFeedback:
-    """Error feedback for 4-bit pseudo-gradients: before a peer sends them, each tensor that travels in 4 bits
-    (``threshold`` elements or more; smaller ones go in fp16) gets what rounding dropped from it last time, and is
-    rounded to the 4-bit grid here, where the peer keeps what this rounding drops. The averager's own rounding then
-    changes nothing.
+    """Error feedback for 4-bit pseudo-gradients: each tensor of ``threshold`` elements or more gets what rounding
+    dropped from it last time and is rounded to the 4-bit grid here, so the averager's rounding changes nothing.
 
     :param threshold: the size from which tensors travel in 4 bits (OptimizerConfig.compression_threshold)
     """

@@ -1,16 +1,11 @@
 """Fragments (Streaming DiLoCo's staggered synchronization) in the local-update mode: ``OptimizerConfig.fragments``.
 
-The parameters are split into F fragments, contiguous in the model's order and of about equal size. An epoch is H / F
-global batches, and the round at the end of epoch ``e`` averages the pseudo-gradient of fragment ``e % F`` alone: each
-fragment is averaged once every H global batches, as without fragments, but each round carries a F-th of the bytes,
-so a link's peak load falls about F-fold and the network is busy evenly. The other fragments go on training locally
-through the round; its outer step moves the averaged fragment's global parameters alone, and copies them alone into
-the model.
+F contiguous fragments of about equal size; the round ending epoch ``e`` (H / F global batches) averages fragment
+``e % F`` alone, so each round carries a F-th of the bytes, and its outer step moves that fragment alone.
 
 - ``fragment_of_tensors``: which fragment each parameter belongs to (the same on every peer: the model's shapes).
-- ``FragmentRoundsMixin``, in front of a gradient averager: a round all-reduces only its fragment's tensors. The
-  fragment is the group's epoch's (``RoundResult.epoch``, read from the round's all-gather, which every member holds
-  the same), so every member sends the same tensors even when one of them was an epoch off.
+- ``FragmentRoundsMixin``, in front of a gradient averager: a round all-reduces only the fragment of the group's
+  epoch (``RoundResult.epoch``), the same for every member.
 - ``FragmentStepMixin``, in front of the state averager: a step copies into the model only the fragment it stepped
   (``step_fragment``); a download still copies everything.
 """
@@ -18,11 +13,19 @@ the model.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from collab_kit.swarm.averagers import RoundResult
+
+if TYPE_CHECKING:  # the type checker's view: what FragmentRoundsMixin is put before
+    from hivemind.averaging import DecentralizedAverager
+
+    _AveragerBase: TypeAlias = DecentralizedAverager
+else:
+    _AveragerBase = object
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ def round_fragment(epoch: int | None, fragments: int) -> int:
     return (epoch or 0) % fragments
 
 
-class FragmentRoundsMixin:
+class FragmentRoundsMixin(_AveragerBase):
     """Put before a gradient averager of a peer in local-update mode with ``fragments`` > 1: each round all-reduces
     the tensors of its epoch's fragment alone; the others stay as they were (this peer's own pseudo-gradients, which
     the outer step leaves out: collab_kit.swarm.local_updates)."""

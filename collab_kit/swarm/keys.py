@@ -1,10 +1,7 @@
 """A run's DHT keys, in one place: the peers that write them and the monitor that reads them must agree.
 
-Every key starts with the run id, so runs that share a DHT never read each other's records. Three of them are
-hivemind's own (1.1.12, pinned): its ProgressTracker publishes under ``<run_id>_progress`` and its Optimizer names
-its averagers ``<run_id>_grad_averager`` and ``<run_id>_state_averager``. They are spelled here too because the
-monitor reads the progress and downloads the state with no Optimizer of its own; a rename in one place only would
-leave it waiting for records nobody writes.
+Every key starts with the run id. Three are hivemind 1.1.12's own, spelled here for the monitor, which has no
+Optimizer (tests/swarm/test_keys_and_averagers.py::test_the_keys_the_monitor_reads_are_those_hivemind_writes).
 """
 
 
@@ -39,6 +36,6 @@ def peer_tokens_key(run_id: str) -> str:
 
 
 def anchors_key(run_id: str) -> str:
-    """Each anchor's join addresses, under its public key (collab_kit.swarm.anchor_records.publish_anchor): every join line a
-    monitor prints lists them all."""
+    """Each anchor's join addresses, under its public key (collab_kit.swarm.anchor_records.publish_anchor): every
+    join line a monitor prints lists them all."""
     return f"{run_id}_anchors"

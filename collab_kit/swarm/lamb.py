@@ -3,17 +3,15 @@
 collab_kit.swarm.optimizer wraps these in hivemind.Optimizer; the monitor builds the same ones to hold the swarm's
 state in the same layout.
 
-- 8-bit LAMB (bitsandbytes) keeps its two statistics in 8 bits: about 4x less optimizer memory. LAMB's layer-wise
-  trust ratio is what makes batches of thousands of samples trainable.
-- Size-adaptive compression: gradients of large tensors travel in 8 bits, small tensors (biases, norms) in fp16,
-  where 8-bit quantization would cost more accuracy than it saves bytes. Pseudo-gradients of the local-update mode
-  may travel in 4 bits instead (collab_kit.swarm.four_bit).
+- 8-bit LAMB (bitsandbytes): about 4x less optimizer memory; the trust ratio makes huge batches trainable.
+- Size-adaptive compression: large tensors in 8 bits (or 4, collab_kit.swarm.four_bit), small ones in fp16.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
@@ -22,7 +20,10 @@ from collab_kit.config import OptimizerConfig
 from collab_kit.quiet import import_bitsandbytes
 from collab_kit.swarm.four_bit import Blockwise4BitQuantization
 
-bnb = import_bitsandbytes()  # bitsandbytes, without its warning of 4-bit kernels the kit never uses
+if TYPE_CHECKING:
+    import bitsandbytes as bnb
+else:
+    bnb = import_bitsandbytes()  # bitsandbytes, without its warning of 4-bit kernels the kit never uses
 
 
 class HoldableStepMixin:
@@ -44,17 +45,10 @@ class HoldableStepMixin:
 class LAMB8bit(HoldableStepMixin, bnb.optim.AdamW8bit):
     """8-bit LAMB: bitsandbytes' blockwise 8-bit Adam statistics, LAMB's layer-wise trust ratio, global clipping.
 
-    LAMB takes the Adam(W) direction ``r`` of each weight matrix and rescales the step to
-    ``lr * ||w|| / ||r||`` times ``r``: every layer moves by the same fraction of its norm, whatever
-    its gradients' scale, which is what keeps batches of thousands of samples trainable.
-    bitsandbytes' own ``LAMB8bit`` (0.50) does not apply that ratio in its 8-bit update, so it is
-    applied here, parameter by parameter, after bitsandbytes' 8-bit AdamW update.
-
-    Parameter groups with ``layer_adaptation=False`` (biases and norms, see ``parameter_groups``)
-    get the plain AdamW step, as in the LAMB paper: a bias that starts at zero could never move.
-
-    Clipping belongs here, not in the training loop: hivemind.Optimizer steps on gradients averaged
-    over the whole swarm, which only exist inside its optimizer step.
+    Each matrix steps ``lr * ||w|| / ||r||`` times the AdamW direction ``r`` (bitsandbytes' own ``LAMB8bit`` 0.50
+    skips that ratio); groups with ``layer_adaptation=False`` take the plain AdamW step. Clipping is here because the
+    averaged gradients exist only inside hivemind's step. Shown by tests/swarm/test_optim.py::
+    test_lamb8bit_steps_each_matrix_by_lr_times_its_norm_whatever_the_gradient_scale.
 
     :param params: parameters or parameter groups
     :param max_grad_norm: clip the norm of all gradients together to this value; None disables clipping
@@ -101,8 +95,9 @@ def linear_warmup_then_decay(step: int, warmup_steps: int, total_steps: int) -> 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: matrices and embeddings decay and adapt their step to their norm (LAMB);
     biases and norm weights (1-d tensors) do neither."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for param in model.parameters():
         if not param.requires_grad:
             continue
         (no_decay if param.ndim < 2 else decay).append(param)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from functools import partial
-from typing import Sequence
 
 import hivemind
 from hivemind.p2p import PeerID

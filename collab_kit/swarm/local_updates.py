@@ -1,40 +1,29 @@
 """Local-update mode (DiLoCo): peers train on their own and average only once a round, through hivemind.
 
-DiLoCo (Douillard et al., 2023) has each worker take H inner steps with its own optimizer, then average the
-pseudo-gradients (the last global parameters minus the worker's own) and take one outer step with SGD and Nesterov
-momentum (lr 0.7, momentum 0.9) on that average: about H times fewer bytes than averaging gradients at every step, at
-a matching loss. Here it is a mode of the kit's collaborative optimizer (``OptimizerConfig.local_steps`` = H > 0), so
-everything the synchronous mode does keeps working:
+DiLoCo (Douillard et al., 2023): H inner steps, then the pseudo-gradients (global minus local parameters) are
+averaged and one outer Nesterov SGD step is taken, about H times fewer bytes (``OptimizerConfig.local_steps`` = H):
 
-- A round ends when the whole swarm has processed ``OptimizerConfig.round_samples`` (H global batches), counted by
-  hivemind's progress tracker as global steps are, not when every peer has taken H steps: a slow peer holds nobody
-  back. Each peer's pseudo-gradient is weighted by the samples it processed in the round (hivemind's averaging weight).
-- The global parameters are hivemind's offloaded copy (on the CPU), which the outer optimizer steps: late joiners
-  download them and the outer momentum as they download the synchronous mode's state. The inner 8-bit LAMB
-  (collab_kit.swarm.lamb) steps the model's own parameters at every local batch; its schedule follows the swarm's
-  global batches.
-- Pseudo-gradients travel through the gradient averager, compressed as gradients are (8 bits for large tensors,
-  collab_kit.swarm.lamb.gradient_compression), or in 4 bits with error feedback
-  (``OptimizerConfig.pseudo_gradient_bits``, collab_kit.swarm.four_bit), and reduced by the mean or CenteredClip
-  (collab_kit.swarm.robust).
+- A round ends when the swarm has processed ``OptimizerConfig.round_samples``; a slow peer holds nobody back, and
+  each pseudo-gradient is weighted by its samples.
+- The global parameters are hivemind's offloaded CPU copy, stepped by the outer optimizer; the inner 8-bit LAMB
+  steps the model at every local batch.
+- Pseudo-gradients travel through the gradient averager, in 8 bits or in 4 bits with error feedback
+  (collab_kit.swarm.four_bit), reduced by the mean or CenteredClip (collab_kit.swarm.robust).
 - Anchors (collab_kit.swarm.anchor) take no inner steps and add no pseudo-gradient: they reduce and take the outer step.
-- With ``OptimizerConfig.overlap_rounds`` a training peer does not wait for its round: the averaging runs in the
-  background while the next round's inner steps go on, and the outer step is applied when the average arrives, the
-  inner progress made meanwhile kept on top of the new global parameters (Streaming DiLoCo's overlapped outer step,
-  one round late). A round still under way when the next one is due holds that one until it is over.
-- With ``OptimizerConfig.fragments`` = F the parameters are averaged in F fragments, in turn: an epoch is H / F global
-  batches and its round averages one fragment, whose outer step moves that fragment alone (collab_kit.swarm.fragments).
+- ``OptimizerConfig.overlap_rounds``: the round averages in the background, its outer step applied one round late
+  under the inner progress made meanwhile (Streaming DiLoCo).
+- ``OptimizerConfig.fragments`` = F: one fragment averaged a round, in turn (collab_kit.swarm.fragments).
 
-Peers of the two modes must not average together (a gradient and a pseudo-gradient are not the same quantity, and
-the outer optimizer's state is not LAMB's): the averagers of this mode carry ``LocalUpdateRoundsMixin``'s RPC prefix.
+The two modes never average together: this mode's averagers carry ``LocalUpdateRoundsMixin``'s RPC prefix.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterable
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -45,6 +34,13 @@ from collab_kit.swarm.four_bit import ErrorFeedback
 from collab_kit.swarm.fragments import FragmentStepMixin, fragment_of_tensors, fragment_rounds_mixin, round_fragment
 from collab_kit.swarm.lamb import HoldableStepMixin, linear_warmup_then_decay, make_lamb8bit, make_scheduler_factory
 
+if TYPE_CHECKING:  # the type checker's view: what LocalUpdatesMixin is put before
+    from collab_kit.swarm.optimizer import CollaborativeOptimizer
+
+    _OptimizerBase: TypeAlias = CollaborativeOptimizer
+else:
+    _OptimizerBase = object
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,9 +48,9 @@ class OuterNesterovSGD(HoldableStepMixin, torch.optim.SGD):
     """The outer optimizer: SGD with Nesterov momentum on the averaged pseudo-gradient, without weight decay (the inner
     optimizer applies it).
 
-    A step whose averaged pseudo-gradient is not finite is dropped (the global parameters and the momentum stay as
-    they are): every peer of the round received the same average, so every peer drops it. ``hold_next_step`` makes
-    the next step a no-op too (an anchor's round that no training peer reached).
+    A step whose averaged pseudo-gradient is not finite is dropped by every peer alike; ``hold_next_step`` makes the
+    next step a no-op. Shown by
+    tests/swarm/test_local_updates.py::test_the_outer_step_is_nesterov_sgd_and_drops_a_non_finite_average.
     """
 
     def __init__(self, params, lr: float, momentum: float):
@@ -116,7 +112,7 @@ def mode_averager_class(averager_class: type, config: OptimizerConfig, gradients
     average one fragment each, and a state averager (``gradients`` False) copies the stepped fragment alone."""
     if not config.local_updates:
         return averager_class
-    mixins = [LocalUpdateRoundsMixin]
+    mixins: list[type] = [LocalUpdateRoundsMixin]
     if config.fragments > 1:
         mixins.append(fragment_rounds_mixin(config.fragments) if gradients else FragmentStepMixin)
     return compose_averager(averager_class, *mixins, qualname=f"LocalUpdates{averager_class.__qualname__}")
@@ -133,16 +129,11 @@ class AppliedRound:
     averaged: bool  # with at least one other training peer
 
 
-class LocalUpdatesMixin:
+class LocalUpdatesMixin(_OptimizerBase):
     """Put before CollaborativeOptimizer (or a subclass): DiLoCo's local-update mode (see the module's docstring).
 
-    hivemind.Optimizer's gradient path carries it. Its hooks do the following here:
-    - each local step (``_check_and_accumulate_gradients``) is an inner step of the 8-bit optimizer on the model's
-      parameters, and adds the batch's samples to the round's count, instead of accumulating gradients;
-    - at the end of a round (``_update_global_epoch``) the pseudo-gradient (global minus local parameters) is loaded
-      where hivemind keeps accumulated gradients, with this round's samples as its weight; hivemind then averages it,
-      hands the average to the outer optimizer as the offloaded parameters' gradient, steps, and copies the new global
-      parameters into the model.
+    Each local step is an inner step; at a round's end the pseudo-gradient goes where hivemind keeps accumulated
+    gradients, weighted by the round's samples, and hivemind averages it and takes the outer step.
 
     :param inner_param_groups: the model's parameter groups for the inner optimizer (collab_kit.swarm.lamb
       .parameter_groups); None for a peer that trains nothing (an anchor)
@@ -221,13 +212,8 @@ class LocalUpdatesMixin:
         self.tracker.report_local_progress(self.local_epoch, averager.local_samples_accumulated)
         return True
 
-    # A peer's outer step must start from the swarm's global parameters: nothing else brings a peer back in this mode
-    # (state averaging is rare or off). A training peer behind the swarm's epoch loads its state, and so does one whose
-    # download the swarm overtook (the synchronous mode would go on from it, an update short for good). With overlapped
-    # rounds, one epoch behind is allowed to a peer that trained on its own parameters: the others report the next
-    # epoch as soon as their round is sent, so this peer ends its epoch at once (hivemind's rule) and its round joins
-    # theirs. A round that turns out to be another epoch's (a member at a later epoch) makes it load the swarm's state
-    # (_follow_round_epoch), or it would stay a round apart for good
+    # An outer step must start from the swarm's global parameters: a peer behind the swarm's epoch loads its state
+    # (with overlapped rounds, one epoch behind is allowed: its round joins the others')
     # (tests/swarm/test_local_updates.py::test_peers_end_every_round_with_equal_global_parameters).
 
     def _should_load_state_from_peers(self) -> bool:
@@ -283,8 +269,7 @@ class LocalUpdatesMixin:
         super()._follow_round_epoch(result, parameters_from_swarm)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
-        # one matchmaking at a time: hivemind queues a second behind the first, and a round scheduled while the last
-        # one still looks for its group met the swarm's next round, one epoch ahead of this peer's global parameters
+        # one matchmaking at a time: a second, queued by hivemind, would meet the swarm's next round
         if self._round_in_flight is None:
             super()._maybe_schedule_gradient_averaging()
 
@@ -314,12 +299,12 @@ class LocalUpdatesMixin:
                 for sent, param in zip(self._sent_parameters, parameters):
                     sent.copy_(param.detach())
             # the last round's figures (last_group_size, ...) stay until this round's outcome replaces them
-            began = self._trigger_gradient_round(grad_scaler) and self.scheduled_grads is not None
-            if not began:  # hivemind could not start the round: the peer steps with its own pseudo-gradient now
+            control = self.scheduled_grads if self._trigger_gradient_round(grad_scaler) else None
+            if control is None:  # hivemind could not start the round: the peer steps with its own pseudo-gradient now
                 self.grad_averager.load_accumulators_into_averager_()
                 self._take_outer_step(round_control=None, epoch=epoch)
                 return
-            self._round_in_flight, self.scheduled_grads = (self.scheduled_grads, epoch), None
+            self._round_in_flight, self.scheduled_grads = (control, epoch), None
             if self.on_averaging_start is not None:
                 self.on_averaging_start(epoch, self._round_in_flight[0].stage.name.lower())
             self.grad_averager.reset_accumulated_grads_()  # the next round's samples count from zero
@@ -329,6 +314,7 @@ class LocalUpdatesMixin:
     def _apply_round_in_flight(self) -> None:
         """The outer step of the round that averaged in the background (waiting for it, up to its timeout, if it is
         not over), with the inner progress made since it was sent kept on top of the new global parameters."""
+        assert self._round_in_flight is not None and self._sent_parameters is not None  # callers check; sent with it
         control, epoch = self._round_in_flight
         mask = self._select_fragment(epoch)  # the model's other fragments are not touched: they keep their progress
         with self.tracker.pause_updates(), torch.no_grad():
@@ -415,6 +401,7 @@ class LocalUpdatesMixin:
             # every fragment's: an outer step copies only the fragment it moves, and an overlapped one keeps progress
             for global_param, local_param in zip(global_parameters, local_parameters):
                 local_param.copy_(global_param.to(local_param.device))
+            assert self.inner_optimizer is not None  # only a training peer loads a pseudo-gradient
             self.inner_optimizer.state.clear()  # moments of a blown-up step would blow up the next: they start anew
         if not finite or averager.local_samples_accumulated == 0:
             for accumulator in averager._grad_accumulators():

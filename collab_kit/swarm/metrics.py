@@ -43,26 +43,31 @@ DEFAULT_EXPIRATION = 300.0  # seconds a record stays alive after it is written
 class PeerMetrics(BaseModel):
     """One training peer's report, as published in the DHT (a plain dict of these fields on the wire)."""
 
-    peer_id: constr(strict=True, min_length=1, max_length=128)  # base58 libp2p peer id, for display
-    username: constr(strict=True, min_length=1, max_length=96) | None = None  # claimed; see the module docstring
-    epoch: conint(ge=0, strict=True)  # the global epoch (optimizer step) the peer is at
-    samples_per_second: confloat(ge=0.0, strict=True)  # the peer's recent throughput
-    samples_accumulated: conint(ge=0, strict=True)  # samples this peer has processed since it started
+    # mypy reads pydantic's constr/conint/confloat as calls, not the types they build: valid-type ignored on each
+    # base58 libp2p peer id, for display
+    peer_id: constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
+    # claimed; see the module docstring
+    username: constr(strict=True, min_length=1, max_length=96) | None = None  # type: ignore[valid-type]
+    epoch: conint(ge=0, strict=True)  # type: ignore[valid-type]  # the global epoch (optimizer step) the peer is at
+    samples_per_second: confloat(ge=0.0, strict=True)  # type: ignore[valid-type]  # the peer's recent throughput
+    # samples this peer has processed since it started
+    samples_accumulated: conint(ge=0, strict=True)  # type: ignore[valid-type]
     loss: StrictFloat  # mean loss of its local steps in its last global epoch
-    mini_steps: conint(ge=0, strict=True)  # local steps (micro-batches) in that epoch
-    compute_seconds: confloat(ge=0.0, strict=True)  # seconds spent training since it started
+    mini_steps: conint(ge=0, strict=True)  # type: ignore[valid-type]  # local steps (micro-batches) in that epoch
+    # seconds spent training since it started
+    compute_seconds: confloat(ge=0.0, strict=True)  # type: ignore[valid-type]
     time: StrictFloat  # DHT time of the report
     # its last gradient round: how many other training peers it was averaged with (0: alone), how many global epochs
     # in a row went unaveraged while others trained, and why (None for peers that do not report it)
-    averaged_with: conint(ge=0, strict=True) | None = None
-    lone_epochs: conint(ge=0, strict=True) | None = None
-    lone_reason: constr(strict=True, max_length=300) | None = None
+    averaged_with: conint(ge=0, strict=True) | None = None  # type: ignore[valid-type]
+    lone_epochs: conint(ge=0, strict=True) | None = None  # type: ignore[valid-type]
+    lone_reason: constr(strict=True, max_length=300) | None = None  # type: ignore[valid-type]
     # where it trains and in what precision ("Tesla T4", "fp16"; collab_kit.model.device), for the leaderboard
-    device: constr(strict=True, max_length=64) | None = None
-    precision: constr(strict=True, regex=r"^(fp32|bf16|fp16)$") | None = None
+    device: constr(strict=True, max_length=64) | None = None  # type: ignore[valid-type]
+    precision: constr(strict=True, regex=r"^(fp32|bf16|fp16)$") | None = None  # type: ignore[valid-type]
     # what it is busy with instead of training, said as it starts ("downloading_state": the swarm's state), until its
     # next epoch's record
-    activity: constr(strict=True, regex=r"^downloading_state$") | None = None
+    activity: constr(strict=True, regex=r"^downloading_state$") | None = None  # type: ignore[valid-type]
 
     @validator("loss", "samples_per_second", "compute_seconds", "time")
     def _finite(cls, value: float) -> float:

@@ -1,30 +1,23 @@
 """The paper's optimizer: hivemind.Optimizer around 8-bit LAMB, offloaded to CPU (section 3.3).
 
-What each piece is for:
-- ``hivemind.Optimizer`` accumulates gradients until the whole swarm has processed
-  ``target_batch_size`` samples, averages them with the other peers, then steps. Peers of any speed
-  contribute as many samples as they can, and the result is the same as one synchronous large batch.
-- 8-bit LAMB (bitsandbytes, collab_kit.swarm.lamb) keeps its two statistics in 8 bits: about 4x less optimizer
-  memory. LAMB's layer-wise trust ratio is what makes batches of thousands of samples trainable.
-- ``offload_optimizer`` keeps the optimizer and its statistics on the CPU, leaving GPU memory to
-  the model; ``delay_optimizer_step`` runs that CPU step in the background while the GPU goes on
-  computing gradients for the next step.
-- Size-adaptive compression (collab_kit.swarm.lamb): gradients of large tensors travel in 8 bits, small tensors
-  (biases, norms) in fp16, where 8-bit quantization would cost more accuracy than it saves bytes.
+- ``hivemind.Optimizer`` steps once the swarm has processed ``target_batch_size`` samples: one large batch.
+- 8-bit LAMB (collab_kit.swarm.lamb): about 4x less optimizer memory; its trust ratio makes huge batches trainable.
+- ``offload_optimizer`` and ``delay_optimizer_step``: the step runs on the CPU, in the background.
+- Size-adaptive compression (collab_kit.swarm.lamb): large tensors travel in 8 bits, small ones in fp16.
 
-The averagers it builds, and how they are composed, are collab_kit.swarm.averagers. With
-``OptimizerConfig.local_steps`` > 0 it trains in local-update mode (DiLoCo, collab_kit.swarm.local_updates).
+Its averagers are collab_kit.swarm.averagers; ``OptimizerConfig.local_steps`` > 0 is DiLoCo
+(collab_kit.swarm.local_updates).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -64,14 +57,8 @@ NO_STATE_AVERAGING = 2**62  # an average_state_every no epoch reaches
 class CollaborativeOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that counts the global steps averaged with other training peers, and idles when alone.
 
-    The count is what the demo and the tests check to know that peers really trained together,
-    rather than each on its own. A peer alone in the swarm does not look for an averaging group
-    ahead of time: hivemind would otherwise run matchmaking (DHT traffic on every core) during the
-    last ``matchmaking_time`` seconds of every global epoch, for nothing.
-
-    Each gradient round carries the peer's role to its group (``round_role``): a group of this peer and
-    anchors only (collab_kit.swarm.anchor: public peers that reduce for volunteers behind NAT and contribute no
-    samples) has averaged nothing, and counts as a lone step.
+    The count tells that peers really trained together. A peer alone does not pre-schedule matchmaking (hivemind
+    would run it every epoch for nothing). A group of this peer and anchors only counts as a lone step.
 
     :param peer_gate: in an authorized run, a collab_kit.swarm.bindings.PeerGate for the averagers
     :param on_averaging_start: called with the global epoch and the round's stage each time this peer begins
@@ -81,6 +68,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     """
 
     round_role = TRAINER_ROLE
+    scheduled_grads: StepControl | None  # hivemind.Optimizer's, set in its __init__
 
     def __init__(self, peer_gate=None, on_averaging_start: Callable[[int, str], None] | None = None, **kwargs):
         self.peer_gate = peer_gate  # read by _make_state_averager, which hivemind calls inside __init__
@@ -88,14 +76,10 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self.on_state_download: Callable[[], None] | None = None  # called as each download of the state begins
         super().__init__(**kwargs)
         if self.client_mode or self.round_role == ANCHOR_ROLE:
-            # Averaging parameters needs a peer that accepts connections to lead each round: for a peer in client mode,
-            # only an anchor; and a round it misses holds up its next gradient round (hivemind waits for the previous
-            # background round first), which then misses the group too. Such peers stay equal to the swarm by applying
-            # the same averaged gradients, and load the swarm's state after a gradient round of theirs failed.
+            # no state averaging: a missed state round would hold up the next gradient round; such peers load the
+            # swarm's state after a failed gradient round instead
             self.average_state_every = NO_STATE_AVERAGING
-        # each gradient round tells its group which epoch this peer is at (RoundResult.epoch). Read from the state
-        # averager, which holds the epoch: a function of the optimizer would tie it and its averager in a reference
-        # cycle, freed only at some later garbage collection (in a notebook, in the middle of another cell)
+        # read from the state averager: a method of the optimizer would make a reference cycle
         state_averager = self.state_averager
         self.grad_averager.round_epoch = lambda: state_averager.local_epoch
         self.grad_averager.client_join_timeout = self.averaging_timeout
@@ -112,17 +96,12 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         self._loaded: tuple | None = None  # (epoch, seconds) of a state just loaded, until the next step's check
         self._parameters_from_swarm = False  # a state loaded (or an epoch adopted with it) since the last global step
         self._load_reason: str | None = None  # why a step decided to load the swarm's state, until it did
-        # the loads that steps decided on (this peer behind or apart from the swarm), each a dict with the reason
-        # ("problem"), whether a peer gave its state ("loaded"), and the epochs before and after; for the caller to
-        # take (a volunteer reports each one as it reports the state it loads at its start)
+        # the loads steps decided on: dicts of problem, loaded, epoch_before, epoch_after, for the caller to take
         self.step_loads: list[dict] = []
 
-    # hivemind reads average_state_every at each global step, after the gradient round is known: a step whose round
-    # failed or came back in part (or whose peer was asked to resync) takes no state averaging round. The peer loads the
-    # swarm's state at its next step anyway; a round would hand its diverged parameters to the others, and the download
-    # waits for it (up to averaging_timeout, the round running in the background). Two peers left after a third was
-    # killed mid-round fell out of step that way for good: each one's download waited 20 s for its failed state round
-    # while the other looked for a group at the next epoch, in every epoch after the kill
+    # a peer asked to resync takes no state averaging round: it would hand out diverged parameters, and its download
+    # would wait for that round (tests/swarm/test_optim.py::
+    # test_a_peer_apart_from_the_swarm_takes_no_state_round_before_it_loads_the_swarms_state)
     @property
     def average_state_every(self) -> int:
         if getattr(self, "_resync_requested", False):
@@ -155,9 +134,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         epoch_before = self.local_epoch
         control = self.scheduled_grads
         if control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-            # hivemind would tag along with zero weight, which spares a formed group from waiting for this peer's part;
-            # a round still looking for its group loses nothing by a cancel, and tagging along would keep this peer's
-            # averager busy with a stale round when the swarm's next one, which it must join, starts
+            # a round still looking for its group loses nothing by a cancel; tagging along would keep the averager busy
             control.cancel()
             self.scheduled_grads = None
         started = time.monotonic()
@@ -220,12 +197,9 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         averager_class = self._state_averager_class()
         if self.peer_gate is not None:
             averager_class = authorized_averager_class(averager_class, self.peer_gate)
-        # hivemind's averager reads next_chunk_timeout only when it downloads a state; its own averaging rounds take
-        # sender_timeout and reducer_timeout, given here as hivemind derives them from next_chunk_timeout
+        # rounds keep hivemind's timeouts; only a download's next part waits STATE_DOWNLOAD_PART_TIMEOUT
         round_timeouts = dict(sender_timeout=self.next_chunk_timeout, reducer_timeout=2 * self.next_chunk_timeout)
         round_timeouts.update(kwargs)
-        # the arguments hivemind.Optimizer._make_state_averager (1.1.12) passes, with the class swapped and the wait for
-        # a download's next part set for thin links (STATE_DOWNLOAD_PART_TIMEOUT)
         return averager_class(
             dht=self.dht,
             prefix=state_averager_prefix(self.run_id),
@@ -266,8 +240,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         if self.tracker.global_progress.num_peers > 1:
             super()._maybe_schedule_state_averaging()
 
-    # the one place where the outcome of a gradient averaging round is known in the trainer's process
-    # (the averagers themselves run as subprocesses)
+    # the one place where a gradient round's outcome is known in the trainer's process
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         parameters_from_swarm, self._parameters_from_swarm = self._parameters_from_swarm, False
@@ -295,8 +268,7 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         others = self.last_group_size - (self.round_role != ANCHOR_ROLE)
         if others >= 1 and self.last_received >= 0.5:
             self.averaged_rounds += 1
-        # this peer's step differs from the swarm's when its round failed or came back in part, or when it stepped on
-        # its own gradients while others trained (and no anchor took its step too): it loads the swarm's state next
+        # a step apart from the swarm's (failed or partial round, or alone while others trained): load the state next
         diverged = self.last_round_problem is not None or (
             others == 0 and self.last_anchors_in_group == 0 and self.tracker.training_peers > 1
         )
@@ -309,18 +281,9 @@ class CollaborativeOptimizer(hivemind.Optimizer):
         """After a round that averaged: a peer whose group was at a later epoch took part in that epoch's round, and
         ends that epoch with the others (hivemind's step adds one to the epoch set here).
 
-        Without this, it stayed an epoch behind with the swarm's parameters: in the NAT lab, a late joiner adopted
-        the anchor's epoch 10 after its download, 0.7 s before the anchor ended it; it joined the anchor's round of
-        epoch 11, moved to 11 while the others moved to 12, and was taken for a peer that missed a round: an 11 s
-        download on its 0.25 Mbit/s link, in which it missed the next rounds.
-
-        Only a peer whose parameters are the swarm's, loaded since its last global step, follows: its epoch lagged by
-        the time its download took. A peer one epoch behind with parameters of its own missed a global step; were it to
-        follow, hivemind's once-an-epoch check (this peer's epoch equal to the swarm's) would pass, and it would never
-        load the swarm's state. With no state averaging to bring it back, such a peer drifted away for good: in the
-        CenteredClip test (average_state_every 1000) one honest peer, one epoch behind after another had trained an
-        epoch alone, never loaded the swarm's state in 10 epochs, and its loss rose from 3.98 to 4.11 while the others'
-        fell to 3.96."""
+        Only a peer holding the swarm's parameters (loaded since its last step) follows; one with parameters of its own
+        missed a step, and loads the swarm's state instead. Shown by tests/swarm/test_optim.py::
+        test_a_peer_whose_group_was_at_the_next_epoch_ends_that_epoch_with_the_others_if_it_holds_their_state."""
         if result.epoch() != self.local_epoch + 1:  # one epoch ahead only: the reading lags by a moment, no more
             return
         if not parameters_from_swarm:
@@ -365,7 +328,10 @@ class CollaborativeOptimizer(hivemind.Optimizer):
     _reads_anchor_records = False  # whether this peer's DHT validates the anchors' records (serve_state_to_anchors)
 
     # a round runs in the background only in the local-update mode, with overlap_rounds (collab_kit.swarm.local_updates)
-    epoch_in_flight: int | None = None  # the epoch of the round averaging in the background, if any
+    @property
+    def epoch_in_flight(self) -> int | None:  # the epoch of the round averaging in the background, if any
+        return None
+
     overlapped_steps = 0  # local steps taken while a round of this peer averaged in the background
 
     def finish_round_in_flight(self) -> None:
@@ -387,20 +353,15 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             and self._loaded[0] == self.local_epoch > self.tracker.global_epoch
             and not self._resync_requested
         ):
-            # The state just downloaded is newer than the swarm's progress this peer last read: hivemind's tracker reads
-            # nothing during a download, which on a slow link lasts epochs. hivemind's rule (this peer's epoch equal to
-            # the swarm's, checked once an epoch) would download again at once, for nothing newer: in the network lab
-            # the late joiner on a 0.25 Mbit/s link spent 11 s that way right after an 11 s download. Whether the swarm
-            # moved on meanwhile is decided at the first step after the tracker has read the swarm again (below).
+            # the state just loaded is newer than the tracker's last reading: no new download until it reads the swarm
+            # again. Shown by tests/swarm/test_optim.py::
+            # test_a_peer_just_loaded_does_not_download_again_before_it_has_read_the_swarms_progress
             return False
         wanted = self._wants_swarm_state()
         loaded, self._loaded = self._loaded, None
         if wanted and loaded is not None and loaded[0] == self.local_epoch < self.tracker.global_epoch:
-            # The swarm moved on while this peer downloaded its state: on a slow link the download (parameters and
-            # optimizer state, about 6 bytes a parameter) can take longer than an epoch, and a peer that downloaded
-            # again would spend every epoch downloading, never training. hivemind goes on at the swarm's epoch when one
-            # behind; this peer does so further behind too: its parameters miss the few updates made during the
-            # download (as a delayed update does), and from now on it applies the same averaged steps as everyone.
+            # the swarm moved on during the download: go on at its epoch, a few updates short, rather than download
+            # again (on a slow link every epoch would go to downloading)
             epoch, seconds = loaded
             logger.warning(
                 f"the swarm moved from epoch {epoch} to {self.tracker.global_epoch} while this peer "
@@ -427,10 +388,8 @@ class CollaborativeOptimizer(hivemind.Optimizer):
             self._load_reason = reason
             return True
         if self.client_mode and self.tracker.anchor_peers > 0 and self.local_epoch < self.tracker.global_epoch:
-            # For a peer in client mode, the swarm's epoch is the anchor's, and the anchor moves on only when its round
-            # is over: a peer behind it missed that round (it loaded the state while the round ran, or was left out of
-            # the group). hivemind lets a peer one epoch behind go on, for peers that end an epoch a moment apart;
-            # here that would keep this peer one epoch (and one update) behind the others for good.
+            # in client mode the swarm's epoch is the anchor's, which moves on only after its round: a peer behind it
+            # missed that round (hivemind's one-epoch leeway would keep it an update behind for good)
             self._load_reason = (
                 f"the anchor was at epoch {self.tracker.global_epoch}, this peer at "
                 f"{self.local_epoch} (it missed a round)"
@@ -448,7 +407,7 @@ def make_optimizer(
     client_mode: bool = False,
     verbose: bool = False,
     peer_gate=None,
-    optimizer_class: type = CollaborativeOptimizer,
+    optimizer_class: type[CollaborativeOptimizer] = CollaborativeOptimizer,
     **kwargs,
 ) -> CollaborativeOptimizer:
     """Build the collaborative optimizer for ``model``, connected to the swarm through ``dht``.
@@ -466,13 +425,8 @@ def make_optimizer(
     :param kwargs: passed to hivemind.Optimizer (for instance ``grad_averager_factory``, which then replaces the
         one ``config.aggregation`` chooses)
     """
-    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlast matchmaking itself. A peer
-    # in client mode leads no group, so no two of its requests can wait on each other (ClientModeMatchmakingMixin), and
-    # its only leaders are the few peers that accept connections (an anchor): a leader that answers late over a slow or
-    # busy link is better than none, and a request given up waits for the leader's next declaration (seconds), which
-    # costs the round. So its wait is set by the link, not by the preset's matchmaking time
+    # a peer in client mode leads no group, so a long request cannot deadlock: its wait is set by the link
     request_timeout = CLIENT_JOIN_ANSWER_TIMEOUT if client_mode else min(3.0, config.matchmaking_time / 2)
-    # "mean": hivemind's GradientAverager as it is; "centered_clip": the same averager reducing with CenteredClip
     averager_class = mode_averager_class(
         round_report_averager_class(GradientAverager, optimizer_class.round_role), config
     )
@@ -486,25 +440,16 @@ def make_optimizer(
         averager_class = authorized_averager_class(averager_class, peer_gate)
     averager_kwargs = dict(
         request_timeout=request_timeout,
-        # in local-update mode the accumulators hold the pseudo-gradient, global (CPU) minus local
-        # parameters: computed on the CPU, tensor by tensor, so no second device copy of the model
-        # exists (synchronous training accumulates gradients where they are computed)
+        # local-update mode: the pseudo-gradient is computed on the CPU, no second device copy of the model
         **(dict(accumulate_grads_on=torch.device("cpu")) if config.local_updates else {}),
-        # hivemind would have a peer that loads the swarm's state download the last averaged
-        # gradients too (as many bytes again as the parameters, in fp32), which nothing uses after
-        # a download: on a slow link that made catching up take 1.7x as long
+        # a download of the state need not carry the last averaged gradients (nothing uses them)
         allow_state_sharing=False,
     )
     if client_mode:
-        # hivemind sends a peer in client mode its averaged parts only once it has sent all of its own, and gives up on
-        # its reducer when no part comes back within reducer_timeout of that (by default 2 x next_chunk_timeout). Its
-        # only reducers are peers that accept connections (the anchor), which can return the first part only when every
-        # member's first part is in: one member that starts sending late on a slow link holds every other member's
-        # first part back. The round's own deadline (averaging_timeout) is the one that must hold here.
+        # its reducer (the anchor) returns a first part only when every member's is in: the round's deadline holds
         averager_kwargs["reducer_timeout"] = max(config.averaging_timeout, 2 * config.chunk_timeout)
     if optimizer_class.round_role == ANCHOR_ROLE:
-        # the anchor reduces the whole vector of every volunteer behind NAT, each sending over its own slow link; a
-        # sender that stalls for next_chunk_timeout is dropped from the round, and it loses the round
+        # the anchor reduces every volunteer's whole vector over slow links: a stalled sender gets more time
         averager_kwargs["sender_timeout"] = max(config.chunk_timeout, config.averaging_timeout / 2)
     kwargs.setdefault(
         "grad_averager_factory",

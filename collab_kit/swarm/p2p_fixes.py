@@ -76,5 +76,5 @@ def install_p2p_fixes() -> None:
             self._inner_pipe = DHTRequestPipe(self._inner_pipe)
         shipped_dht_run(self)
 
-    client_init._collab_kit_fixed = True
+    vars(client_init)["_collab_kit_fixed"] = True  # the mark getattr reads above
     ControlClient.__init__, DHT.run = client_init, dht_run

@@ -1,8 +1,7 @@
-"""The swarm's progress as each peer reads it: hivemind's ProgressTracker, counting the peers that train and the anchors.
+"""The swarm's progress as each peer reads it: hivemind's ProgressTracker, counting training peers and anchors.
 
-hivemind's tracker reads every peer's progress record (epoch, samples, throughput) from the DHT and says when the
-next global step is due. The kit's tracker also tells the records of anchors (collab_kit.swarm.anchor: peers that
-accept connections and reduce for volunteers behind NAT, training nothing) from those of training peers.
+hivemind's tracker reads every peer's progress record from the DHT and says when the next global step is due; the
+kit's also tells anchors (collab_kit.swarm.anchor, training nothing) from training peers.
 """
 
 from __future__ import annotations
@@ -53,12 +52,10 @@ class SwarmProgressTracker(ProgressTracker):
         super().shutdown(timeout)
 
     async def _progress_reporter(self):
-        """hivemind's reporter (1.1.12), which stores the record in the DHT at every local step, publishing at most once
-        per ``min_report_period`` within an epoch. A tiny-preset peer steps dozens of times a second: a DHT store each
-        (a search for the key's nodes, then the record, signed, to each) took 1.7 Mbit/s of a volunteer's download
-        behind NAT, and a late joiner on a 0.25 Mbit/s link lost its DHT lookups and its rounds behind them. Readers
-        lose nothing: they extrapolate each record with its samples per second, and a new epoch or a reset goes out at
-        once."""
+        """hivemind's reporter (1.1.12), which stores the record at every local step, publishing at most once per
+        ``min_report_period`` within an epoch (a store per step fills a thin link); a new epoch or a reset goes out at
+        once. Shown by tests/swarm/test_optim.py::
+        test_the_progress_tracker_publishes_a_burst_of_steps_once_per_period_and_a_new_epoch_at_once."""
         loop = asyncio.get_event_loop()
         # the period runs from the last store: a look at the progress that published nothing (at the start, before the
         # first step) holds nothing back
@@ -127,11 +124,9 @@ class SwarmProgressTracker(ProgressTracker):
         return progress
 
     def run(self):
-        # hivemind's ProgressTracker.run (1.1.12), ended the way asyncio.run ends a loop. hivemind's fetcher leaves tasks
-        # behind when it stops: its shutdown checker (a wait on an executor thread) and, when the shutdown came first,
-        # its last DHT read. Left pending in a loop nobody runs again, they were destroyed at garbage collection with
-        # asyncio's "Task was destroyed but it is pending!" logged as an ERROR: on every peer's exit, and in a notebook
-        # (the user's own process) as a red box after a run where nothing was wrong
+        # hivemind's ProgressTracker.run (1.1.12), ended the way asyncio.run ends a loop: the tasks its fetcher leaves
+        # behind are cancelled, not logged as "Task was destroyed but it is pending!" (tests/swarm/test_optim.py::
+        # test_the_progress_tracker_leaves_no_task_of_its_loop_pending_when_it_stops)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:

@@ -1,14 +1,12 @@
 """Whether others can dial this peer: asked of the swarm, not guessed from the address class.
 
-An address says little: a cloud VM whose interface holds a private address may have its port forwarded
-(reachable), and a machine with a public address may sit behind a firewall that drops incoming
-connections (unreachable). So a peer about to join asks peers of the swarm to connect back to it, as
-Petals' servers do, and libp2p's AutoNAT in spirit:
+A private address may have a forwarded port and a public one a firewall, so a joining peer asks peers of the swarm
+to connect back to it (as Petals' servers do, and libp2p's AutoNAT in spirit):
 
 1. it starts a temporary libp2p host on the port it will listen on, connected to the initial peers;
 2. it asks up to ``max_helpers`` of them over a stream of their own protocol (``PROTOCOL``) to dial it back, and
-   asks once more each one that gave no answer (tests/swarm/test_swarm.py::test_a_helper_that_drops_a_reachability_
-   check_is_asked_once_more);
+   asks once more each one that gave no answer (tests/swarm/test_swarm.py::
+   test_a_helper_that_drops_a_reachability_check_is_asked_once_more);
 3. each helper opens a fresh TCP connection to the address it sees the request come from and the port
    asked about, and checks that a libp2p host answers there (the multistream-select handshake);
 4. the peer is reachable when most helpers that answered got through, and then announces the address
@@ -26,8 +24,8 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import hivemind
 from hivemind.p2p import P2P, PeerID

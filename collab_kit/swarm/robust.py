@@ -1,74 +1,27 @@
 """Robust gradient aggregation: CenteredClip instead of the mean when peers average their gradients.
 
-What it defends against. With the plain (weighted) mean, a single peer can move the swarm's
-gradient anywhere: sending its gradients multiplied by -1000 turns every global step of every peer
-into gradient ascent. CenteredClip (Karimireddy, He, Jaggi 2020, "Learning from History for
-Byzantine Robust Optimization") bounds what any one peer can do: starting from a point ``v``, it
-repeats ``L`` times
-
-    v <- v + sum_i w_i * (x_i - v) * min(1, tau / ||x_i - v||) / sum_i w_i
-
-so a vector far from the others pulls ``v`` by at most ``tau`` times its share of the weight,
-however far it is, while vectors within ``tau`` of ``v`` count fully, as in the mean.
-
-How it fits in hivemind 1.1.12. In an all-reduce every peer of the group reduces one span of the
-flattened gradients: it receives that span from every sender, cut into parts (pieces of one tensor
-of at most ``part_size_bytes`` after compression, 2^19 bytes by default), and reduces each part
-across senders in ``TensorPartReducer``. ``CenteredClipReducer`` is that reducer with CenteredClip
-in place of the weighted mean; ``CenteredClipAveragerMixin`` makes an averager's all-reduce use it.
-Parts arrive decompressed (8-bit or fp16, collab_kit.swarm.lamb.gradient_compression); weights are the
-senders' sample counts, as for the mean.
+With the plain mean one peer sending its gradients times -1000 turns every step into gradient ascent. CenteredClip
+(Karimireddy, He, Jaggi 2020) repeats ``v <- v + sum_i w_i (x_i - v) min(1, tau / ||x_i - v||) / sum_i w_i``, so a
+far vector pulls ``v`` by at most ``tau`` times its share of the weight. ``CenteredClipReducer`` is hivemind 1.1.12's
+``TensorPartReducer`` with CenteredClip in place of the weighted mean, part by part.
 
 Choices:
-- Start: the weighted coordinate-wise median, not the mean. With honest peers holding most of the
-  weight, each coordinate's median lies within the honest values, so ``v`` starts inside the honest
-  cluster; from the mean, which one outlier drags arbitrarily far, each iteration could only walk
-  back about ``tau``. The median itself is biased toward the attacker's side coordinate by
-  coordinate, so the iterations matter: 5 left honest tiny-preset peers beside one sending x -1000
-  with a rising loss, 30 (the default) let it fall as without an attacker. (The paper starts from the previous round's
-  estimate, with momentum; hivemind's spans and parts change with every group, so there is no
-  stable history to start from.)
-- Radius: ``clip_tau`` is relative. Each part is clipped at ``clip_tau`` times the weighted median
-  of the senders' distances from that start, so one setting fits a bias of 32 values and a slice
-  of an embedding of 2^17, early and late in training, whatever the scale of the gradients. Its
-  default (OptimizerConfig.clip_tau = 0.5) is small because an attacker pulls the result by up to
-  about ``radius * its weight / the honest weight`` the same way every step, which adds up when the
-  honest signal is weak beside the noise of each peer's batch.
-- Weights: no sender counts for more than the group's median sender (``cap_weights``). The weights are
-  sample counts, and a peer that accumulated more samples than the others together (a fast machine,
-  or others busy with their last round) would hold half of the weight and decide the median on its
-  own: in the swarm test, an attacker that computed 51% of one epoch's samples, or 80% of another's,
-  set that step's direction for all, and the honest loss ratio came out 0.998 and 1.002 instead of
-  about 0.987. Among honest peers the result leans a little less towards the busiest one.
-- Groups: at least 3 peers (MIN_GROUP_SIZE, the averager's ``min_group_size``). In a group of 2 an
-  attacker holds half of the weight; rather than averaging there, hivemind's optimizer then steps
-  on the local gradients.
+- Start at the weighted coordinate-wise median (inside the honest cluster), then 30 iterations by default.
+- Radius: ``clip_tau`` times the median distance from the start, so one setting fits every tensor and scale.
+- Weights: no sender counts for more than the group's median sender (``cap_weights``), so a busy attacker cannot
+  hold half of the weight.
+- Groups of at least 3 (MIN_GROUP_SIZE): in a group of 2 an attacker holds half of the weight.
 
-Limits:
-- It needs honest peers to hold more than half of the weight (and the more, the smaller the
-  bias): with half or more, the median itself belongs to the attackers.
-- Only the gradients: hivemind.Optimizer's state averaging (the parameters, every
-  ``average_state_every`` epochs) is still the plain mean, which a malicious peer can poison by
-  sending its own parameters.
-- It trusts the weights senders report (their sample counts) up to the median sender's: several
-  attackers that each claim a large weight can still raise the median. It trusts reducers too: the
-  peer that reduces a span can return anything for it. Authentication (who may join) and, beyond
-  this kit, verification of reducers (Gorbunov et al. 2021, "Secure Distributed Training at
-  Scale") address those.
-- Clipping is per part, not over the whole gradient: an attacker's total influence is bounded
-  part by part, by about ``tau`` times its share of the weight in each.
-- A part that holds a NaN or an infinity gets no weight (it could not be clipped); if every sender
-  sent one, the result is their mean, as hivemind's would be.
-- When honest peers disagree (small batches, very different data), the result sits between their
-  weighted mean and their median: CenteredClip is the mean only when every vector lies within the
-  radius of the result.
+Limits: honest peers must hold more than half of the weight; state averaging is still the plain mean; reported
+weights and reducers are trusted (authentication decides who joins); a part with a NaN or an infinity gets no weight.
+Shown by tests/swarm/test_robust.py::test_hivemind_allreduce_with_centered_clip_resists_one_peer_times_1000.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -109,11 +62,8 @@ def _check_vectors_and_weights(vectors: torch.Tensor, weights: torch.Tensor) -> 
 def weighted_median(vectors: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The weighted coordinate-wise median of the rows of ``vectors``.
 
-    In each coordinate, the midpoint of the lower weighted median (the first sorted value at which the
-    cumulative weight reaches half of the total) and the upper one (the first at which it passes half):
-    with equal weights, the usual median, also for an even count. The lower one alone would lean
-    towards the smaller values: with 3 honest peers and an attacker far below, it is the smallest
-    honest value in every coordinate. Rows of weight 0 never count.
+    The midpoint of the lower and upper weighted medians, so equal weights give the usual median; the lower one
+    alone would lean towards the smaller values. Rows of weight 0 never count.
 
     :param vectors: [n, d] floating point, finite
     :param weights: [n] finite, >= 0, not all zero
@@ -123,8 +73,6 @@ def weighted_median(vectors: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     weights = weights.to(vectors.dtype)
     values, order = vectors.sort(dim=0)
     cumulative = weights[order].cumsum(dim=0)
-    # the first sorted index whose cumulative weight reaches half of the column's total (the last entry:
-    # the same float sum for every coordinate's comparison, whatever the order of summation)
     # the first sorted row whose cumulative weight reaches / passes half of the column's total: either way a row
     # that raises the cumulative weight, so never one of weight 0 (the last entry is the total, as summed here)
     half, last = cumulative[-1:] / 2, vectors.shape[0] - 1
@@ -138,10 +86,8 @@ def centered_clip(
 ) -> torch.Tensor:
     """CenteredClip: a weighted mean in which every row's pull is clipped to ``tau``.
 
-    Repeats ``iterations`` times ``v <- v + sum_i w_i (x_i - v) min(1, tau / ||x_i - v||) / sum_i w_i``.
-    With every row within ``tau`` of the result it is the weighted mean; a row far away moves the
-    result by at most ``tau * w_i / sum_i w_i`` per iteration. Rows that hold a NaN or an infinity
-    get no weight; if all do, the result is the plain weighted mean (non-finite, as the mean would be).
+    A far row moves the result by at most ``tau * w_i / sum_i w_i`` per iteration. Rows with a NaN or an infinity
+    get no weight; if all have one, the result is the plain weighted mean.
 
     :param vectors: [n, d], one row per peer
     :param weights: [n], each peer's weight (its sample count), >= 0, not all zero
@@ -181,8 +127,7 @@ def centered_clip(
 
 
 def cap_weights(weights: torch.Tensor) -> torch.Tensor:
-    """Each weight capped at the median of the positive ones (the lower median for an even count): one
-    sender, however many samples it reports, counts at most as much as the group's median sender.
+    """Each weight capped at the (lower) median of the positive ones: no sender counts more than the median sender.
 
     :param weights: [n], finite, >= 0
     """
@@ -197,9 +142,8 @@ def clipped_aggregate(
 ) -> torch.Tensor:
     """CenteredClip with a relative radius: what each part of an all-reduce is reduced with.
 
-    Caps the weights at the median sender's (``cap_weights``), starts at the weighted coordinate-wise
-    median and clips at ``relative_tau`` times the weighted median of the rows' distances from it (see
-    the module docstring for why).
+    Caps the weights (``cap_weights``), starts at the weighted median, clips at ``relative_tau`` times the median
+    distance from it.
 
     :param vectors: [n, d], one row per sender
     :param weights: [n], >= 0, not all zero
@@ -225,17 +169,16 @@ def clipped_aggregate(
 class _PartCollector:
     """Stands in for TensorPartReducer's accumulator: keeps each sender's part instead of summing it.
 
-    TensorPartReducer.accumulate_part (hivemind 1.1.12) calls ``accumulator.add_(part, alpha=weight)``
-    once per sender, between its own bookkeeping of waiting, failed and banned senders; collecting the
-    parts here leaves all of that bookkeeping to hivemind. A part broadcasts to the part's shape, as in hivemind's
-    accumulator (an anchor's stand-in of one value, collab_kit.swarm.runners.StandInRunnerMixin).
+    hivemind's ``accumulate_part`` calls ``add_(part, alpha=weight)`` once per sender, so its bookkeeping of failed
+    senders stays hivemind's. A part broadcasts to the shape (an anchor's one-value stand-in).
 
     :param shape: the shape of the part being reduced
     """
 
     def __init__(self, shape: torch.Size):
         self.shape = shape
-        self.parts, self.weights = [], []
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
 
     def add_(self, tensor_part: torch.Tensor, alpha: float = 1.0) -> _PartCollector:
         self.parts.append(tensor_part.expand(self.shape))
@@ -246,9 +189,7 @@ class _PartCollector:
 class CenteredClipReducer(TensorPartReducer):
     """TensorPartReducer that reduces each part across senders with CenteredClip instead of the mean.
 
-    The parts of the span this peer reduces are reduced one by one, each on its own (per-part
-    clipping, see the module docstring). Weights a sender reports that are negative or not finite
-    count as 0; if no weight is left, the senders count equally.
+    Negative or non-finite weights count as 0; if no weight is left, the senders count equally.
 
     :param part_shapes: shapes of the parts this peer reduces
     :param num_senders: how many peers send parts
@@ -291,10 +232,11 @@ class CenteredClipAllReduceRunner(StandInAllReduceRunner):
     :param kwargs: AllReduceRunner's arguments
     """
 
+    tensor_part_reducer: TensorPartReducer  # hivemind's, set by AllReduceRunner's __init__
+
     def __init__(self, *, clip_tau: float, clip_iterations: int, **kwargs):
         super().__init__(**kwargs)
-        # the runner builds its reducer in __init__ and nothing has used it yet: replace it. Marked finished, the
-        # discarded one does not warn, when collected, that it "received 0.0% of input tensors"
+        # replace the unused reducer; marked finished, it does not warn "received 0.0% of input tensors"
         unused = self.tensor_part_reducer
         unused.finished.set()
         self.tensor_part_reducer = CenteredClipReducer(
@@ -305,26 +247,17 @@ class CenteredClipAllReduceRunner(StandInAllReduceRunner):
 class CenteredClipAveragerMixin(RunnerChoiceMixin):
     """Makes a DecentralizedAverager (sub)class reduce with CenteredClip in its all-reduce rounds.
 
-    Put it before the averager class: ``class MyAverager(CenteredClipAveragerMixin, GradientAverager)``.
-    It overrides only ``make_allreduce_runner`` (RunnerChoiceMixin), so it combines with mixins that override other
-    methods (for instance ``rpc_join_group`` / ``rpc_aggregate_part`` to check who calls):
-    ``class Both(AuthMixin, CenteredClipAveragerMixin, GradientAverager)``.
-
-    hivemind names an averager's RPCs after its class (``CenteredClipGradientAverager.rpc_join_group``): peers
-    whose averagers are of classes with different names never find each other. So every peer of a run must
-    build its averager from the same classes: a peer with ``aggregation="mean"`` and one with
-    ``"centered_clip"`` do not average together (each trains on its own gradients), and a mixin combined with
-    this one must be combined the same way on every peer.
+    Put it before the averager class; it overrides only ``make_allreduce_runner``, so it combines with other mixins.
+    Its RPC prefix keeps peers that take the plain mean out of its rounds: every peer of a run must use the same
+    classes. Shown by tests/swarm/test_robust.py::test_the_centered_clip_mixin_combines_with_other_averager_classes.
 
     :param clip_tau: the clipping radius relative to the median distance of the senders' parts from their median
     :param clip_iterations: CenteredClip iterations per part
     :param kwargs: the averager's own arguments; ``min_group_size`` defaults to 3 (MIN_GROUP_SIZE)
     """
 
-    # a round that reduces with CenteredClip is another protocol: peers that take the plain mean must not join it
     rpc_name_prefix = "CenteredClip"
-    # hivemind caches a class's RPC handlers and stub in these class attributes, and a subclass would inherit
-    # its base's cache (with the base's RPC names) if the base had filled it first: each class fills its own
+    # hivemind caches RPC handlers in class attributes: each class fills its own
     _rpc_handlers = None
     _stub_type = None
 
@@ -335,8 +268,7 @@ class CenteredClipAveragerMixin(RunnerChoiceMixin):
             raise ValueError(f"clip_iterations={clip_iterations!r} is not allowed: expected an integer >= 1")
         # set before the averager's __init__, which starts its background process (a fork of this one)
         self.clip_tau, self.clip_iterations = float(clip_tau), clip_iterations
-        # in a group of 2 an attacker holds half of the weight and CenteredClip cannot tell who is honest: groups
-        # of 3 or more, or no averaging at all (hivemind's optimizer then steps with the local gradients)
+        # in a group of 2 an attacker holds half of the weight
         kwargs.setdefault("min_group_size", MIN_GROUP_SIZE)
         super().__init__(*args, **kwargs)
 
@@ -373,7 +305,9 @@ def robust_grad_averager_factory(
     :param averager_class: the GradientAverager (sub)class to extend, e.g. one that checks who calls it
     :param averager_kwargs: more fixed arguments of the averager (e.g. ``request_timeout``)
     """
-    return partial(with_centered_clip(averager_class), clip_tau=tau, clip_iterations=iterations, **averager_kwargs)
+    # a Callable: mypy's partial cannot call a type[Any] (hivemind has no type hints)
+    build: Callable[..., GradientAverager] = with_centered_clip(averager_class)
+    return partial(build, clip_tau=tau, clip_iterations=iterations, **averager_kwargs)
 
 
 def grad_averager_factory(
@@ -394,7 +328,8 @@ def grad_averager_factory(
     :param averager_kwargs: more fixed arguments of the averager (e.g. ``request_timeout``)
     """
     if aggregation == "mean":
-        return partial(averager_class, **averager_kwargs)
+        build: Callable[..., GradientAverager] = averager_class  # as in robust_grad_averager_factory
+        return partial(build, **averager_kwargs)
     if aggregation == "centered_clip":
         return robust_grad_averager_factory(tau, iterations, averager_class, **averager_kwargs)
     raise ValueError(f"aggregation={aggregation!r} is not allowed: choose one of {', '.join(AGGREGATIONS)}")

@@ -26,7 +26,8 @@ import os
 import shlex
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -60,11 +61,14 @@ class DataMismatch(SettingProblem):
 class RunCardRecord(BaseModel):
     """A card as it travels in the DHT: plain strings and a number (the settings as JSON)."""
 
-    run_id: constr(strict=True, min_length=1, max_length=128)
-    preset: constr(strict=True, min_length=1, max_length=32)
-    settings: constr(strict=True, max_length=32768)  # JSON: {"model": {...}, "optimizer": {...}, "data": {...}}
-    data: constr(strict=True, min_length=1, max_length=1024) | None = None
-    author: constr(strict=True, min_length=1, max_length=128)  # the author's libp2p peer id, base58
+    # mypy reads pydantic's constr as a call, not the type it builds: valid-type ignored on each
+    run_id: constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
+    preset: constr(strict=True, min_length=1, max_length=32)  # type: ignore[valid-type]
+    # JSON: {"model": {...}, "optimizer": {...}, "data": {...}}
+    settings: constr(strict=True, max_length=32768)  # type: ignore[valid-type]
+    data: constr(strict=True, min_length=1, max_length=1024) | None = None  # type: ignore[valid-type]
+    # the author's libp2p peer id, base58
+    author: constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
     time: StrictFloat
 
 
@@ -223,7 +227,7 @@ class RunCardKeeper:
 def read_run_cards(dht: hivemind.DHT) -> list[RunCard]:
     """Every well-formed card the DHT holds (its validators have checked signatures and the schema already)."""
     found = dht.get(RUNS_KEY, latest=True)
-    cards = []
+    cards: list[RunCard] = []
     if found is None or not isinstance(found.value, dict):
         return cards
     for entry in found.value.values():

@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -22,15 +23,20 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from collab_kit.swarm.four_bit import is_whole_average, round_4bit, sends_4_bits, serialize_average
 
+if TYPE_CHECKING:  # the type checker's view: what each mixin is put before
+    from hivemind.averaging import DecentralizedAverager
 
-class StandInRunnerMixin:
-    """Put before hivemind's AllReduceRunner: with ``stand_ins`` and a weight of 0, this peer sends each reducer one zero
-    value per part instead of the part itself, and still gets every averaged part back.
+    _RunnerBase: TypeAlias = AllReduceRunner
+    _AveragerBase: TypeAlias = DecentralizedAverager
+else:
+    _RunnerBase = _AveragerBase = object
 
-    A reducer adds each sender's part times its weight, so a part of weight 0 never counts, whatever its values; one
-    value broadcasts to the part's shape in hivemind's accumulator and in CenteredClip's (collab_kit.swarm.robust), and
-    the reducer sends back the average minus it, a part of full shape. The anchor, whose parts are zeros of weight 0,
-    so sends its reducers a few bytes per part instead of its share of the vector
+
+class StandInRunnerMixin(_RunnerBase):
+    """Put before hivemind's AllReduceRunner: with ``stand_ins`` and a weight of 0, this peer sends each reducer one
+    zero value per part instead of the part itself, and still gets every averaged part back.
+
+    A part of weight 0 never counts, and one value broadcasts to the part's shape
     (tests/swarm/test_robust.py::test_an_anchor_sends_its_reducers_almost_nothing_and_gets_the_whole_average).
     """
 
@@ -59,17 +65,13 @@ class StandInRunnerMixin:
                 yield averaging_pb2.AveragingData(tensor_part=stand_in, weight=self.weight)
 
 
-class SharedFourBitAverageMixin:
+class SharedFourBitAverageMixin(_RunnerBase):
     """Put before hivemind's AllReduceRunner: the parts sent in 4 bits (collab_kit.swarm.four_bit) come back to every
     member as one and the same 4-bit average.
 
-    hivemind's reducer sends each sender the average minus the sender's part, in the sender's compression: in 4 bits
-    each member rounds a different difference, and the members' results differ by a rounding every round. Peers in
-    client mode never average their parameters, so in the local-update mode their global parameters walked apart, by
-    0.07 of a round's change after four rounds on the tiny preset. Here the reducer rounds each 4-bit part's average
-    to the 4-bit grid, takes that for its own share, and sends it whole (exact: it is on the grid); a member subtracts
-    the part it sent (tests/swarm/test_local_updates.py::test_4_bit_pseudo_gradients_with_error_feedback_average_
-    through_hivemind). Parts in other compressions go as hivemind sends them.
+    hivemind's reply (the average minus the sender's part, rounded in 4 bits per sender) would set members apart;
+    here the reducer sends the rounded average whole, and a member subtracts its part. Shown by
+    tests/swarm/test_local_updates.py::test_4_bit_pseudo_gradients_with_error_feedback_average_through_hivemind.
     """
 
     def __init__(self, **kwargs):
@@ -133,17 +135,13 @@ class SharedFourBitAverageMixin:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class StreamedResultsMixin:
+class StreamedResultsMixin(_RunnerBase):
     """Put before hivemind's AllReduceRunner: a member in client mode that is a kit peer gets its averaged parts while
     it still sends (``streamed_results``: per member, whether it reads its averages as they come).
 
-    hivemind 1.1.12 holds a client-mode member's averages back until it has sent all of its parts, on both ends of
-    the stream (``should_delay_results``): its link carries the vector up, then the averages down, one after the
-    other. A volunteer behind NAT has a link each way, so the two can overlap, as they do for members that accept
-    connections, and a fragment's round takes the longer of the two instead of their sum (python -m
-    benchmarks.utilization). A member that is not a kit peer (one written with plain hivemind calls) reads its
-    averages only once it has sent everything: a reducer that streamed them would stall on the unread ones, so it
-    keeps hivemind's rule (tests/swarm/test_robust.py::test_a_member_in_client_mode_gets_averages_while_it_sends).
+    hivemind 1.1.12 holds them back until it has sent everything (``should_delay_results``); overlapping the two
+    directions makes a round take the longer, not the sum. A member that is not a kit peer keeps hivemind's rule
+    (tests/swarm/test_robust.py::test_a_member_in_client_mode_gets_averages_while_it_sends).
     """
 
     def __init__(self, *, streamed_results: Sequence[bool] = (), **kwargs):
@@ -171,12 +169,12 @@ class StandInAllReduceRunner(StreamedResultsMixin, SharedFourBitAverageMixin, St
     """hivemind's AllReduceRunner with StreamedResultsMixin, SharedFourBitAverageMixin and StandInRunnerMixin."""
 
 
-class RunnerChoiceMixin:
+class RunnerChoiceMixin(_AveragerBase):
     """Put before a hivemind averager class: its rounds run the all-reduce runner ``make_allreduce_runner`` builds
     (StandInAllReduceRunner by default, sending stand-ins when ``sends_stand_ins``).
 
     hivemind builds the runner inside ``DecentralizedAverager._run_allreduce_inplace_`` (1.1.12), copied here with the
-    runner's class as the one change; a mixin that reduces another way (CenteredClip) overrides ``make_allreduce_runner``.
+    runner's class as the one change; CenteredClip overrides ``make_allreduce_runner``.
     """
 
     sends_stand_ins = False  # whether parts of weight 0 go out as one value each (StandInRunnerMixin)
@@ -189,9 +187,7 @@ class RunnerChoiceMixin:
         """Each member's mode in a round: auxiliary where its all-gather says so, else hivemind's rule (client mode for
         a member that reduces nothing, a node otherwise).
 
-        hivemind 1.1.12 reads each member's mode from the all-gather but does not pass it to the runner, which then
-        takes an auxiliary peer for a node: it sends its parts and gets the average back. An auxiliary peer only
-        reduces: it sends nothing of its own and gets nothing back
+        hivemind 1.1.12 does not pass the mode to the runner, which then takes an auxiliary peer for a node
         (tests/swarm/test_robust.py::test_an_auxiliary_anchor_only_reduces)."""
         announced = [AveragingMode(self.serializer.loads(entry)[1]) for entry in group_info.gathered]
         return tuple(
@@ -220,7 +216,9 @@ class RunnerChoiceMixin:
             streamed_results=streamed,
             **kwargs,
         )
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        assert group_id in self._running_groups, (
+            f"Group id {group_id!r} was not registered in _register_allreduce_group"
+        )
         self._running_groups[group_id].set_result(runner)
 
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:

@@ -1,33 +1,26 @@
 """Streams between averagers that end only once their last message is through: the caller closes them, not the server.
 
-hivemind's averagers answer each other over streams of the p2p daemon: in an all-reduce round a peer sends a reducer
-its parts and reads back one averaged part per part sent (``rpc_aggregate_part``); in matchmaking a follower asks a
-leader to join and reads back ACCEPTED, then the message that begins the round (``rpc_join_group``). The server
-closes its end right after writing its last message, and that message may still be on its way through the two
-daemons: now and then the caller read the stream's end instead. Seen on two tiny-preset peers on 127.0.0.1, about
-once in 200 rounds: "peer ... sent 4 parts, but we expected 5" (the round's result partial, and two peers that must
-end equal ended apart), and a follower never told that its group began (its leader averaged alone in a group of two,
-the follower waited out its timeout and averaged in no group at all).
+hivemind's server closes a stream (``rpc_aggregate_part``, ``rpc_join_group``) right after writing its last
+message, which may then never reach the caller (docs/known-hivemind-behaviours.md). Here the side that knows the
+stream is done closes it:
 
-The side that knows the stream is done closes it instead, once it has read everything:
+- as a caller of ``rpc_aggregate_part``, once every part sent has its averaged part back
+  (``stub_closing_answered_streams``);
+- as a server, a stream answered in full stays open until the caller closes it, for at most
+  ``answered_stream_linger`` seconds; a stream the server gives up on ends at once.
 
-- as a caller of ``rpc_aggregate_part``, the averager closes the stream once every part it sent has its averaged part
-  back (``stub_closing_answered_streams``, through ``get_stub``); hivemind's follower already closes a join request
-  once it has its answer;
-- as a server, it leaves a stream it answered in full open until the caller closes it, for at most
-  ``answered_stream_linger`` seconds (a caller that reads to the end, as hivemind's does, gets it then). A stream the
-  server gives up on (a rejected request, a banned sender, an error) ends at once, as hivemind ends it.
-
-A state download (``rpc_download_state``) is left as hivemind has it: its caller cannot tell the last part (it reads
-to the end), and a download cut short fails its size check and is tried again.
+State downloads are left as hivemind has them (a download cut short fails its size check and is tried again).
+Shown by tests/swarm/test_streams.py::test_a_kit_averager_and_one_as_hivemind_ships_it_still_average_in_full.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import typing
+from collections.abc import AsyncGenerator
 from contextlib import suppress
-from typing import AsyncIterator
+from typing import AsyncIterator  # noqa: UP035 (hivemind finds a stream rpc_ handler by typing's hint)
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -55,7 +48,7 @@ class _CountedRequests:
 
 
 async def _answers_until_complete(
-    answers: AsyncIterator[averaging_pb2.AveragingData], sent: _CountedRequests, all_sent: asyncio.Event
+    answers: AsyncGenerator[averaging_pb2.AveragingData, None], sent: _CountedRequests, all_sent: asyncio.Event
 ) -> AsyncIterator[averaging_pb2.AveragingData]:
     """Yield the server's answers until every part sent is answered (then close the stream), or until its end."""
     received, next_answer, sending_done = 0, None, None
@@ -67,9 +60,7 @@ async def _answers_until_complete(
                 if next_answer is None:
                     next_answer = asyncio.ensure_future(anext(answers))
                 if received >= sent.count:
-                    # every part sent so far is answered: either more parts are coming, or the last one just went out
-                    # and no answer will follow. Wait for whichever comes first (never only for the end of sending: a
-                    # server that cannot write its answers stops reading parts too)
+                    # every part sent is answered: wait for the next part or the end of sending, whichever comes first
                     sending_done = asyncio.ensure_future(all_sent.wait())
                     await asyncio.wait({next_answer, sending_done}, return_when=asyncio.FIRST_COMPLETED)
                     sending_done.cancel()
@@ -121,7 +112,15 @@ def stub_closing_answered_streams(stub):
     return _StubClosingAnsweredStreams(stub)
 
 
-class CallerClosesStreamsMixin:
+if typing.TYPE_CHECKING:
+    from hivemind.averaging import DecentralizedAverager
+
+    _AveragerBase: typing.TypeAlias = DecentralizedAverager  # the type checker's view: what the mixin is put before
+else:
+    _AveragerBase = object
+
+
+class CallerClosesStreamsMixin(_AveragerBase):
     """Put before a hivemind averager class: the streams it calls and serves in rounds and matchmaking end with the
     caller's close once the caller has every message (see the module's docstring)."""
 

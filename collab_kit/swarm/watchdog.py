@@ -1,9 +1,7 @@
 """Staying in the swarm: the watchdog that tells a cut link from a working one and dials the initial peers again.
 
-A peer in client mode knows one or two neighbours in the DHT (the peers that accept connections it joined through).
-hivemind removes a neighbour from the routing table as soon as one request to it goes unanswered within the DHT's
-``wait_timeout``; with its only neighbour gone, nothing fills the table again. ``SwarmWatchdog`` dials the initial
-peers again then, and tells a link that is really cut (and its return) from one that is only slow.
+hivemind drops a neighbour whose answer is late, and a peer in client mode knows one or two: ``SwarmWatchdog`` dials
+the initial peers again then, and tells a cut link (and its return) from a slow one.
 """
 
 from __future__ import annotations
@@ -12,8 +10,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Callable, Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -37,8 +35,7 @@ def _tcp_endpoint(maddr: Multiaddr) -> tuple[str, int] | None:
 async def _tcp_answers(endpoint: tuple[str, int] | None, timeout: float) -> bool:
     """Whether a TCP connection to ``endpoint`` opens within ``timeout`` (None: cannot tell, counted as yes).
 
-    A plain TCP dial, outside libp2p: it says whether the link works without adding to libp2p's dial backoff, which
-    grows with every failed dial of a peer (5 s + tries^2 s) and would keep a peer away long after its link is back.
+    Outside libp2p, so it adds nothing to libp2p's dial backoff (5 s + tries^2 s per peer).
     """
     if endpoint is None:
         return True
@@ -132,22 +129,11 @@ class SwarmWatchdog:
     """Keeps a peer in the swarm: dials its initial peers again when its DHT knows no one, and tells when its link is
     down and when it is back.
 
-    Two things look alike from inside a peer and are not:
-
-    - its DHT's routing table empties: a request to its only neighbour (a peer in client mode knows few) timed out on a
-      busy machine or a slow link, and hivemind removes a peer that does not answer. With nobody left to ask, nothing
-      fills the table again, and the peer would read the swarm's progress and find averaging groups no more. The
-      watchdog dials the initial peers again at its next check (every ``period`` seconds).
-    - its link is down: every ``probe_every`` seconds (every check while the table is empty or a probe went
-      unanswered) it opens a TCP connection to each initial peer and pings a few neighbours of its DHT. Any answer
-      means the link works: the initial peers may be gone while the swarm lives on. When nothing answers, probe after
-      probe, for ``down_after`` seconds (a thin link that a download fills queues a new connection behind it for
-      seconds: one probe that times out is no cut), the watchdog says so once and calls ``on_link_down`` (the
-      volunteer gives up its averaging round, which cannot finish, and waits). The table is no sign here: hivemind
-      empties it only when a request of the peer's own times out, tens of seconds into a cut. When an initial peer
-      answers again, it drops libp2p's old connections, dials afresh and calls ``on_link_back`` (the volunteer loads
-      the swarm's state and goes on). An address that answers as another peer (a first peer started again with a
-      new identity) is no return of the link, and is said as such.
+    - an empty routing table (hivemind dropped a late neighbour): it dials the initial peers again at its next check;
+    - a link down: probes (a TCP connection to each initial peer, pings to a few neighbours) unanswered for
+      ``down_after`` seconds call ``on_link_down``; an initial peer that answers again calls ``on_link_back`` after
+      fresh dials. An address that answers as another peer is no return of the link
+      (tests/swarm/test_watchdog.py::test_another_peer_on_the_first_peers_port_is_no_link_back_and_the_same_peer_is).
 
     :param dht: this peer's DHT
     :param initial_peers: the addresses it joined through
@@ -177,8 +163,8 @@ class SwarmWatchdog:
         self.link_outages = 0  # times the link went down
         self.link_down = threading.Event()  # set while nothing of the swarm answers
         self.link_down_since: float | None = None  # time.time() when the link went down
-        self._impostors = set()  # initial peers at whose address another peer answers now
-        self._told_impostors = set()  # those said already, once each
+        self._impostors: set[str] = set()  # initial peers at whose address another peer answers now
+        self._told_impostors: set[str] = set()  # those said already, once each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="collab_kit-swarm-watchdog")
         if self.initial_peers:
@@ -226,6 +212,7 @@ class SwarmWatchdog:
                 )
             if self.link_down.is_set():
                 if known and reachable:
+                    assert self.link_down_since is not None  # set with link_down
                     logger.warning(f"the link to the swarm is back after {time.time() - self.link_down_since:.0f} s")
                     self.link_down.clear()
                     self.link_down_since = None
