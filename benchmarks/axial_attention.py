@@ -54,7 +54,7 @@ def measure(kinds=("row", "column", "conv"), repeats: int = 5, batch: int = 1) -
             dense=step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
         )
         times = {name: [] for name in sides}
-        for name, fn in sides.items():
+        for fn in sides.values():
             fn()  # warm-up: masks, allocator
         for _ in range(repeats):
             for name, fn in sides.items():

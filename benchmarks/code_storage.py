@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -293,7 +293,8 @@ def run(quick: bool = False) -> list[dict]:
             flush=True,
         )
     print(
-        f"  codes column {image_bytes:.0f} B/sample, whole row {stored:.0f} B/sample (codec {result['kit']:.0f} B, int16+Brotli {result['int16_brotli']:.0f} B, "
+        f"  codes column {image_bytes:.0f} B/sample, whole row {stored:.0f} B/sample (codec {result['kit']:.0f} B, "
+        f"int16+Brotli {result['int16_brotli']:.0f} B, "
         f"floor {result['floor']:.0f} B)",
         flush=True,
     )

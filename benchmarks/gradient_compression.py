@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,7 +36,8 @@ worst relative error, or the error decoding raised (it did with numpy 2.4, which
 8-bit codec does not support; pyproject pins numpy<2.4).
 
 The paper preset's model (125 M stored parameters, 1.1 B of compute at 1280 positions) is too slow to
-back-propagate on this CPU; its row serializes, for every parameter shape of the model built on the meta device, a tensor of
+back-propagate on this CPU; its row serializes, for every parameter shape of the model built on the meta device, a
+tensor of
 that shape filled with normal noise. The byte counts of these encodings depend only on the number
 of elements, not on the values, so this row is exact for sizes but uses no real gradients.
 """

@@ -28,7 +28,8 @@ few hundred bytes to 1.6 KB each. Each is decoded by `decode_codes` in a process
 one warm-up call on a legal record), which reports the growth of its resident memory's peak at the first call
 (`/proc/self/clear_refs` reset, then `VmHWM` - `VmRSS`) and the call's time (`time.perf_counter`, best of 5, 3
 with `--quick`). The baseline, measured the same way: plain `brotli.decompress` of the 256 MiB bomb of window
-4 MiB (one call), what the codec did before. The figures are the worst bomb / that baseline; the details give the absolute figures against the issue's
+4 MiB (one call), what the codec did before. The figures are the worst bomb / that baseline; the details give the
+absolute figures against the issue's
 bound (refused within 0.1 s and 10 MB), and the largest legal record's decoding for scale.
 """
 

@@ -14,7 +14,7 @@ import gc
 import sys
 import time
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,7 +38,8 @@ precision="mixed", checkpointing=...)`. Each setting is measured once: bytes are
   checkpointing, then `optimizer.step()` with `torch.optim.Adam` and, on the same gradients, bitsandbytes'
   `Adam8bit`), the bytes of the tensors (`collab_kit.memory.measured.parameter_bytes`, `gradient_bytes`,
   `optimizer_state_bytes`) must equal those of `estimate("gpt2-small" | ...)`, the catalogue shape counted from its
-  dimensions (an estimate of the built model's own tensors would match by construction). That step runs in fp32: parameters and gradients are
+  dimensions (an estimate of the built model's own tensors would match by construction). That step runs in fp32:
+  parameters and gradients are
   fp32 under autocast too, and this CPU (no bf16 instructions) runs bf16 products three times slower.
 - Activations, without checkpointing: every storage alive at the end of the forward pass (still inside
   autocast) that the forward created, parameters excluded, each storage once: what autograd saves for
@@ -196,7 +197,8 @@ def measure_activations(model, tokens: torch.Tensor) -> dict[str, int]:
         recompute_copies=sum(recompute_copies.values()),
     )
     result["total"] = result["live"] + result["logits_gradient"] + result["recompute"]
-    del output, block_call
+    del output
+    block_call.clear()
     return result
 
 

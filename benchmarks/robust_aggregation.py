@@ -18,7 +18,7 @@ HOW = """
 Four peers of the `tiny` preset, each its own process on 127.0.0.1 (`collab-kit join --events`, synthetic shards
 of 512 samples, 1 torch thread each), train together for 10 global epochs (4 in `--quick`) of 1024 samples,
 matchmaking 3 s, gradients of tensors of 1024 values or more in 8 bits, state averaging off (this is about the
-gradients). One peer is `tests/byzantine_peer.py`: `collab-kit join` whose averager multiplies the gradients it
+gradients). One peer is `tests/helpers/byzantine_peer.py`: `collab-kit join` whose averager multiplies the gradients it
 sends by -1000 (x 1000 would not hurt: LAMB and gradient clipping ignore the scale, the swarm would only train on
 that peer's batch); it reduces its own span honestly. The figure is the mean loss of the honest peers' last 3
 epochs over that of their first 3, with `--set optimizer.aggregation=centered_clip` (default `clip_tau=0.5`,

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from benchmarks import common
 from collab_kit.roles.processes import PeerFailed, PeerProcess
@@ -91,7 +91,8 @@ def parameter_count(width: int) -> int:
 TITLE = "Swarm scaling (simulated compute): time per global epoch with 2, 4 and 6 peers, and one peer 4x slower"
 HOW = """
 Every peer is its own process on 127.0.0.1 (`python -m benchmarks.swarm_scaling --peer ...`) with the kit's
-optimizer, `collab_kit.swarm.optimizer.make_optimizer` (hivemind.Optimizer around 8-bit LAMB, offloaded and delayed step,
+optimizer, `collab_kit.swarm.optimizer.make_optimizer` (hivemind.Optimizer around 8-bit LAMB, offloaded and delayed
+step,
 size-adaptive gradient compression, state averaging every epoch) at the kit's defaults, except: target batch
 {target}, micro-batches of {micro} samples, matchmaking {matchmaking:g} s, progress refresh period {refresh:g} s. The
 model is an MLP of {params:,} parameters: real gradients, averaged for real over loopback. Only the compute is
@@ -511,7 +512,8 @@ def run(quick: bool = False) -> list[dict]:
             f"({UNEVEN_PEERS - 1} + 1/{SLOW_FACTOR:g} peers) + overhead {overhead:.2f} s measured with {UNEVEN_PEERS} "
             f"equal peers ({equal['seconds']:.2f} s per epoch); waiting for the slow peer's equal share would take "
             f"{synchronous:.1f} s; the slow peer contributed {100 * share:.1f}% of the samples (its throughput share: "
-            f"{100 * slow / (UNEVEN_PEERS - 1 + slow):.1f}%), mean group {uneven['mean_group']:.1f}{left_behind(uneven)}.",
+            f"{100 * slow / (UNEVEN_PEERS - 1 + slow):.1f}%), "
+            f"mean group {uneven['mean_group']:.1f}{left_behind(uneven)}.",
             note=f"waiting for it: {synchronous / predicted:.1f}x",
         )
     )

@@ -17,7 +17,8 @@ HOW = """
 `collab_kit.toy.clip.load_toy_clip()` loads the weights shipped in `collab_kit/toy/assets/clip/` (trained by
 `python -m collab_kit.toy.clip --output collab_kit/toy/assets/clip --steps 1500 --threads 1`, its training time in
 that folder's `metrics.json`). CLIP: `collab_kit.toy.clip.evaluate_toy_clip` on the held-out
-pictures `synthetic.scenes(512, seed=20211206)` (seeds the training never draws): for each picture, its caption against 7
+pictures `synthetic.scenes(512, seed=20211206)` (seeds the training never draws): for each picture, its caption against
+7
 captions of other held-out pictures; the figure is the share where its own caption has the highest cosine (chance
 0.125). The details add the colour test (its caption against the 7 same captions in the other colours) and the same
 on pictures blurred as a VQGAN reconstruction would be. VQGAN: mean PSNR of decode(encode(x)) against x over its
@@ -127,7 +128,8 @@ def run(quick: bool = False) -> list[dict]:
     accuracy = sharp["retrieval_accuracy_of_8"]
     print(f"  toy CLIP: right caption of 8 {accuracy:.3f}, colour of 8 {sharp['colour_accuracy_of_8']:.3f}", flush=True)
     details = (
-        f"{count} held-out pictures: right caption of 8 {accuracy:.3f} (stated {stated['retrieval_accuracy_of_8']:.3f}, "
+        f"{count} held-out pictures: right caption of 8 {accuracy:.3f} "
+        f"(stated {stated['retrieval_accuracy_of_8']:.3f}, "
         f"chance 0.125), right colour of 8 {sharp['colour_accuracy_of_8']:.3f}, shape of 5 "
         f"{sharp['shape_accuracy_of_5']:.3f}; blurred pictures: caption {blurred['retrieval_accuracy_of_8']:.3f}, "
         f"colour {blurred['colour_accuracy_of_8']:.3f}. Trained {stated['steps']} steps of batch "
@@ -159,7 +161,8 @@ def run(quick: bool = False) -> list[dict]:
             measured["psnr_db"],
             ">= 25",
             f"{measured['psnr_db']:.2f} dB",
-            f"{measured['held_out']} held-out pictures (seed {measured['held_out_seed']}): {measured['psnr_db']:.2f} dB "
+            f"{measured['held_out']} held-out pictures (seed {measured['held_out_seed']}): "
+            f"{measured['psnr_db']:.2f} dB "
             f"(stated {stated['psnr_db']:.2f}), the caption's colour kept in {measured['color_match']:.3f} of the "
             f"reconstructions, {measured['codes_used']} of {stated['codebook_size']} codes used. Trained "
             f"{stated['steps']} steps of batch {stated['batch_size']} in {stated['train_seconds'] / 60:.1f} min on "

@@ -7,7 +7,7 @@ are those every entry point shares; the DHT that dials them is ``collab_kit.swar
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from collab_kit.errors import CollabKitError
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from collab_kit.addresses import all_on_this_machine, parse_initial_peers
 from collab_kit.errors import CollabKitError
@@ -162,8 +163,10 @@ class ModelConfig:
         Without sharing each layer is its own block. Shared, layer ``i`` uses block ``i % len(attention_pattern)``,
         and the last layer (when ``last_layer_attention`` is set) has a block of its own: 64 layers, pattern of 4 -> 5.
         """
-        pattern, plan, blocks = self.attention_pattern, [], {}
+        pattern, plan = self.attention_pattern, []
+        blocks: dict[int | str, int] = {}  # block key (layer index, pattern slot or "last") -> block index
         for i in range(self.num_layers):
+            key: int | str
             if i == self.num_layers - 1 and self.last_layer_attention is not None:
                 key, kind = "last", self.last_layer_attention
             else:
@@ -435,7 +438,7 @@ class SwarmConfig:
 class DataConfig:
     """Where training samples come from and how they are batched."""
 
-    # a folder of parquet shards, a glob, a Hub dataset id, or "synthetic" (made on each peer, collab_kit.data.synthetic);
+    # parquet shards (folder or glob), a Hub dataset id, or "synthetic" (made on each peer, collab_kit.data.synthetic);
     # None: the run's own data, as its first peer published it (collab_kit.swarm.run_card)
     shards: str | None = None
     shuffle_buffer: int = 1024

@@ -8,8 +8,8 @@ the user's own work. So each silence here holds for one call.
 import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Iterator
 
 
 class _DropMessages(logging.Filter):
@@ -76,7 +76,8 @@ def import_bitsandbytes() -> ModuleType:
 
     Nor may it fetch those kernels from the Hub: where the ``kernels`` package is installed (transformers >= 5.25
     requires it), bitsandbytes downloads them at import on CPUs with AVX-512 BF16, and offline it logs a warning.
-    Shown by ``tests/swarm/test_optim.py::test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels``."""
+    Shown by
+    ``tests/swarm/test_optim.py::test_importing_the_kit_prints_nothing_of_bitsandbytes_unused_4bit_kernels``."""
     with (
         without_log_messages("bitsandbytes.backends.cpu.ops", "gemm_4bit"),
         without_torch_compile(),

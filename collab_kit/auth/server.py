@@ -75,7 +75,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import uvicorn
 from cryptography.hazmat.primitives import serialization

@@ -9,8 +9,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from huggingface_hub import constants
 

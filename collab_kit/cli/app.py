@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from collab_kit.cli import (
     anchor,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from collab_kit.cli.common import CommandError, add_swarm_options, build_config, handle_stop_signals
 from collab_kit.roles.processes import emit_event

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         + (", reversible" if model.reversible else "")
     )
     print(
-        f"width: hidden {model.hidden_size}, {info['heads']} heads, GEGLU inner {model.ffn_multiplier * model.hidden_size}"
+        f"width: hidden {model.hidden_size}, {info['heads']} heads, "
+        f"GEGLU inner {model.ffn_multiplier * model.hidden_size}"
     )
     print(f"sequence: {info['sequence']} = {model.sequence_length} positions")
     print(f"params: unique={unique} compute={compute}")

@@ -36,8 +36,8 @@ import glob
 import logging
 import math
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow.parquet as pq

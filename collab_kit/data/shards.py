@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -112,7 +112,8 @@ class DataSourceError(SettingProblem):
 
 
 class DataSourceMissing(DataSourceError, SettingFileMissing):
-    """Nothing is where the data setting points (no folder, no repository, no shard): caught as FileNotFoundError too."""
+    """Nothing is where the data setting points (no folder, no repository, no shard): caught as FileNotFoundError
+    too."""
 
 
 def is_hub_dataset(source: str) -> bool:

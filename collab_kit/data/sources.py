@@ -28,8 +28,8 @@ import json
 import os
 import posixpath
 import tarfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
 
 import fsspec
 import pyarrow.parquet as pq
@@ -42,7 +42,7 @@ CAPTION_COLUMNS = ("caption", "text", "TEXT", "txt")
 NSFW_COLUMNS = ("NSFW", "nsfw")
 SOURCE_FORMATS = ("folder", "webdataset", "parquet", "disk", "hub")
 
-ImageLike = Union[None, str, bytes, dict, Image.Image]
+ImageLike = None | str | bytes | dict | Image.Image
 
 
 @dataclass

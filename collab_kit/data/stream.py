@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import datasets
 import pyarrow as pa

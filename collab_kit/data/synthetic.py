@@ -20,8 +20,8 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw

@@ -10,7 +10,7 @@ whose configuration is unknown, from its text vocabulary's size.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -41,7 +41,8 @@ class ByteCaptionTokenizer:
 
 
 class PretrainedCaptionTokenizer:
-    """A Hugging Face tokenizer (t5-small in the paper) behind ``encode(caption, length)``, padded with ``pad_token_id``.
+    """A Hugging Face tokenizer (t5-small in the paper) behind ``encode(caption, length)``, padded with
+    ``pad_token_id``.
 
     The paper pads with eos (pad = eos = 1 for t5-small), so the model sees one token for "nothing more".
     """

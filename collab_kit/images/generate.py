@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from PIL import Image

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -32,8 +32,8 @@ collab_kit.memory.widgets.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from collab_kit.memory.architecture import Architecture, numel, resolve_model
 from collab_kit.memory.catalogue import FEED_FORWARD_TENSORS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import io
-from typing import Mapping
+from collections.abc import Mapping
 
 from collab_kit.memory.architecture import resolve_model
 from collab_kit.memory.catalogue import known_models

@@ -80,7 +80,7 @@ class Layout:
         return torch.cat([caption, image.flatten(2, 3)], dim=2)
 
     def _band_of_rows(self, grid: torch.Tensor) -> torch.Tensor:
-        """``[b, h, S, S, d]`` -> ``[b, h, S, (half + 1) * S, d]``: for row r, rows r - half .. r (zeros above row 0)."""
+        """``[b, h, S, S, d]`` -> ``[b, h, S, (half + 1) * S, d]``: row r gets rows r - half .. r, zeros above row 0."""
         half = self.conv_kernel_size // 2
         padded = F.pad(grid, (0, 0, 0, 0, half, 0))  # `half` rows of zeros above the image
         bands = padded.unfold(2, half + 1, 1)  # [b, h, S, S, d, half + 1]

@@ -190,7 +190,7 @@ def load_latest_checkpoint(folder: str) -> tuple[TextToImageTransformer, RunConf
             f"(the monitor writes them there with `collab-kit monitor --checkpoints {folder}`)"
         )
     problems = []
-    for epoch, path in reversed(series):
+    for _epoch, path in reversed(series):
         try:
             model, config, metadata = load_checkpoint(path)
         except Exception as e:  # safetensors, json and the config's checks each raise their own kind

@@ -18,14 +18,15 @@ and random weights, and a tokenizer made in memory: tests and the CPU demo use i
 from __future__ import annotations
 
 import logging
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer
+from transformers import AutoTokenizer, CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTokenizer, CLIPVisionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ DEFAULT_CLIP = "openai/clip-vit-base-patch32"  # the paper's CLIP ViT-B/32
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the statistics of CLIP's training images
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-Images = Union[torch.Tensor, Sequence[Union[torch.Tensor, "PIL.Image.Image"]]]  # noqa: F821 (PIL is optional)
+Images = Union[torch.Tensor, Sequence[Union[torch.Tensor, Image.Image]]]  # noqa: UP007 (a runtime alias)
 
 
 class ClipRanker:
@@ -45,8 +46,9 @@ class ClipRanker:
 
     def __init__(self, model: CLIPModel, tokenizer):
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.image_size = model.config.vision_config.image_size
-        self.max_text_length = model.config.text_config.max_position_embeddings
+        # CLIPConfig turns its sub-config dicts into configs; CLIP's image size is one int
+        self.image_size = cast(int, cast(CLIPVisionConfig, model.config.vision_config).image_size)
+        self.max_text_length = cast(CLIPTextConfig, model.config.text_config).max_position_embeddings
 
     @classmethod
     def from_pretrained(
@@ -72,7 +74,7 @@ class ClipRanker:
                 f"{DEFAULT_CLIP!r} (needs the Internet or a filled cache) or a local folder written by "
                 f"ClipRanker.save_pretrained; tiny_random_clip() needs neither"
             ) from e
-        ranker = cls(model.to(device), tokenizer)
+        ranker = cls(model.to(device), tokenizer)  # type: ignore[arg-type]  # @wraps(Module.to) mistypes .to
         num_parameters = sum(p.numel() for p in model.parameters())
         logger.info(f"loaded CLIP {name_or_path} ({num_parameters / 1e6:.1f}M parameters) on {device}")
         return ranker
@@ -138,6 +140,7 @@ class ClipRanker:
         scores = self.score(prompt, images, batch_size=batch_size)
         kept_scores, order = torch.sort(scores, descending=True, stable=True)
         best = order[:keep]
+        kept_images: Images
         if isinstance(images, torch.Tensor):
             kept_images = images[best.to(images.device)]
         else:
@@ -296,4 +299,4 @@ def tiny_random_clip(seed: int = 0, device: str | torch.device | None = None) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CLIPModel(config)
-    return ClipRanker(model.to(device or "cpu"), tokenizer)
+    return ClipRanker(model.to(device or "cpu"), tokenizer)  # type: ignore[arg-type]  # @wraps(Module.to) mistypes .to

@@ -24,8 +24,8 @@ Shown by tests/model/test_device.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 

@@ -19,7 +19,7 @@ state is kept in forward and replayed in backward (tests/model/test_model.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

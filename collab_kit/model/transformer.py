@@ -24,7 +24,9 @@ from __future__ import annotations
 import functools
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -74,7 +76,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [batch, length, hidden]`` -> q, k, v ``[batch, heads, length, head_size]``, positions applied."""
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -166,10 +170,11 @@ class TextToImageTransformer(nn.Module):
 
     def layers(self, cos: torch.Tensor, sin: torch.Tensor):
         """The ``(f, g)`` pair of every layer, in order: shared blocks appear once per use."""
+        blocks = cast("Sequence[Block]", self.blocks)  # the stubs type ModuleList items as Module
         return [
             (
-                functools.partial(self.blocks[b].attend, cos=cos, sin=sin, layout=self.layout, kind=kind),
-                self.blocks[b].feed_forward,
+                functools.partial(blocks[b].attend, cos=cos, sin=sin, layout=self.layout, kind=kind),
+                blocks[b].feed_forward,
             )
             for b, kind in self.plan
         ]
@@ -220,13 +225,13 @@ class TextToImageTransformer(nn.Module):
             raise ValueError(f"expected text_tokens [batch, {cfg.text_length}], got {tuple(text_tokens.shape)}")
         weight = self.image_embedding.weight
         shape = (text_tokens.shape[0], cfg.num_heads, cfg.sequence_length, cfg.head_size)
+        cos, sin = rotary_tables(cfg, weight.device)
         cache = KVCache(
             keys=[weight.new_empty(shape) for _ in self.plan],
             values=[weight.new_empty(shape) for _ in self.plan],
-            cos=None,
-            sin=None,
+            cos=cos,
+            sin=sin,
         )
-        cache.cos, cache.sin = rotary_tables(cfg, weight.device)
         return self._decode(self.text_embedding(text_tokens), cache), cache
 
     @torch.no_grad()
@@ -240,8 +245,9 @@ class TextToImageTransformer(nn.Module):
         start, end = cache.length, cache.length + x.shape[1]
         cos, sin = cache.cos[start:end], cache.sin[start:end]
         x1 = x2 = x
+        blocks = cast("Sequence[Block]", self.blocks)  # the stubs type ModuleList items as Module
         for i, (b, kind) in enumerate(self.plan):
-            block, mask = self.blocks[b], self.layout.dense_mask(kind, x.device)[start:end, :end]
+            block, mask = blocks[b], self.layout.dense_mask(kind, x.device)[start:end, :end]
             x1 = x1 + block.attention.forward_cached(
                 block.attention_norm(x2), cos, sin, mask, cache.keys[i], cache.values[i], start
             )

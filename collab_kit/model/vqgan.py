@@ -28,7 +28,8 @@ import copy
 import io
 import logging
 import os
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,12 +46,12 @@ GUMBEL_TARGET, VQ_TARGET = "taming.models.vqgan.GumbelVQ", "taming.models.vqgan.
 SUPPORTED_TARGETS = (GUMBEL_TARGET, VQ_TARGET)
 IGNORED_PREFIXES = ("loss.",)  # the discriminator and LPIPS of training: not part of the tokenizer
 
-ConfigLike = Union[None, dict, str, os.PathLike]
+ConfigLike = None | dict | str | os.PathLike
 
 # taming's vqgan_gumbel_f8 (configs/model.yaml of the released model): 256x256 -> 32x32 codes of 8192.
 # Only ddconfig, n_embed and embed_dim shape the network; the rest is kept so the dict stays a
 # complete taming config (the temperature schedule and loss matter to training only).
-PAPER_VQGAN_CONFIG = {
+PAPER_VQGAN_CONFIG: dict[str, Any] = {
     "target": GUMBEL_TARGET,
     "params": {
         "kl_weight": 1.0e-08,
@@ -85,7 +86,7 @@ PAPER_VQGAN_CONFIG = {
 
 # for tests: f=4 (three levels), 16x16 -> 4x4 codes of 32, one attention block at 8x8 so that path
 # runs too. Channels stay multiples of 32 because taming normalizes with GroupNorm(32 groups).
-TINY_VQGAN_CONFIG = {
+TINY_VQGAN_CONFIG: dict[str, Any] = {
     "target": GUMBEL_TARGET,
     "params": {
         "embed_dim": 8,
@@ -280,7 +281,7 @@ def _read_config(config: ConfigLike) -> dict:
     if not isinstance(config, dict):
         raise TypeError(f"expected a config dict or a path to a YAML file, got {type(config).__name__}")
     if "model" in config and "target" not in config:
-        config = config["model"]
+        return config["model"]
     return config
 
 
@@ -375,7 +376,7 @@ def pil_to_tensor(images: Image.Image | Sequence[Image.Image], size: int | None 
         if size is not None:
             scale = size / min(image.size)
             width, height = max(size, round(image.width * scale)), max(size, round(image.height * scale))
-            image = image.resize((width, height), Image.BICUBIC)
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
             left, top = (width - size) // 2, (height - size) // 2
             image = image.crop((left, top, left + size, top + size))
         tensors.append(torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255)  # HWC uint8 -> CHW

@@ -11,7 +11,8 @@ import logging
 import os
 import pickle
 import tempfile
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -100,7 +101,7 @@ def _load_pickle_safely(path: str, map_location) -> object:
     serialization = torch.serialization
     if hasattr(serialization, "get_unsafe_globals_in_checkpoint"):  # torch >= 2.6
         names = serialization.get_unsafe_globals_in_checkpoint(path)
-        stand_ins = [
+        stand_ins: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [  # the type safe_globals takes
             (type(name.rpartition(".")[2], (_StandIn,), {"__module__": name.rpartition(".")[0]}), name)
             for name in names
         ]

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
@@ -194,7 +194,8 @@ class Checkpointer:
                 delay = min(2 * delay, self.settings.backoff_max)
 
     def download(self) -> int:
-        """Load the newest state (the anchor's, else the one a peer gives) into ``self.model``; returns its global epoch.
+        """Load the newest state (the anchor's, else the one a peer gives) into ``self.model``; returns its global
+        epoch.
 
         :raises StateUnavailable: no peer gave its state, or the one given did not fit
         """

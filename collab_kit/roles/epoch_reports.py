@@ -5,7 +5,7 @@ when it trains alone while others train, and its metrics for the monitor. A mixi
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from collab_kit.roles.records import EpochRecord, LoneWarning, TrainingHistory
 

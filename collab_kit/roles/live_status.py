@@ -24,7 +24,7 @@ import math
 import os
 import re
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import hivemind
 

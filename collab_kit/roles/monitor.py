@@ -44,8 +44,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable, Collection
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from collab_kit.errors import CollabKitError
 

@@ -9,7 +9,7 @@ tests/roles/test_volunteer.py.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

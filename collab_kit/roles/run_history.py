@@ -29,8 +29,8 @@ import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from collab_kit.swarm.metrics import PeerMetrics, SwarmSnapshot
 

@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -125,7 +125,8 @@ def toy_clip_tokenizer():
 
 
 def new_toy_clip(seed: int = 0) -> ClipRanker:
-    """An untrained toy CLIP (random weights from ``seed``) with its tokenizer; the global torch RNG is left as it was."""
+    """An untrained toy CLIP (random weights from ``seed``) with its tokenizer; the global torch RNG is left as it
+    was."""
     tokenizer = toy_clip_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -24,9 +24,9 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm

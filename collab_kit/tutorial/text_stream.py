@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import random
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 

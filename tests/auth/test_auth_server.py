@@ -314,7 +314,9 @@ def raw_exchange(port: int, data: bytes, patience: float = 0.75, timeout: float 
                 chunk = connection.recv(65536)
             except TimeoutError:
                 if connection.gettimeout() == timeout:
-                    raise AssertionError(f"no answer and no close within {timeout} s after the end of the request")
+                    raise AssertionError(
+                        f"no answer and no close within {timeout} s after the end of the request"
+                    ) from None
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_WR)
                 connection.settimeout(timeout)

@@ -532,7 +532,8 @@ def test_a_hub_dataset_is_a_source(tmp_path, vqgan, hub_server):
 
 
 def test_images_to_shards_to_the_training_stream_give_the_direct_codes(tmp_path, vqgan):
-    """The whole path: images -> preprocess -> shards -> ShardStream (as a volunteer reads) -> a direct encode's codes."""
+    """The whole path: images -> preprocess -> shards -> ShardStream (as a volunteer reads) -> a direct encode's
+    codes."""
     images = make_captioned_folder(tmp_path / "images", 9)
     preprocess(str(tmp_path / "images"), str(tmp_path / "shards"), vqgan, rows_per_shard=4, progress=False)
     tokenizer = ByteCaptionTokenizer()

@@ -288,7 +288,7 @@ def test_reversible_layers_train_under_bf16_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(text, codes).loss
         loss.backward()
-        grads.append(dict((name, p.grad) for name, p in model.named_parameters()))
+        grads.append({name: p.grad for name, p in model.named_parameters()})
     for name, grad in grads[1].items():
         assert grads[0][name].dtype == torch.float32
         assert ((grads[0][name] - grad).norm() / grad.norm()).item() < 2e-2, name

@@ -1,7 +1,7 @@
 """notebooks/run_your_own.ipynb and collab_kit.roles.services: a run's services started from Python, and stopped.
 
 The notebook runs under papermill against the real services on 127.0.0.1: ``collab-kit auth-server`` in front of
-the stand-in Hub (tests/hub_server.py), ``collab-kit monitor``, a background ``collab-kit join`` and the notebook's
+the stand-in Hub (tests/helpers/hub_server.py), ``collab-kit monitor``, a background ``collab-kit join`` and the notebook's
 own in-process Volunteer. Afterwards no process a service started may be left.
 """
 import json

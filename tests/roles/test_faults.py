@@ -1,6 +1,6 @@
 """Faults in a swarm: a peer killed in the middle of averaging and restarted, a peer whose training goes nan.
 
-Every peer is a real `collab-kit join --events` process on 127.0.0.1 (the nan peer is tests/nan_peer.py,
+Every peer is a real `collab-kit join --events` process on 127.0.0.1 (the nan peer is tests/helpers/nan_peer.py,
 the same command with a fault injected in its own process); the tests wait on their events with deadlines.
 """
 
@@ -344,7 +344,8 @@ def test_a_nan_loss_alone_skips_the_step_and_nan_parameters_alone_stop_with_a_cl
 
 
 # a lone volunteer on 127.0.0.1 whose every step asks for the swarm's state (as a peer behind the swarm does, each step
-# finding it behind): no peer can give it, as when a late joiner's DHT lost its neighbours on a full link; the moment and
+# finding it behind): no peer can give it, as when a late joiner's DHT lost its neighbours on a full link; the moment
+# and
 # outcome of each try, as the volunteer reports them
 STATE_NEVER_COMES = textwrap.dedent("""
     import json, logging, sys, time

@@ -190,7 +190,8 @@ def test_a_username_is_credited_only_when_the_binding_proves_it():
     subkey = RSASignatureValidator(peer_key).local_public_key
 
     def bound(username, key=peer_key, server=server_key, lifetime=datetime.timedelta(hours=1), to=peer_id):
-        """The binding record a peer with ``key`` publishes (collab_kit.swarm.bindings.binding_record), for peer id ``to``."""
+        """The binding record a peer with ``key`` publishes (collab_kit.swarm.bindings.binding_record), for peer id
+        ``to``."""
         token = issue_token(server, username, key.get_public_key().to_bytes(), lifetime)
         return dict(token=token.SerializeToString(), binding=sign_peer_binding(key, token, to.to_bytes()))
 

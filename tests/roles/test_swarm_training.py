@@ -67,7 +67,7 @@ def test_two_peers_average_gradients_and_end_with_the_same_parameters(first_peer
         assert volunteer.wait_exit(timeout=180) == 0, volunteer.log_tail()
 
     initial = None
-    for i, volunteer in enumerate(volunteers):
+    for volunteer in volunteers:
         done = volunteer.wait_for(lambda e: e["type"] == "done", timeout=1, what="done")
         epochs = [e for e in volunteer.events if e["type"] == "epoch"]
         assert done["final_epoch"] == 3

@@ -44,7 +44,8 @@ class FaultyTransformer(TextToImageTransformer):
 
 @pytest.fixture
 def volunteer_with(tiny_shards):
-    """Build a lone volunteer from parts: ``volunteer_with(model_class=..., **class_attributes)``; closed at teardown."""
+    """Build a lone volunteer from parts: ``volunteer_with(model_class=..., **class_attributes)``; closed at
+    teardown."""
     built = []
 
     def build(model_class=TextToImageTransformer, optimizer_settings=(), **attributes) -> Volunteer:

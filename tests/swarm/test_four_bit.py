@@ -1,4 +1,5 @@
-"""4-bit pseudo-gradients (collab_kit.swarm.four_bit): the codec through hivemind's own serialization, and error feedback.
+"""4-bit pseudo-gradients (collab_kit.swarm.four_bit): the codec through hivemind's own serialization, and error
+feedback.
 
 The real peers' rounds in 4 bits are in tests/swarm/test_local_updates.py.
 """

@@ -2,7 +2,7 @@
 RPC names, except where a round computes something else (CenteredClip)."""
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator  # noqa: UP035 (hivemind finds a stream rpc_ handler by typing's hint)
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """The local-update mode (DiLoCo, collab_kit.swarm.local_updates) with real peers on 127.0.0.1.
 
-One swarm serves most tests (tests/round_probe_peer.py reports each round): peer A steps every 0.05 s, peer B every
+One swarm serves most tests (tests/helpers/round_probe_peer.py reports each round): peer A steps every 0.05 s, peer B
+every
 0.10 s (half its speed), and peer C joins at A's speed once A has ended three rounds. The rounds carry pseudo-gradients
 in fp16 (the compression threshold is above every tensor), without state averaging, so that what the outer steps make
 of them can be checked exactly.
@@ -111,7 +112,8 @@ def _round_file(out, round_event):
 
 
 def _each_tensor_from(digests, sources) -> bool:
-    """Whether each tensor (by its digest) is that tensor of one of ``sources`` (lists of digests, in the same order)."""
+    """Whether each tensor (by its digest) is that tensor of one of ``sources`` (lists of digests, in the same
+    order)."""
     return (
         bool(sources)
         and all(len(source) == len(digests) for source in sources)

@@ -113,7 +113,8 @@ WIRING_CHECK = textwrap.dedent("""
         inner = opt.state_averager.optimizer
         with opt.grad_averager.get_tensors() as averaged:
             averaged_shapes = [list(tensor.shape) for tensor in averaged]
-        # the order the README gives a hand-written peer: tensors of 2+ dimensions, then 1-D ones, in model order
+        # the order docs/run-your-own.md gives a hand-written peer: tensors of 2+ dimensions, then 1-D ones,
+        # in model order
         documented = ([list(p.shape) for _, p in model.named_parameters() if p.ndim >= 2] +
                       [list(p.shape) for _, p in model.named_parameters() if p.ndim < 2])
         print(json.dumps(dict(
@@ -149,8 +150,8 @@ def test_make_optimizer_wires_the_papers_choices_into_hivemind():
     assert wiring["matchmaking"] == config.matchmaking_time and wiring["timeout"] == config.averaging_timeout
     assert wiring["join_timeout"] == config.averaging_timeout  # a round not scheduled ahead, in client mode
     assert wiring["compression"] == "SizeAdaptiveCompression" and wiring["threshold"] == 2**16
-    # gradients and parameters are averaged in the order the README documents for a hand-written peer (hivemind
-    # pairs tensors by position): not the model's own order
+    # gradients and parameters are averaged in the order docs/run-your-own.md documents for a
+    # hand-written peer (hivemind pairs tensors by position): not the model's own order
     assert wiring["averaged_shapes"] == wiring["documented_shapes"] == wiring["state_shapes"]
     assert wiring["documented_shapes"] != wiring["model_order_shapes"]
 
@@ -328,7 +329,8 @@ CLIENT_MODE_AVERAGERS = textwrap.dedent("""
     first = start_dht(SwarmConfig(host="127.0.0.1"))
     client = start_dht(SwarmConfig(host="127.0.0.1", client_mode=True, initial_peers=join_addresses(first)))
     config = get_preset("tiny").optimizer
-    optimizer = make_optimizer(TextToImageTransformer(get_preset("tiny").model), client, "run", config, client_mode=True)
+    optimizer = make_optimizer(TextToImageTransformer(get_preset("tiny").model), client, "run", config,
+    client_mode=True)
     waits = [averager.matchmaking_kwargs["request_timeout"]
              for averager in (optimizer.grad_averager, optimizer.state_averager)]
     state = optimizer.state_averager
@@ -584,7 +586,8 @@ def test_a_peer_just_loaded_does_not_download_again_before_it_has_read_the_swarm
 
 # a peer whose reading of the swarm still says epoch 4 (the others' records lag: they ended epoch 4 a moment ago) joins
 # the others' round, which is the round of epoch 5: hivemind's groups are not keyed by epoch. The others are a real
-# gradient averager of the kit in the anchor's role and a progress record, in a process of their own (hivemind signs every record of a
+# gradient averager of the kit in the anchor's role and a progress record, in a process of their own (hivemind signs
+# every record of a
 # process with the same key: two peers in one process would be one record)
 OTHERS_AT_THE_NEXT_EPOCH = textwrap.dedent("""
     import json, sys, time

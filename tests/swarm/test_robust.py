@@ -1,4 +1,5 @@
-"""Robust gradient aggregation (collab_kit.swarm.robust): CenteredClip alone, inside hivemind's all-reduce, and in a swarm
+"""Robust gradient aggregation (collab_kit.swarm.robust): CenteredClip alone, inside hivemind's all-reduce, and in a
+swarm
 with a peer that poisons its gradients."""
 
 import json
@@ -442,7 +443,7 @@ def test_a_member_in_client_mode_gets_averages_while_it_sends():
 
 
 # ---------------------------------------------------------------------------------------------
-# a swarm: 3 honest volunteers and one that sends its gradients times -1000 (tests/byzantine_peer.py)
+# a swarm: 3 honest volunteers and one that sends its gradients times -1000 (tests/helpers/byzantine_peer.py)
 
 
 @pytest.mark.slow

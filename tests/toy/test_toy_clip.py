@@ -1,4 +1,5 @@
-"""The toy CLIP: the shipped one loads offline, is small, and reaches its stated held-out accuracy; training writes one."""
+"""The toy CLIP: the shipped one loads offline, is small, and reaches its stated held-out accuracy; training writes
+one."""
 
 import dataclasses
 import json

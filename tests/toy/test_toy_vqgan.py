@@ -1,4 +1,5 @@
-"""The toy VQGAN shipped with the package: 64x64 pictures <-> 8x8 codes at its stated held-out PSNR; its training runs."""
+"""The toy VQGAN shipped with the package: 64x64 pictures <-> 8x8 codes at its stated held-out PSNR; its training
+runs."""
 
 import json
 import os

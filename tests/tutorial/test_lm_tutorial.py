@@ -230,7 +230,8 @@ def test_8bit_adam_keeps_a_quarter_of_the_state(tokenizer):
     assert sorted(by_bits) == [8, 32]
     for bits, row in by_bits.items():
         assert row.parameters == count_parameters(model) and row.error is None and row.peak_gpu_bytes is None
-        # collab_kit.memory.estimate predicts it from the tensors' sizes, to the byte (its formula: tests/memory/test_memory.py)
+        # collab_kit.memory.estimate predicts it from the tensors' sizes, to the byte (its formula:
+        # tests/memory/test_memory.py)
         assert row.estimated_state_bytes == row.state_bytes > 0, bits
     ratio = by_bits[8].state_bytes / by_bits[32].state_bytes
     assert 0.25 < ratio < 0.26, ratio  # (2 + 8/256) / 8 = 0.254 for large tensors
