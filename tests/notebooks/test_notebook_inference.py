@@ -1,27 +1,44 @@
-"""notebooks/inference.ipynb and collab_kit.images.inference: from a checkpoint (folder or Hub repo) to CLIP's best pictures.
+"""notebooks/inference.ipynb and collab_kit.images.inference: from a checkpoint (folder or Hub repo) to CLIP's best
+pictures.
 
 The checkpoint is an untrained model of the toy world (drawing needs no training to be tested): the toy
 VQGAN and toy CLIP shipped with the kit decode and rank what it draws, offline.
 """
+
 import json
 from pathlib import Path
 
 import nbformat
 import pytest
 import torch
+from notebook_runs import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 from PIL import Image
 
-from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.config import get_preset
 from collab_kit.images.generate import draw_images
 from collab_kit.images.inference import draw_prompts, load_for_inference
-from collab_kit.model.transformer import TextToImageTransformer
+from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.model.sampling import TOY_TOP_K
-from notebook_runs import cell_texts, parameter_names, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
+from collab_kit.model.transformer import TextToImageTransformer
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "inference.ipynb"
-PARAMETERS = ("CHECKPOINT", "REVISION", "VQGAN", "CLIP", "PROMPTS", "CANDIDATES", "KEEP", "TOP_K", "TOP_P",
-              "TEMPERATURE", "SEED", "BATCH_SIZE", "DEVICE", "SHEET_PATH", "SUMMARY_PATH")
+PARAMETERS = (
+    "CHECKPOINT",
+    "REVISION",
+    "VQGAN",
+    "CLIP",
+    "PROMPTS",
+    "CANDIDATES",
+    "KEEP",
+    "TOP_K",
+    "TOP_P",
+    "TEMPERATURE",
+    "SEED",
+    "BATCH_SIZE",
+    "DEVICE",
+    "SHEET_PATH",
+    "SUMMARY_PATH",
+)
 PROMPTS = ["a large red circle in the center", "a small blue square at the top left"]
 CANDIDATES, KEEP, SEED = 8, 4, 3
 
@@ -53,12 +70,28 @@ def test_the_notebook_draws_ranks_and_saves_a_reproducible_grid(toy_checkpoint, 
     import papermill
 
     sheet_path, summary_path = tmp_path / "sheet.png", tmp_path / "summary.json"
-    parameters = dict(CHECKPOINT=toy_checkpoint, PROMPTS=PROMPTS, CANDIDATES=CANDIDATES, KEEP=KEEP, SEED=SEED,
-                      DEVICE="cpu", SHEET_PATH=str(sheet_path), SUMMARY_PATH=str(summary_path))
+    parameters = dict(
+        CHECKPOINT=toy_checkpoint,
+        PROMPTS=PROMPTS,
+        CANDIDATES=CANDIDATES,
+        KEEP=KEEP,
+        SEED=SEED,
+        DEVICE="cpu",
+        SHEET_PATH=str(sheet_path),
+        SUMMARY_PATH=str(summary_path),
+    )
     assert set(parameters) <= set(PARAMETERS) <= parameter_names(nbformat.read(str(NOTEBOOK), as_version=4))
     output_path = tmp_path / "inference.out.ipynb"
-    papermill.execute_notebook(str(NOTEBOOK), str(output_path), parameters=parameters, kernel_name=python3_kernel,
-                               cwd=str(tmp_path), progress_bar=False, start_timeout=120, execution_timeout=180)
+    papermill.execute_notebook(
+        str(NOTEBOOK),
+        str(output_path),
+        parameters=parameters,
+        kernel_name=python3_kernel,
+        cwd=str(tmp_path),
+        progress_bar=False,
+        start_timeout=120,
+        execution_timeout=180,
+    )
 
     # the grid: one row per prompt of KEEP pictures of 64 px, enlarged twice, below a title band of 22 px
     summary = json.loads(summary_path.read_text())
@@ -79,8 +112,16 @@ def test_the_notebook_draws_ranks_and_saves_a_reproducible_grid(toy_checkpoint, 
         assert row["kept_scores"] == sorted(row["kept_scores"], reverse=True)
         assert row["kept_scores"] == sorted(row["candidate_scores"], reverse=True)[:KEEP]
         # ... and the candidates' scores are CLIP's for the pictures this seed draws, computed here anew
-        drawn = draw_images(prompt, CANDIDATES, model=pieces.model, vqgan=pieces.vqgan, tokenizer=pieces.tokenizer,
-                            top_k=TOY_TOP_K, seed=SEED + index, progress=False)
+        drawn = draw_images(
+            prompt,
+            CANDIDATES,
+            model=pieces.model,
+            vqgan=pieces.vqgan,
+            tokenizer=pieces.tokenizer,
+            top_k=TOY_TOP_K,
+            seed=SEED + index,
+            progress=False,
+        )
         assert row["candidate_scores"] == pytest.approx(pieces.ranker.score(prompt, drawn).tolist(), abs=1e-5)
     assert len({score for row in summary["per_prompt"] for score in row["candidate_scores"]}) > CANDIDATES
 
@@ -94,8 +135,11 @@ def test_the_notebook_draws_ranks_and_saves_a_reproducible_grid(toy_checkpoint, 
 def test_bad_settings_say_what_to_pass(toy_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="no checkpoint given.*demo_out/model.*Hub model repository id"):
         load_for_inference("")
-    with pytest.raises(FileNotFoundError, match=r"(?s)no checkpoint at .*nowhere.*Pass CHECKPOINT = a checkpoint "
-                                                r"folder holding model.safetensors and config.json"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"(?s)no checkpoint at .*nowhere.*Pass CHECKPOINT = a checkpoint "
+        r"folder holding model.safetensors and config.json",
+    ):
         load_for_inference(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="model.safetensors, config.json missing"):
@@ -104,8 +148,12 @@ def test_bad_settings_say_what_to_pass(toy_checkpoint, tmp_path):
         load_for_inference(toy_checkpoint, device="nonsense")
 
     pieces = load_for_inference(toy_checkpoint, device="cpu")
-    for settings, message in ((dict(n=4, keep=5), "KEEP=5"), (dict(top_k=0), "TOP_K=0"), (dict(top_p=1.5), "TOP_P"),
-                              (dict(prompts=[""]), "PROMPTS")):
+    for settings, message in (
+        (dict(n=4, keep=5), "KEEP=5"),
+        (dict(top_k=0), "TOP_K=0"),
+        (dict(top_p=1.5), "TOP_P"),
+        (dict(prompts=[""]), "PROMPTS"),
+    ):
         arguments = dict(dict(prompts=PROMPTS[:1], n=2, keep=1, progress=False), **settings)
         with pytest.raises(ValueError, match=message):
             draw_prompts(pieces, arguments.pop("prompts"), **arguments)
@@ -155,7 +203,8 @@ def test_a_checkpoint_loads_by_hub_repository_id(toy_checkpoint, tmp_path, hub_s
     assert "Pass CHECKPOINT =" in report["error"]
     assert f"HEAD /someone/toy-run/resolve/{commit}/model.safetensors" in hub_server.requests
     # the same weights as the folder: the same seed draws the same sheet from either
-    local = draw_prompts(load_for_inference(toy_checkpoint, device="cpu"), PROMPTS[:1], n=3, keep=2, seed=5,
-                         progress=False)
+    local = draw_prompts(
+        load_for_inference(toy_checkpoint, device="cpu"), PROMPTS[:1], n=3, keep=2, seed=5, progress=False
+    )
     assert Image.open(sheet_path).convert("RGB").tobytes() == local.sheet.tobytes()
     assert report["summary"]["per_prompt"] == local.summary()["per_prompt"]

@@ -1,9 +1,11 @@
 """notebooks/run_your_own.ipynb and collab_kit.roles.services: a run's services started from Python, and stopped.
 
 The notebook runs under papermill against the real services on 127.0.0.1: ``collab-kit auth-server`` in front of
-the stand-in Hub (tests/helpers/hub_server.py), ``collab-kit monitor``, a background ``collab-kit join`` and the notebook's
+the stand-in Hub (tests/helpers/hub_server.py), ``collab-kit monitor``, a background ``collab-kit join`` and the
+notebook's
 own in-process Volunteer. Afterwards no process a service started may be left.
 """
+
 import json
 import math
 import os
@@ -19,20 +21,44 @@ from hub_server import StandInHub
 from notebook_runs import cell_texts, parameter_names, python3_kernel  # noqa: F401 (a fixture)
 
 from collab_kit import cli
-from collab_kit.roles import services
 from collab_kit.auth.ledger import JoinLedger
 from collab_kit.auth.server_settings import AuthServerSettings
 from collab_kit.config import get_preset
+from collab_kit.roles import services
 from collab_kit.roles.processes import group_is_empty
 from collab_kit.roles.run_history import RunHistory
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "run_your_own.ipynb"
 ORG = "my-org"
-PARAMETERS = ("RUN_ID", "PRESET", "OPTIMIZER_SETTINGS", "HOST", "MONITOR_PORT", "WITH_AUTH", "ORGANIZATION",
-              "ALLOWLIST", "HUB_ENDPOINT", "AUTH_HOST", "AUTH_PORT", "AUTH_PUBLIC_URL", "TOKEN_LIFETIME_MINUTES",
-              "AUTH_DB", "MONITOR_DB", "CHECKPOINTS", "CHECKPOINT_EVERY", "POLL_EVERY", "LOG_DIR", "MAX_EPOCHS",
-              "DATA_SHARDS", "SYNTHETIC_SAMPLES", "LOCAL_VOLUNTEERS", "NUM_THREADS", "SHOW_PROGRESS",
-              "SUMMARY_PATH", "LOCAL_STEPS")
+PARAMETERS = (
+    "RUN_ID",
+    "PRESET",
+    "OPTIMIZER_SETTINGS",
+    "HOST",
+    "MONITOR_PORT",
+    "WITH_AUTH",
+    "ORGANIZATION",
+    "ALLOWLIST",
+    "HUB_ENDPOINT",
+    "AUTH_HOST",
+    "AUTH_PORT",
+    "AUTH_PUBLIC_URL",
+    "TOKEN_LIFETIME_MINUTES",
+    "AUTH_DB",
+    "MONITOR_DB",
+    "CHECKPOINTS",
+    "CHECKPOINT_EVERY",
+    "POLL_EVERY",
+    "LOG_DIR",
+    "MAX_EPOCHS",
+    "DATA_SHARDS",
+    "SYNTHETIC_SAMPLES",
+    "LOCAL_VOLUNTEERS",
+    "NUM_THREADS",
+    "SHOW_PROGRESS",
+    "SUMMARY_PATH",
+    "LOCAL_STEPS",
+)
 
 
 def _local_environment(monkeypatch, token=None):
@@ -51,8 +77,9 @@ def test_the_notebook_defines_its_parameters():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tmp_path, tiny_shards, python3_kernel,
-                                                                              monkeypatch):
+def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(
+    tmp_path, tiny_shards, python3_kernel, monkeypatch
+):
     import papermill
 
     # in local-update mode (the synchronous notebook runs in test_notebooks_at_defaults, the synchronous authorized
@@ -64,23 +91,51 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
         # half the tiny preset's target batch: rounds of two global batches, long enough for the two training
         # peers to meet in each
         parameters = dict(
-            RUN_ID=run_id, PRESET="tiny", OPTIMIZER_SETTINGS=dict(target_batch_size=1024), LOCAL_STEPS=local_steps,
+            RUN_ID=run_id,
+            PRESET="tiny",
+            OPTIMIZER_SETTINGS=dict(target_batch_size=1024),
+            LOCAL_STEPS=local_steps,
             HOST="127.0.0.1",
-            MONITOR_PORT=0, WITH_AUTH=True, ORGANIZATION=ORG, ALLOWLIST=[], HUB_ENDPOINT=hub.endpoint,
-            AUTH_HOST="127.0.0.1", AUTH_PORT=0, AUTH_PUBLIC_URL="", TOKEN_LIFETIME_MINUTES=60,
+            MONITOR_PORT=0,
+            WITH_AUTH=True,
+            ORGANIZATION=ORG,
+            ALLOWLIST=[],
+            HUB_ENDPOINT=hub.endpoint,
+            AUTH_HOST="127.0.0.1",
+            AUTH_PORT=0,
+            AUTH_PUBLIC_URL="",
+            TOKEN_LIFETIME_MINUTES=60,
             AUTH_DB=str(tmp_path / "run" / "auth.sqlite3"),
-            MONITOR_DB=str(tmp_path / "run" / "monitor.sqlite"), CHECKPOINTS=str(tmp_path / "run" / "checkpoints"),
-            CHECKPOINT_EVERY=0, POLL_EVERY=1.0, LOG_DIR=str(tmp_path / "run" / "logs"), MAX_EPOCHS=max_epochs,
-            DATA_SHARDS=tiny_shards, SYNTHETIC_SAMPLES=0, LOCAL_VOLUNTEERS=1, NUM_THREADS=1, SHOW_PROGRESS=False,
-            SUMMARY_PATH=str(summary_path))
+            MONITOR_DB=str(tmp_path / "run" / "monitor.sqlite"),
+            CHECKPOINTS=str(tmp_path / "run" / "checkpoints"),
+            CHECKPOINT_EVERY=0,
+            POLL_EVERY=1.0,
+            LOG_DIR=str(tmp_path / "run" / "logs"),
+            MAX_EPOCHS=max_epochs,
+            DATA_SHARDS=tiny_shards,
+            SYNTHETIC_SAMPLES=0,
+            LOCAL_VOLUNTEERS=1,
+            NUM_THREADS=1,
+            SHOW_PROGRESS=False,
+            SUMMARY_PATH=str(summary_path),
+        )
         assert set(parameters) == set(PARAMETERS)
         try:
-            papermill.execute_notebook(str(NOTEBOOK), str(output_path), parameters=parameters,
-                                       kernel_name=python3_kernel, cwd=str(tmp_path), progress_bar=False,
-                                       start_timeout=120, execution_timeout=240)
+            papermill.execute_notebook(
+                str(NOTEBOOK),
+                str(output_path),
+                parameters=parameters,
+                kernel_name=python3_kernel,
+                cwd=str(tmp_path),
+                progress_bar=False,
+                start_timeout=120,
+                execution_timeout=240,
+            )
         except Exception as e:
-            logs = "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}"
-                             for log in sorted((tmp_path / "run" / "logs").glob("*.log")))
+            logs = "\n".join(
+                f"--- {log.name}:\n{log.read_text()[-3000:]}"
+                for log in sorted((tmp_path / "run" / "logs").glob("*.log"))
+            )
             pytest.fail(f"the notebook failed ({type(e).__name__}): {e}\n{logs}", pytrace=False)
 
     summary = json.loads(summary_path.read_text())
@@ -123,10 +178,19 @@ def test_run_your_own_notebook_starts_a_run_trains_in_it_and_stops_everything(tm
 
 
 def test_config_arguments_rebuild_the_same_config():
-    config = get_preset("tiny", optimizer=dict(target_batch_size=512, learning_rate=3e-3),
-                        model=dict(hidden_size=48), data=dict(tokenizer="toy"),
-                        swarm=dict(run_id="same_run", host="0.0.0.0", port=31337, auth_server="http://127.0.0.1:9",
-                                   announce_maddrs=("/ip4/203.0.113.5/tcp/31337",)))
+    config = get_preset(
+        "tiny",
+        optimizer=dict(target_batch_size=512, learning_rate=3e-3),
+        model=dict(hidden_size=48),
+        data=dict(tokenizer="toy"),
+        swarm=dict(
+            run_id="same_run",
+            host="0.0.0.0",
+            port=31337,
+            auth_server="http://127.0.0.1:9",
+            announce_maddrs=("/ip4/203.0.113.5/tcp/31337",),
+        ),
+    )
     for command in ("join", "monitor"):
         args = cli.make_parser().parse_args([command, *services.config_arguments(config)])
         assert cli.build_config(args) == config, command
@@ -136,25 +200,45 @@ def test_config_arguments_rebuild_the_same_config():
 
 
 def test_join_command_carries_what_every_peer_must_share():
-    # the micro-batch and checkpointing are what the preflight chose for this machine: a friend's machine chooses its own
-    config = get_preset("small", optimizer=dict(target_batch_size=1024, batch_size_per_step=1),
-                        model=dict(reversible=False), swarm=dict(run_id="shared"))
+    # the micro-batch and checkpointing are what the preflight chose for this machine: a friend's machine chooses its
+    # own
+    config = get_preset(
+        "small",
+        optimizer=dict(target_batch_size=1024, batch_size_per_step=1),
+        model=dict(reversible=False),
+        swarm=dict(run_id="shared"),
+    )
     line = services.join_command(config, ["/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWabc"], "https://auth.example.org")
-    assert line == ("HF_TOKEN=hf_... collab-kit join --preset small --run-id shared "
-                    "--set optimizer.target_batch_size=1024 --set swarm.auth_server=https://auth.example.org "
-                    "--initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooWabc")
+    assert line == (
+        "HF_TOKEN=hf_... collab-kit join --preset small --run-id shared "
+        "--set optimizer.target_batch_size=1024 --set swarm.auth_server=https://auth.example.org "
+        "--initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooWabc"
+    )
 
 
 def test_auth_server_arguments_give_the_same_settings(tmp_path):
     import datetime
 
-    settings = AuthServerSettings(organization=ORG, allowlist=("bob", "carol"), run_id="r1",
-                                  database_path=str(tmp_path / "a.sqlite3"), joins_per_minute=3,
-                                  token_lifetime=datetime.timedelta(minutes=2.5), hub_endpoint="http://127.0.0.1:9")
+    settings = AuthServerSettings(
+        organization=ORG,
+        allowlist=("bob", "carol"),
+        run_id="r1",
+        database_path=str(tmp_path / "a.sqlite3"),
+        joins_per_minute=3,
+        token_lifetime=datetime.timedelta(minutes=2.5),
+        hub_endpoint="http://127.0.0.1:9",
+    )
     args = cli.make_parser().parse_args(["auth-server", *services.auth_server_arguments(settings)])
-    assert (args.organization, args.allow, args.run_id, args.db, args.key, args.token_lifetime, args.rate_limit,
-            args.hub_endpoint) == (ORG, ["bob", "carol"], "r1", settings.database_path, settings.key_path, 2.5, 3,
-                                   "http://127.0.0.1:9")
+    assert (
+        args.organization,
+        args.allow,
+        args.run_id,
+        args.db,
+        args.key,
+        args.token_lifetime,
+        args.rate_limit,
+        args.hub_endpoint,
+    ) == (ORG, ["bob", "carol"], "r1", settings.database_path, settings.key_path, 2.5, 3, "http://127.0.0.1:9")
     with pytest.raises(ValueError, match="hub_timeout"):
         services.auth_server_arguments(AuthServerSettings(organization=ORG, hub_timeout=1.0))
 
@@ -164,8 +248,9 @@ def test_an_auth_server_on_a_taken_port_fails_with_what_to_do(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        settings = AuthServerSettings(organization=ORG, database_path=str(tmp_path / "auth.sqlite3"),
-                                      hub_endpoint="http://127.0.0.1:9")
+        settings = AuthServerSettings(
+            organization=ORG, database_path=str(tmp_path / "auth.sqlite3"), hub_endpoint="http://127.0.0.1:9"
+        )
         with pytest.raises(services.ServiceError) as error:
             services.start_auth_server(settings, port=port, log_path=str(tmp_path / "auth.log"))
     message = str(error.value)
@@ -180,8 +265,9 @@ def test_a_monitor_with_a_token_the_hub_does_not_know_fails_with_what_to_do(tmp_
     _local_environment(monkeypatch)
     with StandInHub(str(tmp_path / "hub")) as hub:
         hub.add_user_token("alice", orgs=[ORG])
-        settings = AuthServerSettings(organization=ORG, run_id="refused", database_path=str(tmp_path / "a.sqlite3"),
-                                      hub_endpoint=hub.endpoint)
+        settings = AuthServerSettings(
+            organization=ORG, run_id="refused", database_path=str(tmp_path / "a.sqlite3"), hub_endpoint=hub.endpoint
+        )
         with services.start_auth_server(settings, port=0, log_path=str(tmp_path / "auth.log")) as auth:
             assert auth.running and auth.url.startswith("http://127.0.0.1:")
             config = get_preset("tiny", swarm=dict(run_id="refused", host="127.0.0.1", auth_server=auth.url))
@@ -211,17 +297,29 @@ def test_services_stop_when_the_interpreter_exits(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_an_authorized_run_nobody_may_join_stops_with_one_sentence_naming_the_notebooks_settings(tmp_path,
-                                                                                                python3_kernel):
+def test_an_authorized_run_nobody_may_join_stops_with_one_sentence_naming_the_notebooks_settings(
+    tmp_path, python3_kernel
+):
     import papermill
 
     output_path = tmp_path / "out.ipynb"
     with pytest.raises(papermill.PapermillExecutionError):
-        papermill.execute_notebook(str(NOTEBOOK), str(output_path), parameters=dict(WITH_AUTH=True),
-                                   kernel_name=python3_kernel, cwd=str(tmp_path), progress_bar=False,
-                                   start_timeout=120, execution_timeout=120)
-    errors = [output for cell in nbformat.read(str(output_path), as_version=4).cells
-              for output in cell.get("outputs", []) if output.output_type == "error"]
+        papermill.execute_notebook(
+            str(NOTEBOOK),
+            str(output_path),
+            parameters=dict(WITH_AUTH=True),
+            kernel_name=python3_kernel,
+            cwd=str(tmp_path),
+            progress_bar=False,
+            start_timeout=120,
+            execution_timeout=120,
+        )
+    errors = [
+        output
+        for cell in nbformat.read(str(output_path), as_version=4).cells
+        for output in cell.get("outputs", [])
+        if output.output_type == "error"
+    ]
     [error] = errors
     assert error.ename == "SettingProblem" and len(error.traceback) == 1  # the sentence, no stack
     assert "ORGANIZATION" in error.evalue and "ALLOWLIST" in error.evalue and "WITH_AUTH = False" in error.evalue

@@ -10,6 +10,7 @@ Each executed notebook is then saved as HTML (nbconvert, as GitHub and Colab's s
 their live state are blank) and opened in headless Chromium: no output may hold a traceback or stderr text, and every
 widget must be followed in its cell by a line of text, so that a saved copy tells the story without the widgets.
 """
+
 import os
 import shutil
 from pathlib import Path
@@ -23,8 +24,8 @@ from headless_chromium import chromium, run_chromium  # noqa: F401 (chromium: a 
 from nbconvert import HTMLExporter
 from notebook_runs import cell_texts, python3_kernel  # noqa: F401 (python3_kernel: a fixture)
 
-from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.config import get_preset
+from collab_kit.model.checkpoint import save_checkpoint
 from collab_kit.model.transformer import TextToImageTransformer
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -39,8 +40,9 @@ def after_make_demo(tmp_path_factory):
     write_example_history(str(root / "demo_out" / "monitor.sqlite"))
     config = get_preset("toy")
     torch.manual_seed(0)
-    save_checkpoint(TextToImageTransformer(config.model), config, str(root / "demo_out" / "model"),
-                    metadata=dict(epoch=60))
+    save_checkpoint(
+        TextToImageTransformer(config.model), config, str(root / "demo_out" / "model"), metadata=dict(epoch=60)
+    )
     return root
 
 
@@ -61,9 +63,16 @@ def run_at_defaults(folder: Path, name: str, kernel: str, timeout: float, **size
     path = folder / "notebooks" / f"{name}.ipynb"
     output = executed_path(folder, name)
     try:
-        papermill.execute_notebook(str(path), str(output), parameters=size, kernel_name=kernel,
-                                   cwd=str(folder / "notebooks"), progress_bar=False, start_timeout=120,
-                                   execution_timeout=timeout)
+        papermill.execute_notebook(
+            str(path),
+            str(output),
+            parameters=size,
+            kernel_name=kernel,
+            cwd=str(folder / "notebooks"),
+            progress_bar=False,
+            start_timeout=120,
+            execution_timeout=timeout,
+        )
     except papermill.PapermillExecutionError as e:
         pytest.fail(f"{name} failed at its defaults: {e.ename}: {e.evalue}", pytrace=False)
     return nbformat.read(str(output), as_version=4)
@@ -120,10 +129,13 @@ def saved_copy_problems(outputs: list) -> list:
                 problems.append(f"code cell {number}: stderr or an error: {text[:300]!r}")
             elif "Traceback" in text:
                 problems.append(f"code cell {number}: a traceback: {text[:300]!r}")
-            if kind == WIDGET and not any(later in SHOWN_AS_TEXT and later_text
-                                          for later, later_text in cell[index + 1:]):
-                problems.append(f"code cell {number}: a widget (output {index + 1}) with no text after it: a saved "
-                                f"copy shows nothing of its result")
+            if kind == WIDGET and not any(
+                later in SHOWN_AS_TEXT and later_text for later, later_text in cell[index + 1 :]
+            ):
+                problems.append(
+                    f"code cell {number}: a widget (output {index + 1}) with no text after it: a saved "
+                    f"copy shows nothing of its result"
+                )
     return problems
 
 
@@ -139,8 +151,9 @@ def assert_reads_well_saved(folder: Path, name: str, chromium_binary: str, workd
     assert not problems, f"{name}.ipynb saved as HTML:\n" + "\n".join(problems)
 
 
-def run_and_read_saved(folder: Path, name: str, kernel: str, timeout: float, chromium_binary: str, workdir: Path,
-                       **size) -> nbformat.NotebookNode:
+def run_and_read_saved(
+    folder: Path, name: str, kernel: str, timeout: float, chromium_binary: str, workdir: Path, **size
+) -> nbformat.NotebookNode:
     """``run_at_defaults``, then what a reader sees: nothing red live, and a saved copy that reads well."""
     notebook = run_at_defaults(folder, name, kernel, timeout, **size)
     assert_quiet(notebook, name)
@@ -151,16 +164,32 @@ def run_and_read_saved(folder: Path, name: str, kernel: str, timeout: float, chr
 def test_the_saved_copy_check_sees_a_lone_widget_and_red_text():
     """The checker itself: a widget at the end of its cell and a stderr stream are what it must report."""
     notebook = nbformat.v4.new_notebook()
-    widget = nbformat.v4.new_output("display_data", data={
-        "application/vnd.jupyter.widget-view+json": {"model_id": "0", "version_major": 2, "version_minor": 0},
-        "text/plain": "progress"})
+    widget = nbformat.v4.new_output(
+        "display_data",
+        data={
+            "application/vnd.jupyter.widget-view+json": {"model_id": "0", "version_major": 2, "version_minor": 0},
+            "text/plain": "progress",
+        },
+    )
     # as nbclient saves it: without the widgets' state, nbconvert would show the text/plain fallback instead
-    notebook.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
-        "state": {"0": {"model_module": "@jupyter-widgets/controls", "model_module_version": "2.0.0",
-                        "model_name": "HTMLModel", "state": {}}}, "version_major": 2, "version_minor": 0}}
+    notebook.metadata["widgets"] = {
+        "application/vnd.jupyter.widget-state+json": {
+            "state": {
+                "0": {
+                    "model_module": "@jupyter-widgets/controls",
+                    "model_module_version": "2.0.0",
+                    "model_name": "HTMLModel",
+                    "state": {},
+                }
+            },
+            "version_major": 2,
+            "version_minor": 0,
+        }
+    }
     notebook.cells = [
-        nbformat.v4.new_code_cell("a", outputs=[widget,
-                                                nbformat.v4.new_output("stream", name="stdout", text="done\n")]),
+        nbformat.v4.new_code_cell(
+            "a", outputs=[widget, nbformat.v4.new_output("stream", name="stdout", text="done\n")]
+        ),
         nbformat.v4.new_code_cell("b", outputs=[nbformat.v4.new_output("stream", name="stdout", text="hi\n"), widget]),
         nbformat.v4.new_code_cell("c", outputs=[nbformat.v4.new_output("stream", name="stderr", text="oops\n")]),
     ]
@@ -201,8 +230,9 @@ def test_inference_at_its_defaults_draws_from_make_demos_model(after_make_demo, 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tutorial_at_its_defaults_offline_on_a_cpu(after_make_demo, python3_kernel, offline_home, chromium, tmp_path):
-    notebook = run_and_read_saved(after_make_demo, "tutorial_gpt2_8bit", python3_kernel, 540,
-                                  chromium, tmp_path, STEPS=2)
+    notebook = run_and_read_saved(
+        after_make_demo, "tutorial_gpt2_8bit", python3_kernel, 540, chromium, tmp_path, STEPS=2
+    )
     text = cell_texts(notebook)
     assert "the model: a tiny GPT-2 from scratch" in text and "no GPU here" in text
     assert "C4-like local shards in" in text and "the Hub could not be reached" in text
@@ -222,8 +252,9 @@ def test_join_at_its_defaults_starts_a_swarm_of_its_own(after_make_demo, python3
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_your_own_at_its_defaults_is_an_open_run(after_make_demo, python3_kernel, chromium, tmp_path):
-    notebook = run_and_read_saved(after_make_demo, "run_your_own", python3_kernel, 540,
-                                  chromium, tmp_path, MAX_EPOCHS=1)
+    notebook = run_and_read_saved(
+        after_make_demo, "run_your_own", python3_kernel, 540, chromium, tmp_path, MAX_EPOCHS=1
+    )
     text = cell_texts(notebook)
     assert "an open run: no login needed" in text
     assert "To join this run: collab-kit join --preset small --run-id my_run" in text
