@@ -1,5 +1,5 @@
-"""The documentation: the README stays a front page, every ``collab_kit.`` name it and docs/ give resolves, and the
-site (mkdocs.yml) builds with no warning."""
+"""The documentation: the README stays a front page, every ``collab_kit.`` name, file and test that it, docs/ and the
+docstrings give still exists, and the site (mkdocs.yml) builds with no warning."""
 
 import ast
 import importlib
@@ -95,3 +95,33 @@ def test_the_site_builds_strictly(tmp_path):
     output = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 0, "\n".join(output[-40:])
     assert not [line for line in output if line.startswith("WARNING")], "\n".join(output[-40:])
+
+
+# a repository path as the docs and docstrings write it, and the test it may name (`path.py::test_name`, the name
+# possibly on the next line of a docstring)
+PATH = re.compile(r"(?<![\w/.-])((?:collab_kit|tests|benchmarks|notebooks|docs)/[\w/.-]*\w)(?:::\s*(\w+))?")
+
+
+def missing_paths(text: str) -> list[str]:
+    """The paths (and ``path::test`` names) in ``text`` that the repository does not have."""
+    missing = []
+    for match in PATH.finditer(text):
+        path, test = ROOT / match.group(1), match.group(2)
+        if text[match.end(1) : match.end(1) + 1] == "*":  # a glob: `tests/notebooks/test_notebook_*.py`
+            continue
+        if not path.exists():
+            missing.append(match.group(1))
+        elif test and path.suffix == ".py" and not re.search(rf"\bdef {test}\b", path.read_text()):
+            missing.append(f"{match.group(1)}::{test}")
+    return missing
+
+
+def test_every_file_and_test_the_docs_and_docstrings_name_exists():
+    assert missing_paths("see tests/test_docs.py::no_such_test, docs/gone.md and tests/test_*.py") == [
+        "tests/test_docs.py::no_such_test",
+        "docs/gone.md",
+    ]
+    sources = [ROOT / "README.md", ROOT / "notebooks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    sources += sorted((ROOT / "collab_kit").rglob("*.py"))
+    missing = {f"{path.relative_to(ROOT)}: {name}" for path in sources for name in missing_paths(path.read_text())}
+    assert sorted(missing) == [], "moved or gone:\n" + "\n".join(sorted(missing))

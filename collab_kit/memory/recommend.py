@@ -228,7 +228,8 @@ def fit_to_device(
 ) -> DeviceFit:
     """``plan`` with the settings that fit its device; a GPU that "auto" chose and that cannot hold one sample of the
     model (with checkpointing) is given up for the CPU, and the note says so. A GPU asked for by name is kept: the
-    caller asked, and the out-of-memory error will say the rest (tests/memory/test_recommend.py)."""
+    caller asked, and the out-of-memory error will say the rest (tests/memory/test_memory.py::
+    test_a_device_plan_takes_what_fits_its_gpu_and_gives_up_one_too_small)."""
     recommendation = recommend_for_plan(config, plan, ram_available_bytes)
     if plan.device.type == "cuda" and not recommendation.fits and str(device_asked).strip().lower() == "auto":
         note = (
