@@ -851,7 +851,7 @@ def test_every_volunteer_gone_while_two_anchors_only_reduce_the_run_goes_on_from
 def test_a_cut_link_is_told_while_the_dht_still_holds_its_neighbour_and_its_return_too(lab, tmp_path):
     # an idle peer's DHT makes no request of its own, so hivemind never empties its routing table during a cut: the
     # watchdog probes the link itself (TCP to the initial peers, pings to a few neighbours)
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "link_watch_peer.py")  # beside conftest.py
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "link_watch_peer.py")
     server, home = lab.public_host("server"), lab.home("home")
     serving = server.start("serve", [script, "serve"], str(tmp_path / "serve.log"), command=[sys.executable])
     addresses = serving.wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]

@@ -25,7 +25,7 @@ from collab_kit.swarm.fragments import fragment_of_tensors
 from collab_kit.swarm.local_updates import OuterNesterovSGD, make_outer_sgd
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(TESTS, "round_probe_peer.py")
+PROBE = os.path.join(TESTS, "helpers", "round_probe_peer.py")
 ROUNDS = 8
 SETTINGS = (
     "optimizer.local_steps=4",
