@@ -9,6 +9,8 @@
   counted; ``batches``.
 - ``sources``: where image-caption pairs come from (folders, WebDataset, parquet, saved and Hub datasets).
 - ``preprocess``: the maintainers' one pass, pairs -> the paper's filters -> VQGAN codes -> shards (-> the Hub).
+- ``scene_scores``: what a toy picture shows (colour, shape, place, size), read from its pixels, scored against
+  its caption.
 - ``synthetic``: data made from nothing: the picture world (captioned shapes, ``color_match``) and codes without a
   VQGAN (``make_synthetic_shards``).
 """

@@ -1,0 +1,81 @@
+"""collab_kit.data.scene_scores on hand-made pictures: each drawn scene reads as itself (sharp, blurred, noisy), a
+smear is no shape, and a round blob of the right colour, asked to be something else, never passes as that shape."""
+
+import itertools
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFilter
+
+from collab_kit.data.scene_scores import CHANCE, asked, picture_marks, read_picture, scene_scores
+from collab_kit.data.synthetic import BACKGROUNDS, COLORS, JITTER, POSITIONS, SHAPES, SIZES, Scene, draw
+
+EVERY_SCENE = [
+    Scene(shape=shape, color=color, size=size, position=position, background=background, offset=offset)
+    for (shape, size, position), color, background, offset in zip(
+        itertools.product(SHAPES, SIZES, POSITIONS),
+        itertools.cycle(COLORS),
+        itertools.cycle(BACKGROUNDS),
+        itertools.cycle([(0, 0), (JITTER, -JITTER), (-JITTER, JITTER), (JITTER, JITTER)]),
+    )
+]
+
+
+def blob(color: str, position: str, radius: int = 12) -> Image.Image:
+    """A soft round patch of ``color`` at ``position``: what a model that learnt only colours draws."""
+    image = Image.new("RGB", (64, 64), BACKGROUNDS["light grey"])
+    x, y = POSITIONS[position]
+    ImageDraw.Draw(image).ellipse([x - radius, y - radius, x + radius, y + radius], fill=COLORS[color])
+    return image.filter(ImageFilter.GaussianBlur(2))
+
+
+def test_a_caption_says_what_it_asks():
+    wanted = asked("a large blue square at the top right")
+    assert (wanted.color, wanted.shape, wanted.place, wanted.size) == ("blue", "square", "top right", "large")
+    assert asked("a cyan cross in the center").place == "center" and asked("a cross").color is None
+
+
+@pytest.mark.parametrize("scene", EVERY_SCENE, ids=lambda scene: scene.caption.replace(" ", "_"))
+def test_every_drawn_scene_reads_as_itself(scene):
+    noise = np.random.default_rng(0).normal(0, 20, (64, 64, 3))
+    noisy = np.clip(np.asarray(draw(scene), dtype=np.float32) + noise, 0, 255)
+    for picture in (draw(scene), draw(scene).filter(ImageFilter.GaussianBlur(1)), noisy):
+        reading = read_picture(picture)
+        assert (reading.color, reading.shape, reading.place, reading.size) == (
+            scene.color,
+            scene.shape,
+            scene.position,
+            scene.size,
+        )
+
+
+def test_a_smear_is_no_shape_at_all():
+    smear = Image.new("RGB", (64, 64), BACKGROUNDS["sand"])
+    pen = ImageDraw.Draw(smear)
+    for box in ([8, 30, 40, 44], [30, 10, 44, 40], [36, 36, 58, 50]):  # three overlapping strokes, as a model smears
+        pen.ellipse(box, fill=COLORS["green"])
+    reading = read_picture(smear.filter(ImageFilter.GaussianBlur(2)))
+    assert reading.color == "green" and reading.shape is None
+
+
+def test_a_blob_of_the_right_colour_at_the_right_place_is_no_square_triangle_diamond_or_cross():
+    prompts = [f"a small red {shape} at the top left" for shape in SHAPES if shape != "circle"]
+    pictures = [blob("red", "top left") for _ in prompts]
+    scores = scene_scores(pictures, prompts)
+    assert scores["color"] == scores["place"] == 1.0 and scores["shape"] == 0.0
+    assert picture_marks(pictures[0], prompts[0]) == {"color": True, "shape": False, "place": True, "size": True}
+
+
+def test_scores_over_pictures_that_ignore_their_prompts_are_near_chance():
+    rng = np.random.default_rng(0)
+    scenes = [EVERY_SCENE[i] for i in rng.permutation(len(EVERY_SCENE))]
+    pictures = [draw(scene) for scene in EVERY_SCENE]  # each picture under another scene's caption
+    scores = scene_scores(pictures, [scene.caption for scene in scenes])
+    for aspect in ("shape", "place"):
+        assert scores[aspect] < 2.5 * CHANCE[aspect], (aspect, scores)
+
+
+def test_an_empty_picture_reads_as_nothing_and_a_wrong_count_is_refused():
+    assert read_picture(Image.new("RGB", (64, 64), BACKGROUNDS["sand"])).shape is None
+    with pytest.raises(ValueError, match="one prompt per image"):
+        scene_scores([blob("red", "center")], [])
