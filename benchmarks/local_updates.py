@@ -306,7 +306,8 @@ def _toy_rows(quick: bool, folder: str) -> list[dict]:
 
     def describe(result) -> str:
         return (
-            f"colour match {result.color_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
+            f"colour match {result.color_match:.3f}, shape {result.shape_match:.3f}, place {result.place_match:.3f}, "
+            f"size {result.size_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
             f"{result.averaged_rounds} rounds averaged, {_rounds_bytes(result) / MIB:.2f} MiB sent per volunteer "
             f"in rounds (+{result.bytes_served / MIB:.2f} MiB of states served), {result.seconds:.0f} s"
         )
@@ -314,7 +315,23 @@ def _toy_rows(quick: bool, folder: str) -> list[dict]:
     details = f"synchronous: {describe(synchronous)}; local updates (H = {h}): {describe(local)}."
     loss_ratio = local.loss_last / synchronous.loss_last
     bytes_ratio = _rounds_bytes(synchronous) / max(1.0, _rounds_bytes(local))
-    return [
+    # the toy model follows its prompt: shape and place read from the pixels (collab_kit.data.scene_scores)
+    prompt_rows = [
+        common.make_row(
+            __spec__.name,
+            f"toy demo, {mode}: {aspect} match of CLIP's best 4 (chance 0.2)",
+            getattr(result, f"{aspect}_match"),
+            target,
+            f"{getattr(result, f'{aspect}_match'):.3f}",
+            details,
+        )
+        for mode, result, target in (
+            ("synchronous", synchronous, ">= 0.6"),
+            (f"local updates (H = {h})", local, ">= 0.5"),
+        )
+        for aspect in ("shape", "place")
+    ]
+    return prompt_rows + [
         common.make_row(
             __spec__.name,
             f"toy demo, local updates (H = {h}): colour match of CLIP's best 4",

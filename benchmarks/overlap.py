@@ -58,7 +58,8 @@ def run(quick: bool = False) -> list[dict]:
         raise
     shutil.rmtree(folder, ignore_errors=True)
     details = (
-        f"colour match {result.color_match:.3f}, loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
+        f"colour match {result.color_match:.3f}, shape {result.shape_match:.3f}, place {result.place_match:.3f}, "
+        f"loss {result.loss_first:.3f} -> {result.loss_last:.3f}, "
         f"{result.averaged_rounds} rounds averaged, {result.seconds:.0f} s."
     )
     name = (

@@ -6,14 +6,17 @@ drawn by collab_kit.data.synthetic, encoded by the shipped toy VQGAN through ``p
 Then the trained model draws pictures for a fixed set of prompts through ``generate_images`` (toy
 VQGAN decode, toy CLIP rerank) and the demo writes, in ``demo_out/``:
 
-- ``samples.png``: for each prompt, CLIP's best pictures of the ones drawn, below the prompt;
+- ``samples.png``: for each prompt, CLIP's best pictures of the ones drawn, below the prompt, each with what it
+  was scored on (colour, shape, place, size: green where it shows what the prompt asks, red where it does not);
 - ``loss.png``: each volunteer's loss per global epoch;
 - ``model/``: the trained model as a checkpoint (``generate_images(model="demo_out/model", ...)``).
 
-It finishes with one summary line; ``color_match`` is the share of the kept pictures whose dominant
-colour (pixel statistics, no model) is the colour the prompt asks for (chance: 0.125):
+It finishes with one summary line. ``color_match``, ``shape_match``, ``place_match`` and ``size_match`` are the
+shares of the kept pictures that show the colour, shape, place and size the prompt asks for, read from the pixels
+with no model (collab_kit.data.scene_scores; chance: 0.125, 0.2, 0.2 and 0.5):
 
-    demo: peers=2 epochs=60 loss_first=5.3335 loss_last=1.9120 averaged_rounds=60 bytes_sent=367.90MiB color_match=0.938
+    demo: peers=2 epochs=60 loss_first=5.2994 loss_last=1.8978 averaged_rounds=59 bytes_sent=376.29MiB
+    color_match=0.844 shape_match=0.281 place_match=0.438 size_match=0.781   (one line)
 
 ``bytes_sent`` is what a volunteer sent to the other peers over the run (the mean over volunteers): its averaging
 rounds, and the states it served (the monitor's checkpoints download them). ``collab-kit demo --local-steps H`` runs
@@ -31,9 +34,12 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+from PIL import Image, ImageDraw, ImageFont
+
 from collab_kit.config import get_preset, parse_overrides
 from collab_kit.data.preprocess import preprocess
-from collab_kit.data.synthetic import color_match, make_synthetic_images
+from collab_kit.data.scene_scores import CHANCE, picture_marks, scene_scores
+from collab_kit.data.synthetic import make_synthetic_images
 from collab_kit.errors import CollabKitError
 from collab_kit.images.inference import draw_prompts, load_for_inference
 from collab_kit.model.vqgan import untrained_vqgan
@@ -70,6 +76,9 @@ class DemoResult:
     bytes_served: float = 0.0  # ... of which the states it served (the monitor's checkpoints download them)
     local_steps: int = 0  # the local-update mode's H (collab_kit.swarm.local_updates); 0: synchronous
     color_match: float | None = None  # share of the kept toy pictures in the prompt's colour (toy preset only)
+    shape_match: float | None = None  # ... of the prompt's shape
+    place_match: float | None = None  # ... at the prompt's place
+    size_match: float | None = None  # ... of the prompt's size
     # the mean loss of the volunteers' local steps in each global epoch every volunteer completed: epoch -> loss
     epoch_losses: dict[int, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # what was written: name -> path
@@ -82,8 +91,9 @@ class DemoResult:
         )
         if self.local_steps:
             line += f" local_steps={self.local_steps}"
-        if self.color_match is not None:
-            line += f" color_match={self.color_match:.3f}"
+        for aspect in ("color", "shape", "place", "size"):
+            if (score := getattr(self, f"{aspect}_match")) is not None:
+                line += f" {aspect}_match={score:.3f}"
         return line
 
 
@@ -375,7 +385,9 @@ def _draw_from_checkpoint(
         raise DemoFailed(f"volunteer 1 finished but left no checkpoint in {checkpoint}; see {log_path}")
     result.outputs["model"] = checkpoint
     samples = os.path.join(output_dir, "samples.png") if output_dir is not None else None
-    result.color_match = draw_toy_samples(checkpoint, prompts, samples, n=draws_per_prompt, keep=keep)
+    scores = draw_toy_samples(checkpoint, prompts, samples, n=draws_per_prompt, keep=keep)
+    for aspect, score in scores.items():
+        setattr(result, f"{aspect}_match", score)
     if samples is not None:
         result.outputs["samples"] = samples
 
@@ -396,25 +408,59 @@ def draw_toy_samples(
     keep: int = 4,
     seed: int = 0,
     top_k: int | None = None,
-) -> float:
-    """Draw ``n`` pictures per prompt with a toy-world model, keep CLIP's best ``keep``, save them as a sheet.
+) -> dict[str, float]:
+    """Draw ``n`` pictures per prompt with a toy-world model, keep CLIP's best ``keep``, save them as a scored sheet.
 
     The same path as ``notebooks/inference.ipynb`` (``collab_kit.images.inference``): the shipped toy VQGAN and
     toy CLIP, the toy world's top-k; the same checkpoint and seed give the same pictures.
 
     :param checkpoint: a checkpoint folder (or Hub id) of a model trained on the toy world
-    :param path: where to save the sheet (prompt above each row); None saves nothing
+    :param path: where to save the sheet (``scored_sheet``); None saves nothing
     :param top_k: None: the toy world's (``collab_kit.model.sampling.TOY_TOP_K``)
-    :returns: color_match of the kept pictures (collab_kit.data.synthetic.color_match)
+    :returns: the kept pictures' shares that show the prompt's color, shape, place and size
+      (collab_kit.data.scene_scores.scene_scores)
     """
 
     pieces = load_for_inference(checkpoint, device="cpu")
     result = draw_prompts(pieces, prompts, n=n, keep=keep, seed=seed, top_k="auto" if top_k is None else top_k)
     kept = [image for grid in result.grids for image in grid.info["images"]]
     wanted = [grid.info["prompt"] for grid in result.grids for _ in grid.info["images"]]
+    scores = scene_scores(kept, wanted)
     if path is not None:
-        result.save_sheet(path)
-    return color_match(kept, wanted)
+        rows = [grid.info["images"] for grid in result.grids]
+        scored_sheet(rows, [grid.info["prompt"] for grid in result.grids], scores).save(path, format="PNG")
+    return scores
+
+
+ASPECT_WORDS = {"color": "colour", "shape": "shape", "place": "place", "size": "size"}
+MATCH, MISS, NOT_ASKED = (30, 140, 60), (200, 40, 40), (170, 170, 170)
+
+
+def scored_sheet(rows: Sequence[Sequence], prompts: Sequence[str], scores: dict[str, float], scale: int = 2):
+    """Each prompt above its pictures, and under each picture the aspects it was scored on: green where it shows
+    what the prompt asks, red where it does not; the scores and their chance levels at the bottom."""
+    title_font, mark_font = ImageFont.load_default(size=14), ImageFont.load_default(size=11)
+    tile = max(row[0].width for row in rows) * scale
+    width = max(max(len(row) for row in rows) * tile, max(int(title_font.getlength(p)) for p in prompts) + 8)
+    legend = ", ".join(
+        f"{ASPECT_WORDS[aspect]} {score:.2f} (chance {CHANCE[aspect]:.2f})" for aspect, score in scores.items()
+    )
+    width = max(width, int(mark_font.getlength(legend)) + 8)
+    row_height = 22 + tile + 16 + 6
+    sheet = Image.new("RGB", (width, len(rows) * row_height + 20), "white")
+    pen = ImageDraw.Draw(sheet)
+    for index, (row, prompt) in enumerate(zip(rows, prompts)):
+        top = index * row_height
+        pen.text((4, top + 3), prompt, fill="black", font=title_font)
+        for column, picture in enumerate(row):
+            sheet.paste(picture.resize((tile, tile), Image.NEAREST), (column * tile, top + 22))
+            marks, x = picture_marks(picture, prompt), column * tile + 3
+            for aspect, word in ASPECT_WORDS.items():
+                color = NOT_ASKED if aspect not in marks else MATCH if marks[aspect] else MISS
+                pen.text((x, top + 22 + tile + 2), word, fill=color, font=mark_font)
+                x += int(mark_font.getlength(word + " "))
+    pen.text((4, len(rows) * row_height + 3), legend, fill="black", font=mark_font)
+    return sheet
 
 
 def plot_losses(losses: dict[int, dict[str, float]], path: str) -> str:

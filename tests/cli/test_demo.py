@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 SUMMARY = re.compile(
     r"^demo: peers=(\d+) epochs=(\d+) loss_first=([\d.]+) loss_last=([\d.]+) averaged_rounds=(\d+)"
-    r" bytes_sent=([\d.]+)MiB( local_steps=(\d+))?( color_match=([\d.]+))?$"
+    r" bytes_sent=([\d.]+)MiB( local_steps=(\d+))?"
+    r"( color_match=([\d.]+) shape_match=([\d.]+) place_match=([\d.]+) size_match=([\d.]+))?$"
 )
 
 
@@ -41,7 +42,7 @@ def test_demo_trains_together_and_prints_one_summary_line(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds, sent, local_part, _, toy_part, _ = SUMMARY.match(
+    peers, epochs, loss_first, loss_last, rounds, sent, local_part, _, toy_part, *_ = SUMMARY.match(
         summaries[0]
     ).groups()
     assert toy_part is None and local_part is None  # colours are only measured on the toy world; synchronous mode
@@ -100,7 +101,7 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds, sent, _, local_steps, _, _ = SUMMARY.match(summaries[0]).groups()
+    peers, epochs, loss_first, loss_last, rounds, sent, _, local_steps, *_ = SUMMARY.match(summaries[0]).groups()
     assert (int(peers), int(epochs), int(local_steps)) == (2, 3, 2)
     assert int(rounds) >= 1 and float(sent) > 0 and float(loss_last) < float(loss_first), summaries
     # the volunteers ran in that mode, and their join lines carry it
@@ -139,17 +140,19 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [line for line in result.stdout.splitlines() if SUMMARY.match(line)]
     assert len(summaries) == 1, result.stdout
-    peers, epochs, loss_first, loss_last, rounds, _, _, _, _, color_match = SUMMARY.match(summaries[0]).groups()
+    peers, epochs, loss_first, loss_last, rounds, _, _, _, _, *scores = SUMMARY.match(summaries[0]).groups()
+    color_match, shape_match, place_match, size_match = (float(score) for score in scores)
     assert (int(peers), int(epochs)) == (2, 60), summaries
     assert int(rounds) >= 48, summaries  # nearly every step averaged (a round may time out on a busy machine)
     assert float(loss_last) < 0.5 * float(loss_first), summaries
-    assert float(color_match) >= 0.6, summaries  # chance: 1/8
+    assert color_match >= 0.6, summaries  # chance: 1/8
+    assert 0 <= min(shape_match, place_match, size_match) <= max(shape_match, place_match, size_match) <= 1
     # the dataset went through preprocess into the cache, the pictures themselves were not kept
     cached = list((tmp_path / "cache" / "toy").glob("*/shards/*.parquet"))
     assert len(cached) == 4 and list((tmp_path / "cache" / "toy").glob("*/complete"))
-    # samples.png: a title band and a row of 4 pictures (64 px, shown at 128) per prompt
+    # samples.png: a title band, a row of 4 pictures (64 px, shown at 128) and their marks per prompt; the scores
     sheet = Image.open(out / "samples.png")
-    assert sheet.size[0] >= 4 * 128 and sheet.size[1] == len(DEMO_PROMPTS) * (22 + 128 + 6)
+    assert sheet.size[0] >= 4 * 128 and sheet.size[1] == len(DEMO_PROMPTS) * (22 + 128 + 16 + 6) + 20
     assert Image.open(out / "loss.png").size == (700, 400)
     # the monitor saved the swarm's state along the way (every 20 epochs, the newest 2 kept) and drew the page
     from collab_kit.model.checkpoint import load_latest_checkpoint
@@ -161,7 +164,8 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     load_latest_checkpoint(str(out / "checkpoints"))
     # the saved model draws the same pictures again from the same seed, and its colours score the same
     again = draw_toy_samples(str(out / "model"), DEMO_PROMPTS, str(tmp_path / "again.png"))
-    assert again == pytest.approx(float(color_match), abs=1e-3), (again, summaries)
+    wanted = dict(color=color_match, shape=shape_match, place=place_match, size=size_match)
+    assert again == pytest.approx(wanted, abs=1e-3), (again, summaries)
     assert Image.open(tmp_path / "again.png").tobytes() == sheet.tobytes()
 
 
