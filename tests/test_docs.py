@@ -125,3 +125,12 @@ def test_every_file_and_test_the_docs_and_docstrings_name_exists():
     sources += sorted((ROOT / "collab_kit").rglob("*.py"))
     missing = {f"{path.relative_to(ROOT)}: {name}" for path in sources for name in missing_paths(path.read_text())}
     assert sorted(missing) == [], "moved or gone:\n" + "\n".join(sorted(missing))
+
+
+def test_the_readmes_module_map_names_every_subpackage():
+    readme = (ROOT / "README.md").read_text()
+    assert "\n## How it fits together\n" in readme, "the README's module map is gone"
+    section = readme.split("\n## How it fits together\n", 1)[1].split("\n## ", 1)[0]
+    subpackages = sorted(path.parent.name for path in (ROOT / "collab_kit").glob("*/__init__.py"))
+    missing = [name for name in subpackages if f"{name}/" not in section]
+    assert len(subpackages) >= 10 and missing == [], f"the module map does not name {missing}"

@@ -2,8 +2,8 @@
 
 ``color_match`` (collab_kit.data.synthetic) asks whether a picture has the prompted colour; a blob of that colour
 anywhere passes it. These scores look at the object itself. The object is the largest connected patch of the
-picture's dominant named colour (each pixel taken to its nearest named colour or background, as ``dominant_color``
-does, so blurry decoded pictures work too):
+picture's dominant named colour (``main_color`` of ``nearest_named``, as ``dominant_color`` reads it, so blurry
+decoded pictures work too):
 
 - ``place``: the place (of the 5) nearest to the centre of the object's bounding box; chance 1/5.
 - ``size``: small or large, from the box's larger side; chance 1/2.
@@ -23,15 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from collab_kit.data.synthetic import BACKGROUNDS, COLORS, IMAGE_SIZE, POSITIONS, SHAPES, SIZES
+from collab_kit.data.synthetic import COLORS, IMAGE_SIZE, NAMED, POSITIONS, SHAPES, SIZES, main_color, nearest_named
 
 CHANCE = {"shape": 1 / len(SHAPES), "place": 1 / len(POSITIONS), "size": 1 / len(SIZES), "color": 1 / len(COLORS)}
 # a box side at most this many pixels is a small shape: small shapes are 15-19 pixels wide, large ones 29-35
 SMALL_SIDE_LIMIT = 24
 # every drawn scene overlaps its own shape's drawing by 0.80 at least, sharp, blurred or noisy
 SHAPE_MIN_OVERLAP = 0.7
-_NAMES = [*COLORS, *BACKGROUNDS]
-_PALETTE = np.array([*COLORS.values(), *BACKGROUNDS.values()], dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -65,14 +63,6 @@ def asked(prompt: str) -> Asked:
         place=place,
         size=next((word for word in words if word in SIZES), None),
     )
-
-
-def _nearest_names(image) -> np.ndarray:
-    """Each pixel's nearest named colour or background, as an index into _NAMES, shaped [H, W]."""
-    pixels = np.asarray(image, dtype=np.float32)[..., :3]
-    height, width = pixels.shape[:2]
-    flat = pixels.reshape(-1, 3)
-    return ((flat[:, None, :] - _PALETTE[None]) ** 2).sum(-1).argmin(1).reshape(height, width)
 
 
 def _largest_patch(mask: np.ndarray) -> np.ndarray:
@@ -119,16 +109,11 @@ def template(shape: str, box: tuple[int, int, int, int], side: int) -> np.ndarra
 
 def read_picture(image) -> Reading:
     """The colour, shape, place and size of the object a toy picture shows (a PIL image or an [H, W, 3] array)."""
-    nearest = _nearest_names(image)
+    nearest = nearest_named(image)
     side = nearest.shape[0]
-    border = np.concatenate([nearest[0], nearest[-1], nearest[:, 0], nearest[:, -1]])
-    background = np.bincount(border, minlength=len(_NAMES)).argmax()
-    counts = np.bincount(nearest.ravel(), minlength=len(_NAMES))[: len(COLORS)]
-    if background < len(COLORS):
-        counts[background] = 0
-    if counts.max() == 0:
+    color = main_color(nearest)
+    if color is None:
         return Reading(color=None, shape=None, place=None, size=None)
-    color = int(counts.argmax())
     patch = _largest_patch(nearest == color)
     ys, xs = np.nonzero(patch)
     box = (int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max()))
@@ -144,7 +129,7 @@ def read_picture(image) -> Reading:
 
     shape = max(SHAPES, key=overlap)
     return Reading(
-        color=_NAMES[color], shape=shape if overlap(shape) >= SHAPE_MIN_OVERLAP else None, place=place, size=size
+        color=NAMED[color], shape=shape if overlap(shape) >= SHAPE_MIN_OVERLAP else None, place=place, size=size
     )
 
 

@@ -125,32 +125,44 @@ def pictures(count: int, seed: int = 0) -> Iterator[tuple]:
 # what a picture shows, measured on its pixels (no model)
 
 
-def dominant_color(image, background_share: float = 0.0) -> str | None:
-    """The named colour covering most of ``image`` besides its background, or None if there is none.
+NAMED = [*COLORS, *BACKGROUNDS]  # what a pixel of a picture is taken to be: a named colour or a background
+_PALETTE = np.array([*COLORS.values(), *BACKGROUNDS.values()], dtype=np.float32)
 
-    Every pixel is assigned to the nearest of the named colours and the backgrounds (in RGB); the
-    background is the class of the border pixels. Works on decoded (blurry) pictures too.
+
+def nearest_named(image) -> np.ndarray:
+    """Each pixel's nearest named colour or background (in RGB), as an index into ``NAMED``, shaped [H, W].
 
     :param image: a PIL image or an array ``[H, W, 3]`` of 0..255
     """
-    pixels = (
-        np.asarray(image, dtype=np.float32).reshape(-1, 3)
-        if not isinstance(image, np.ndarray)
-        else image.astype(np.float32).reshape(-1, 3)
-    )
-    names = list(COLORS) + list(BACKGROUNDS)
-    palette = np.array([*COLORS.values(), *BACKGROUNDS.values()], dtype=np.float32)
-    nearest = ((pixels[:, None, :] - palette[None]) ** 2).sum(-1).argmin(1)
-    side = int(round(np.sqrt(len(pixels))))
-    grid = nearest.reshape(side, -1)
+    pixels = np.asarray(image, dtype=np.float32)[..., :3]
+    height, width = pixels.shape[:2]
+    nearest = ((pixels.reshape(-1, 1, 3) - _PALETTE[None]) ** 2).sum(-1).argmin(1)
+    return nearest.reshape(height, width)
+
+
+def main_color(grid: np.ndarray, background_share: float = 0.0) -> int | None:
+    """The index (into ``NAMED``) of the named colour covering most of ``grid`` (from ``nearest_named``) besides the
+    background, the class of the border pixels; None if no colour covers more than ``background_share`` of it."""
     border = np.concatenate([grid[0], grid[-1], grid[:, 0], grid[:, -1]])
-    background = np.bincount(border, minlength=len(names)).argmax()
-    counts = np.bincount(nearest, minlength=len(names))[: len(COLORS)].astype(float)
+    background = np.bincount(border, minlength=len(NAMED)).argmax()
+    counts = np.bincount(grid.ravel(), minlength=len(NAMED))[: len(COLORS)].astype(float)
     if background < len(COLORS):
         counts[background] = 0
-    if counts.max() <= background_share * len(nearest) or counts.max() == 0:
+    if counts.max() <= background_share * grid.size or counts.max() == 0:
         return None
-    return names[int(counts.argmax())]
+    return int(counts.argmax())
+
+
+def dominant_color(image, background_share: float = 0.0) -> str | None:
+    """The named colour covering most of ``image`` besides its background, or None if there is none.
+
+    Every pixel is taken to the nearest of the named colours and the backgrounds (``nearest_named``), so decoded
+    (blurry) pictures work too.
+
+    :param image: a PIL image or an array ``[H, W, 3]`` of 0..255
+    """
+    index = main_color(nearest_named(image), background_share)
+    return None if index is None else NAMED[index]
 
 
 def prompt_color(prompt: str) -> str | None:
