@@ -147,7 +147,7 @@ def run(quick: bool = False) -> list[dict]:
         )
     )
 
-    from collab_kit.toy.vqgan import evaluate_toy_vqgan, load_toy_vqgan, toy_vqgan_metrics
+    from collab_kit.toy.vqgan import EDGE_WEIGHT, evaluate_toy_vqgan, load_toy_vqgan, toy_vqgan_metrics
 
     stated = toy_vqgan_metrics()
     measured = evaluate_toy_vqgan(
@@ -167,6 +167,20 @@ def run(quick: bool = False) -> list[dict]:
             f"reconstructions, {measured['codes_used']} of {stated['codebook_size']} codes used. Trained "
             f"{stated['steps']} steps of batch {stated['batch_size']} in {stated['train_seconds'] / 60:.1f} min on "
             f"{stated['torch_threads']} CPU thread(s).",
+        )
+    )
+    print(f"  toy VQGAN: shape kept in {measured['shape_match']:.3f} of the reconstructions", flush=True)
+    rows.append(
+        common.make_row(
+            __spec__.name,
+            "toy VQGAN: reconstructions that keep the picture's shape (held-out; the most a toy model can draw)",
+            measured["shape_match"],
+            ">= 0.8",
+            f"{measured['shape_match']:.3f}",
+            f"{measured['held_out']} held-out pictures, decode(encode(x)) read by collab_kit.data.scene_scores: "
+            f"shape {measured['shape_match']:.3f} (stated {stated['shape_match']:.3f}), place "
+            f"{measured['place_match']:.3f}, size {measured['size_match']:.3f}. The edges weigh 1 + "
+            f"{EDGE_WEIGHT:g} in the training loss; with an even loss the shipped model kept 0.695 of the shapes.",
         )
     )
 

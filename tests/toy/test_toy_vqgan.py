@@ -17,6 +17,7 @@ from collab_kit.toy.vqgan import (
     TOY_VQGAN_CONFIG,
     TOY_VQGAN_DIR,
     ToyVQGANMissing,
+    edge_pixels,
     evaluate_toy_vqgan,
     load_toy_vqgan,
     main,
@@ -58,6 +59,23 @@ def test_the_shipped_vqgan_reaches_its_stated_psnr_on_held_out_pictures(shipped)
     # a reconstruction keeps what the caption says: the shape's colour is still the one covering most
     assert measured["color_match"] >= 0.95, measured
     assert measured["codes_used"] >= 64, "a handful of codes for 64 varied pictures means a collapsed codebook"
+    # what a transformer drawing these codes can score at most: the shape read back from the pixels
+    for aspect in ("shape", "place", "size"):
+        assert measured[f"{aspect}_match"] >= stated[f"{aspect}_match"] - 0.1, (aspect, measured, stated)
+    assert (stated["place_match"], stated["size_match"]) == (1.0, 1.0), stated
+
+
+def test_the_edge_mask_marks_the_pixels_on_both_sides_of_a_colour_edge_and_nothing_else():
+    plain = synthetic.Scene("square", "red", "large", "center", "sand")
+    pixels = scenes_to_tensor([plain])
+    edges = edge_pixels(pixels)[0, 0]
+    red = (pixels[0] == torch.tensor(synthetic.COLORS["red"]).view(3, 1, 1) / 255).all(0)
+    # the square's border pixels and the background pixels beside them: two rings, nothing in the flat parts
+    side = int(red.sum().sqrt())
+    assert int(edges.sum()) == (4 * side - 4) + (4 * (side + 2) - 4)
+    assert not edges[0].any() and not edges[32, 30:34].any()
+    flat = torch.full((1, 3, 8, 8), 0.5)
+    assert edge_pixels(flat).sum() == 0
 
 
 def test_the_shipped_files_are_small_and_complete():
