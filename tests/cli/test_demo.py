@@ -125,7 +125,7 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
 
 
 def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
-    """What `make demo` runs, in full: 60 global steps on the toy world, then samples of 8 prompts."""
+    """What `make demo` runs, in full: 90 global steps on the toy world, then samples of 8 prompts."""
     from collab_kit.demo import DEMO_PROMPTS, draw_toy_samples
 
     env = dict(os.environ, COLLAB_KIT_CACHE=str(tmp_path / "cache"))  # the toy dataset is made from scratch
@@ -142,10 +142,10 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     assert len(summaries) == 1, result.stdout
     peers, epochs, loss_first, loss_last, rounds, _, _, _, _, *scores = SUMMARY.match(summaries[0]).groups()
     color_match, shape_match, place_match, size_match = (float(score) for score in scores)
-    assert (int(peers), int(epochs)) == (2, 60), summaries
-    assert int(rounds) >= 48, summaries  # nearly every step averaged (a round may time out on a busy machine)
+    assert (int(peers), int(epochs)) == (2, 90), summaries
+    assert int(rounds) >= 72, summaries  # nearly every step averaged (a round may time out on a busy machine)
     assert float(loss_last) < 0.5 * float(loss_first), summaries
-    assert color_match >= 0.6, summaries  # chance: 1/8
+    assert color_match >= 0.6 and place_match >= 0.4, summaries  # chance: 1/8 and 1/5
     assert 0 <= min(shape_match, place_match, size_match) <= max(shape_match, place_match, size_match) <= 1
     # the dataset went through preprocess into the cache, the pictures themselves were not kept
     cached = list((tmp_path / "cache" / "toy").glob("*/shards/*.parquet"))
