@@ -21,6 +21,8 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
   busy the machine);
 - with ``--join-when PATH``, joins only once PATH exists: a late joiner whose process has started (and imported
   torch and hivemind) before, so that it joins at the moment the test chooses, however busy the machine;
+- with ``--hold-at-epoch E --hold-until PATH``, takes no local step from epoch E on until PATH exists: the rounds
+  after E wait for what the test awaits (a late joiner's download), however long a busy machine makes it;
 - in local-update mode with overlapped rounds, after each round's outer step taken once its average arrived prints
   ``@event {"type": "applied", "epoch": E, "file": NAME-applied-E.pt, ...}`` and saves there the progress the inner
   steps made while the round averaged, the model's and the global parameters after the step, the average, and this
@@ -69,9 +71,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slowness", type=float, default=1.0, help="each local step lasts this many times its work")
     parser.add_argument("--nan-at-epoch", type=int, default=None)
     parser.add_argument("--join-when", metavar="PATH", help="join only once PATH exists (its imports done by then)")
+    parser.add_argument("--hold-at-epoch", type=int, default=None, help="from this epoch on, wait for --hold-until")
+    parser.add_argument("--hold-until", metavar="PATH", help="the file that ends the hold")
     options, rest = parser.parse_known_args(argv)
     if not rest or rest[0] != "join":
         parser.error("expected: --out FOLDER [--name N] [--step-period S] [--nan-at-epoch E] join OPTIONS...")
+    if (options.hold_at_epoch is None) != (options.hold_until is None):
+        parser.error("--hold-at-epoch and --hold-until go together")
     os.makedirs(options.out, exist_ok=True)
 
     def global_state(optimizer):
@@ -82,6 +88,18 @@ def main(argv: list[str]) -> int:
         return digest(parameters), digest(momentum)
 
     waiting = [0.0]  # seconds spent in rounds and state downloads so far: the network's, not a step's work
+    epoch_now = [0]  # the peer's epoch after its last round or download
+
+    def hold_if_asked():
+        """Wait here, before a local step, while the epoch is at least --hold-at-epoch and --hold-until is missing."""
+        if options.hold_at_epoch is None or epoch_now[0] < options.hold_at_epoch:
+            return
+        began, deadline = time.monotonic(), time.monotonic() + 600
+        while not os.path.exists(options.hold_until):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{options.hold_until} did not appear in 600 s")
+            time.sleep(0.05)
+        waiting[0] += time.monotonic() - began  # the hold is no step's work
 
     def probing_make_optimizer(model, dht, run_id, config, **kwargs):
         optimizer = make_optimizer(model, dht, run_id, config, **kwargs)
@@ -118,6 +136,7 @@ def main(argv: list[str]) -> int:
             began = time.monotonic()
             update(grad_scaler)
             waiting[0] += time.monotonic() - began
+            epoch_now[0] = optimizer.local_epoch
             saved = None
             if "epoch" in record:
                 record["global"] = [
@@ -144,6 +163,7 @@ def main(argv: list[str]) -> int:
             began = time.monotonic()
             loaded = load_state(**kwargs)
             waiting[0] += time.monotonic() - began
+            epoch_now[0] = optimizer.local_epoch
             global_digest, momentum_digest = global_state(optimizer)
             emit_event(
                 "loaded",
@@ -208,6 +228,7 @@ def main(argv: list[str]) -> int:
 
         def forward(self, *args, **kwargs):
             if self.training:
+                hold_if_asked()
                 now = time.monotonic()
                 if self.started is not None:  # the last step's work: from its start to now, less its round's wait
                     work = now - self.started - (waiting[0] - self.waited)

@@ -26,9 +26,10 @@ from collab_kit.swarm.local_updates import OuterNesterovSGD, make_outer_sgd
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(TESTS, "helpers", "round_probe_peer.py")
-# the run's rounds; C joins after A's third and must still average in full groups after its resync round, when a
-# busy machine delays its download to round 6 (the late joiner's test asserts such rounds)
-ROUNDS = 10
+ROUNDS = 8
+# C joins after A's third round; A and B take no step from round HOLD_EPOCH on until C has its download, so that C
+# averages in full groups after its resync round however long a busy machine makes that download
+HOLD_EPOCH = 5
 SETTINGS = (
     "optimizer.local_steps=4",
     "optimizer.target_batch_size=256",
@@ -72,21 +73,26 @@ def _probe(name: str, out: str, log_dir: str, period: float, args, *extra: str) 
 
 def _uneven_peers(folder, tiny_shards, run_id: str, settings=SETTINGS):
     """Peers A (a step every 0.05 s), B (every 0.10 s, and twice its own step's work: half A's pace on a busy machine
-    too) and C (0.05 s, joining after A's third round) in local-update mode with ``settings`` for ROUNDS rounds: (their
-    events by name, the folder of their rounds' pseudo-gradients)."""
+    too) and C (0.05 s, joining after A's third round; A and B hold at HOLD_EPOCH until C has the swarm's state) in
+    local-update mode with ``settings`` for ROUNDS rounds: (their events by name, the folder of their rounds'
+    pseudo-gradients)."""
     out, logs = str(folder / "rounds"), str(folder)
     peers = {}
     try:
-        peers["A"] = _probe("A", out, logs, 0.05, _join_args(run_id, tiny_shards, 2, ROUNDS, settings))
+        loaded = str(folder / "C.loaded")
+        hold = ("--hold-at-epoch", str(HOLD_EPOCH), "--hold-until", loaded)
+        peers["A"] = _probe("A", out, logs, 0.05, _join_args(run_id, tiny_shards, 2, ROUNDS, settings), *hold)
         addresses = peers["A"].wait_for(lambda e: e["type"] == "ready", timeout=60, what="its address")["addresses"]
         joining = _join_args(run_id, tiny_shards, 2, ROUNDS, settings) + ["--initial-peers", *addresses]
-        peers["B"] = _probe("B", out, logs, 0.10, joining, "--slowness", "2")
+        peers["B"] = _probe("B", out, logs, 0.10, joining, "--slowness", "2", *hold)
         # C's process starts now and joins once A has ended three rounds: started then, on a busy machine its imports
         # alone outlasted A's last five rounds, and it found A gone
         go = str(folder / "C.go")
         peers["C"] = _probe("C", out, logs, 0.05, joining, "--join-when", go)
         peers["A"].wait_for(lambda e: e["type"] == "round" and e["epoch"] >= 3, timeout=120, what="its third round")
         open(go, "w").close()
+        peers["C"].wait_for(lambda e: e["type"] == "loaded" and e["loaded"], timeout=300, what="the swarm's state")
+        open(loaded, "w").close()
         for name, peer in peers.items():
             code = peer.wait_exit(timeout=180)
             assert code == 0, f"{name} exited with {code}:\n{peer.log_tail()}"
