@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import InvalidStateError
 
 import hivemind
 import torch
@@ -336,6 +337,25 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
     def finish_round_in_flight(self) -> None:
         """Wait for the round averaging in the background, if any, and take its step (a peer that stops)."""
+
+    def shutdown(self) -> None:
+        """hivemind's shutdown, after this peer cancels its rounds still looking for a group itself.
+
+        hivemind cancels such a round without asking whether it is done. A round that the state averager's thread, or
+        ``cancel_pending_round``, already cancelled would be cancelled twice and raise InvalidStateError, and the peer
+        would exit with an error after a whole run. No test reproduces that interleaving yet.
+        """
+        for name in ("scheduled_grads", "scheduled_state"):
+            control = getattr(self, name, None)
+            if control is None or not (control.done() or control.stage == AveragingStage.LOOKING_FOR_GROUP):
+                continue
+            if not control.done():
+                try:
+                    control.cancel()
+                except InvalidStateError:  # cancelled meanwhile by another thread: nothing left to cancel
+                    pass
+            setattr(self, name, None)
+        super().shutdown()
 
     def cancel_pending_round(self) -> bool:
         """Give up the gradient round under way or scheduled, if any (safe to call from another thread): the step that
