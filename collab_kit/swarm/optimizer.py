@@ -343,7 +343,8 @@ class CollaborativeOptimizer(hivemind.Optimizer):
 
         hivemind cancels such a round without asking whether it is done. A round that the state averager's thread, or
         ``cancel_pending_round``, already cancelled would be cancelled twice and raise InvalidStateError, and the peer
-        would exit with an error after a whole run. No test reproduces that interleaving yet.
+        would exit with an error after a whole run
+        (tests/swarm/test_optim.py::test_a_round_already_cancelled_is_not_cancelled_again_at_shutdown).
         """
         for name in ("scheduled_grads", "scheduled_state"):
             control = getattr(self, name, None)

@@ -811,3 +811,42 @@ def test_the_progress_tracker_publishes_a_burst_of_steps_once_per_period_and_a_n
         if tracker is not None:
             tracker.shutdown(timeout=30)
         dht.shutdown()
+
+
+CANCELLED_ROUND_AT_SHUTDOWN = textwrap.dedent("""
+    import json, sys, hivemind
+    from hivemind.averaging.control import AveragingStage, StepControl
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.mpfuture import MPFuture
+    from collab_kit.config import get_preset
+    from collab_kit.model.transformer import TextToImageTransformer
+    from collab_kit.swarm.optimizer import make_optimizer
+    from collab_kit.swarm.dht import start_dht
+    config = get_preset("tiny")
+    dht = start_dht(config.swarm)
+    opt = make_optimizer(TextToImageTransformer(config.model), dht, "cancelled_round", config.optimizer)
+    # a round another thread has just cancelled, before the averager moved it out of its matchmaking stage
+    control = StepControl(get_dht_time() + 60, float("inf"), True, 1.0, b"")
+    control.attach(MPFuture(), MPFuture())
+    control.stage = AveragingStage.LOOKING_FOR_GROUP
+    control.cancel()
+    opt.scheduled_grads = control
+    try:
+        (hivemind.Optimizer.shutdown if sys.argv[1] == "hivemind" else type(opt).shutdown)(opt)
+        outcome = "clean"
+    except Exception as e:
+        outcome = type(e).__name__
+    dht.shutdown()
+    print(json.dumps(dict(outcome=outcome)))
+""")
+
+
+@pytest.mark.parametrize("shutdown, outcome", [("kit", "clean"), ("hivemind", "InvalidStateError")])
+def test_a_round_already_cancelled_is_not_cancelled_again_at_shutdown(shutdown, outcome):
+    """hivemind's own shutdown cancels a round still marked as looking for a group, done or not, and raises for one
+    another thread cancelled just before; the kit's shutdown leaves that round alone and shuts down cleanly."""
+    result = subprocess.run(
+        [sys.executable, "-c", CANCELLED_ROUND_AT_SHUTDOWN, shutdown], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"outcome": outcome}, result.stderr[-2000:]
