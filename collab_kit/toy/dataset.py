@@ -1,8 +1,8 @@
 """The toy dataset: the picture world's pictures (collab_kit.data.synthetic) through the real preprocessing path.
 
 ``prepare_toy_dataset`` draws the pictures, encodes them with the toy VQGAN (collab_kit.toy.vqgan) through
-``collab_kit.data.preprocess``, and keeps the shards in a cache folder keyed by (samples, seed, VQGAN), so the demo
-makes them once and every later run reads them at once.
+``collab_kit.data.preprocess``, and keeps the shards in a cache folder keyed by (samples, seed, world version, VQGAN),
+so the demo makes them once and every later run reads them at once.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import shutil
 
 from collab_kit.data.preprocess import preprocess
-from collab_kit.data.synthetic import make_synthetic_images
+from collab_kit.data.synthetic import WORLD_VERSION, make_synthetic_images
 from collab_kit.toy.vqgan import load_toy_vqgan
 
 
@@ -32,7 +32,7 @@ def prepare_toy_dataset(
 ) -> str:
     """Shards of ``num_samples`` toy pictures made by ``collab_kit.data.preprocess`` (VQGAN codes, Brotli, parquet).
 
-    Made once per (samples, seed, VQGAN) in the cache folder and reused; an interrupted run is resumed
+    Made once per (samples, seed, world version, VQGAN) in the cache folder and reused; an interrupted run is resumed
     (preprocess skips finished shards). Returns the shards' folder.
 
     :param vqgan: the tokenizer (default: the shipped toy VQGAN, collab_kit.toy.vqgan.load_toy_vqgan)
@@ -43,9 +43,8 @@ def prepare_toy_dataset(
     for name, tensor in sorted(vqgan.state_dict().items()):
         fingerprint.update(name.encode())
         fingerprint.update(tensor.detach().cpu().numpy().tobytes())
-    folder = os.path.join(
-        cache_dir or default_cache_dir(), "toy", f"{num_samples}-seed{seed}-vqgan{fingerprint.hexdigest()[:12]}"
-    )
+    name = f"{num_samples}-seed{seed}-world{WORLD_VERSION}-vqgan{fingerprint.hexdigest()[:12]}"
+    folder = os.path.join(cache_dir or default_cache_dir(), "toy", name)
     shards = os.path.join(folder, "shards")
     done_marker = os.path.join(folder, "complete")
     if os.path.exists(done_marker):

@@ -197,7 +197,7 @@ def evaluate_toy_vqgan(
 def training_scenes(batch_size: int, step: int, seed: int, excluded: set) -> list[synthetic.Scene]:
     """The scenes of training batch ``step``: ``synthetic.scenes`` of a training seed, held-out scenes left out.
 
-    The world holds about 59k distinct scenes (jitter included), so a training stream would meet
+    The world holds 1,200 distinct scenes, so a training stream would meet
     held-out ones by chance; those are dropped and the batch is filled up from the same seed.
     """
     rng = np.random.default_rng(TRAIN_SEED_BASE * (seed + 1) + step)

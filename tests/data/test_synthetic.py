@@ -41,7 +41,7 @@ def test_a_picture_holds_exactly_its_caption():
         # the shape's centre of mass lies in the caption's part of the picture
         ys, xs = np.nonzero((np.asarray(draw(scene)) == COLORS[scene.color]).all(-1))
         x, y = POSITIONS[scene.position]
-        assert abs(xs.mean() - x) < 9 and abs(ys.mean() - y) < 9, scene  # jitter 3, a triangle sits low by r / 3
+        assert abs(xs.mean() - x) < 9 and abs(ys.mean() - y) < 9, scene  # a triangle sits low by r / 3
         assert dominant_color(draw(scene)) == scene.color
     assert Scene("circle", "red", "small", "center", "sand").caption == "a small red circle in the center"
     assert Scene("cross", "pink", "large", "top left", "sand").caption == "a large pink cross at the top left"
