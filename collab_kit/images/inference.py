@@ -37,7 +37,7 @@ from collab_kit.data.tokenizers import caption_tokenizer
 from collab_kit.images.generate import check_vqgan_fits, generate_images, prompt_sheet
 from collab_kit.model.checkpoint import load_checkpoint
 from collab_kit.model.clip_rank import DEFAULT_CLIP, ClipRanker
-from collab_kit.model.sampling import PAPER_TOP_K, TOY_TOP_K
+from collab_kit.model.sampling import PAPER_TOP_K, TOY_TEMPERATURE, TOY_TOP_K
 from collab_kit.model.vqgan import PAPER_VQGAN_CONFIG, untrained_vqgan
 from collab_kit.model.vqgan_files import load_vqgan
 from collab_kit.toy.clip import load_toy_clip
@@ -76,6 +76,7 @@ class InferencePieces:
     revision: str | None
     device: torch.device
     suggested_top_k: int | None  # what top_k="auto" means for this model
+    suggested_temperature: float = 1.0  # what temperature="auto" means for this model
 
     @property
     def toy_world(self) -> bool:
@@ -155,6 +156,7 @@ def load_for_inference(
         revision=revision,
         device=device,
         suggested_top_k=suggested_top_k,
+        suggested_temperature=TOY_TEMPERATURE if toy_world else 1.0,
     )
     logger.info(f"loaded {pieces.describe()}")
     return pieces
@@ -255,7 +257,7 @@ def draw_prompts(
     *,
     top_k: str | int | None = "auto",
     top_p: float | None = None,
-    temperature: float = 1.0,
+    temperature: float | str = "auto",
     seed: int = 0,
     batch_size: int = 32,
     scale: int | None = None,
@@ -273,7 +275,8 @@ def draw_prompts(
       (``pieces.suggested_top_k``: the paper's 256, or 32 of the toy world's 512); None: no limit
     :param top_p: sample among the most likely codes whose probabilities add up to p (the paper's other
       choice: 0.75); None: no limit. With both, a code must pass both filters
-    :param temperature: divides the logits: below 1 safer, above 1 more varied; 0 is greedy
+    :param temperature: divides the logits: below 1 safer, above 1 more varied; 0 is greedy; ``"auto"``: the model's
+      suggestion (``pieces.suggested_temperature``: 1 for the paper's model, 0.5 for the toy world's)
     :param seed: the first prompt's seed
     :param batch_size: pictures sampled at once (memory grows with it)
     :param scale: enlarge the pictures on the sheet this many times; None: to about 128 pixels
@@ -293,6 +296,10 @@ def draw_prompts(
         raise SettingProblem(f"KEEP={keep!r}: expected the number of pictures to keep, from 1 to CANDIDATES={n}")
     if top_k == "auto":
         top_k = pieces.suggested_top_k
+    if temperature == "auto":
+        temperature = pieces.suggested_temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise SettingProblem(f"TEMPERATURE={temperature!r}: expected 'auto' or a number >= 0 (0: the likeliest code)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise SettingProblem(f"TOP_K={top_k!r}: expected 'auto', None (no limit) or a positive number of codes")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):

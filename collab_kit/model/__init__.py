@@ -30,7 +30,7 @@ __getattr__, __all__ = lazy_exports(
         ],
         "device": ["DevicePlan", "choose_device", "read_device_facts", "LossScaler"],
         "attention": ["Layout"],
-        "sampling": ["generate_image_codes", "PAPER_TOP_K", "PAPER_TOP_P", "TOY_TOP_K"],
+        "sampling": ["generate_image_codes", "PAPER_TOP_K", "PAPER_TOP_P", "TOY_TEMPERATURE", "TOY_TOP_K"],
         "checkpoint": [
             "save_checkpoint",
             "load_checkpoint",
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # editors and type checkers follow these; at run time each lo
     from collab_kit.model.device import read_device_facts as read_device_facts
     from collab_kit.model.sampling import PAPER_TOP_K as PAPER_TOP_K
     from collab_kit.model.sampling import PAPER_TOP_P as PAPER_TOP_P
+    from collab_kit.model.sampling import TOY_TEMPERATURE as TOY_TEMPERATURE
     from collab_kit.model.sampling import TOY_TOP_K as TOY_TOP_K
     from collab_kit.model.sampling import generate_image_codes as generate_image_codes
     from collab_kit.model.transformer import TextToImageTransformer as TextToImageTransformer

@@ -18,7 +18,7 @@ from collab_kit.config import get_preset
 from collab_kit.images.generate import draw_images
 from collab_kit.images.inference import draw_prompts, load_for_inference
 from collab_kit.model.checkpoint import save_checkpoint
-from collab_kit.model.sampling import TOY_TOP_K
+from collab_kit.model.sampling import TOY_TEMPERATURE, TOY_TOP_K
 from collab_kit.model.transformer import TextToImageTransformer
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "inference.ipynb"
@@ -99,6 +99,7 @@ def test_the_notebook_draws_ranks_and_saves_a_reproducible_grid(toy_checkpoint, 
     assert sheet.size == (KEEP * 64 * 2, len(PROMPTS) * (22 + 64 * 2 + 6))
     assert summary["sheet_size"] == list(sheet.size) and summary["sheet_path"] == str(sheet_path)
     assert summary["prompts"] == PROMPTS and summary["scale"] == 2 and summary["top_k"] == TOY_TOP_K
+    assert summary["temperature"] == TOY_TEMPERATURE  # "auto" for the toy world
     executed = nbformat.read(str(output_path), as_version=4)
     assert any("image/png" in output.get("data", {}) for cell in executed.cells for output in cell.get("outputs", []))
     text = cell_texts(executed)
@@ -119,6 +120,7 @@ def test_the_notebook_draws_ranks_and_saves_a_reproducible_grid(toy_checkpoint, 
             vqgan=pieces.vqgan,
             tokenizer=pieces.tokenizer,
             top_k=TOY_TOP_K,
+            temperature=TOY_TEMPERATURE,
             seed=SEED + index,
             progress=False,
         )
@@ -152,6 +154,8 @@ def test_bad_settings_say_what_to_pass(toy_checkpoint, tmp_path):
         (dict(n=4, keep=5), "KEEP=5"),
         (dict(top_k=0), "TOP_K=0"),
         (dict(top_p=1.5), "TOP_P"),
+        (dict(temperature=-1.0), "TEMPERATURE=-1.0"),
+        (dict(temperature="hot"), "TEMPERATURE='hot'"),
         (dict(prompts=[""]), "PROMPTS"),
     ):
         arguments = dict(dict(prompts=PROMPTS[:1], n=2, keep=1, progress=False), **settings)
@@ -172,6 +176,7 @@ def test_a_run_outside_the_toy_world_needs_its_own_vqgan_and_clip(tmp_path):
         load_for_inference(folder, device="cpu")
     pieces = load_for_inference(folder, clip="none", device="cpu")
     assert pieces.ranker is None and pieces.suggested_top_k == tiny.model.codebook_size
+    assert pieces.suggested_temperature == 1.0  # the toy world's lower temperature is for its briefly trained model
     result = draw_prompts(pieces, ["a red cross on blue"], n=3, keep=2, seed=0, progress=False)
     row = result.summary()["per_prompt"][0]
     assert row["kept_scores"] is None and row["candidate_scores"] is None and not result.summary()["ranked"]
