@@ -22,12 +22,14 @@ FRAGMENTS = 2
 TITLE = "The toy demo in the local-update mode with overlapped rounds, 4-bit pseudo-gradients and fragments"
 HOW = f"""
 `collab_kit.demo.run_demo` as `make demo` runs it (the first peer and 2 volunteers on 127.0.0.1, the `toy` preset,
-4096 pictures) in the local-update mode, `optimizer.local_steps={local_updates.TOY_LOCAL_STEPS}` (the demo's 60 global
-batches), with {", ".join(f"`{s}`" for s in NEW_SETTINGS)}: each volunteer's inner steps go on while its round
-averages, pseudo-gradients travel in 4 bits with error feedback, and each round averages one of {FRAGMENTS} fragments
-({FRAGMENTS} x 6 epochs of {local_updates.TOY_LOCAL_STEPS // FRAGMENTS} global batches). The figure: `color_match` of
-CLIP's best 4 of 32 pictures for each of the 8 prompts (chance 0.125), target >= 0.6 (`benchmarks.local_updates` gives
-the same run without these settings). `--quick`: 12 global batches, H = 4.
+2048 pictures) in the local-update mode, `optimizer.local_steps={local_updates.TOY_LOCAL_STEPS}` (the synchronous
+demo's {local_updates.TOY_BATCHES} global batches and schedule), with {", ".join(f"`{s}`" for s in NEW_SETTINGS)}:
+each volunteer's inner steps go on while its round averages, pseudo-gradients travel in 4 bits with error feedback,
+and each round averages one of {FRAGMENTS} fragments ({FRAGMENTS} x {
+    local_updates.TOY_BATCHES // local_updates.TOY_LOCAL_STEPS
+} epochs of {local_updates.TOY_LOCAL_STEPS // FRAGMENTS} global batches). The figure:
+`color_match` of CLIP's best 4 of 32 pictures for each of the 8 prompts (chance 0.125), target >= 0.6
+(`benchmarks.local_updates` gives the same run without these settings). `--quick`: 12 global batches, H = 4.
 """
 
 
@@ -35,7 +37,8 @@ def run(quick: bool = False) -> list[dict]:
     from collab_kit.demo import run_demo
 
     local_steps = 4 if quick else local_updates.TOY_LOCAL_STEPS
-    epochs = (12 if quick else 60) // local_steps * FRAGMENTS
+    batches = 12 if quick else local_updates.TOY_BATCHES
+    epochs = batches // local_steps * FRAGMENTS
     folder = tempfile.mkdtemp(prefix="collab_kit_bench_overlap_")
     try:
         started = time.perf_counter()
@@ -45,7 +48,12 @@ def run(quick: bool = False) -> list[dict]:
             preset="toy",
             workdir=os.path.join(folder, "demo"),
             output_dir=None,
-            overrides=[f"optimizer.local_steps={local_steps}", *NEW_SETTINGS],
+            overrides=[
+                f"optimizer.local_steps={local_steps}",
+                f"optimizer.total_steps={batches}",
+                "optimizer.learning_rate=0.03",
+                *NEW_SETTINGS,
+            ],
             draws_per_prompt=8 if quick else 32,
         )
         print(

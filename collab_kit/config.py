@@ -542,9 +542,9 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
             progress_refresh_period=0.6,
         )
     elif name == "toy":
-        # the small preset's model on the toy world: 12 word tokens, the toy VQGAN's 8 x 8 codes from 512
+        # 12 word tokens, 8 x 8 codes of 512; 128 wide learns shapes about as fast per step as 256, a third the cost
         model = ModelConfig(
-            hidden_size=256,
+            hidden_size=128,
             num_layers=4,
             num_heads=4,
             text_length=12,
@@ -554,20 +554,20 @@ def get_preset(name: str, **overrides: dict) -> RunConfig:
             pad_token_id=0,
             conv_kernel_size=5,
         )
-        # Colours and places are learned in steps, not samples: in a plain loop, 90 global steps of 32 pictures reach
-        # colour 0.97 and place 0.88, 60 of 64 only 0.75 and 0.50, 40 of 256 nothing. A step costs about 2.5 s in the
-        # demo's swarm whatever its batch, so 90 steps fit its six minutes. The step runs at once (not one epoch late
-        # as in the paper's run): with few local steps per epoch, stale gradients halved the progress per step. State
-        # averaging every 5 steps only guards against drift.
+        # Learnt in steps, not samples (240 steps of 32 draw shapes, 120 of 64 hardly): a peer's step of 16 is a global
+        # step, and a 0.4 s matchmaking suits one machine or a LAN. A step costs 1.0 s in the demo, 2.8 s with a target
+        # of 32 (a peer took a second step before it saw the other's). Stale gradients (delay_optimizer_step) halved
+        # the progress per step; fp16 gradients cost bytes, not time, here; state averaging only guards against drift.
         optimizer = OptimizerConfig(
             learning_rate=3e-2,
-            total_steps=90,
+            total_steps=240,
             warmup_fraction=0.03,
-            target_batch_size=32,
+            target_batch_size=16,
             batch_size_per_step=16,
+            compression_threshold=2**20,
             delay_optimizer_step=False,
             average_state_every=5,
-            matchmaking_time=1.5,
+            matchmaking_time=0.4,
             averaging_timeout=30.0,
             progress_refresh_period=0.6,
         )

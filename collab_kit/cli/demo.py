@@ -15,7 +15,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--epochs",
         type=int,
-        help="global epochs to train (default: 90 for toy, 5 for others; in "
+        help="global epochs to train (default: 240 for toy, 5 for others; in "
         "local-update mode, rounds holding as many global batches)",
     )
     demo.add_argument(
@@ -30,9 +30,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--preset", choices=PRESETS, default="toy", help="configuration preset (default: toy)")
     demo.add_argument("--workdir", help="keep the logs here (default: a temporary folder)")
     demo.add_argument(
-        "--timeout", type=float, help="give up training after this many seconds (default: 480 for toy, 270 for others)"
+        "--timeout", type=float, help="give up training after this many seconds (default: 720 for toy, 270 for others)"
     )
-    demo.add_argument("--samples", type=int, default=4096, help="pictures in the dataset (default: 4096)")
+    demo.add_argument(
+        "--samples", type=int, help="pictures in the dataset (default: 2048 for toy, a world of 1200 scenes; else 4096)"
+    )
     demo.add_argument(
         "--output",
         default="demo_out",

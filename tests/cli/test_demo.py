@@ -124,8 +124,8 @@ def test_the_demo_takes_the_local_update_mode(tmp_path):
     assert (saved_config.optimizer.local_steps, saved_config.optimizer.fragments) == (2, 2)
 
 
-def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
-    """What `make demo` runs, in full: 90 global steps on the toy world, then samples of 8 prompts."""
+def test_the_toy_demo_learns_colours_places_and_shapes_and_draws_them(tmp_path):
+    """What `make demo` runs, in full: 240 global steps on the toy world, then samples of 8 prompts."""
     from collab_kit.demo import DEMO_PROMPTS, draw_toy_samples
 
     env = dict(os.environ, COLLAB_KIT_CACHE=str(tmp_path / "cache"))  # the toy dataset is made from scratch
@@ -142,14 +142,15 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     assert len(summaries) == 1, result.stdout
     peers, epochs, loss_first, loss_last, rounds, _, _, _, _, *scores = SUMMARY.match(summaries[0]).groups()
     color_match, shape_match, place_match, size_match = (float(score) for score in scores)
-    assert (int(peers), int(epochs)) == (2, 90), summaries
-    assert int(rounds) >= 72, summaries  # nearly every step averaged (a round may time out on a busy machine)
-    assert float(loss_last) < 0.5 * float(loss_first), summaries
-    assert color_match >= 0.6 and place_match >= 0.4, summaries  # chance: 1/8 and 1/5
+    assert (int(peers), int(epochs)) == (2, 240), summaries
+    assert int(rounds) >= 192, summaries  # nearly every step averaged (a round may time out on a busy machine)
+    assert float(loss_last) < 0.3 * float(loss_first), summaries
+    # chance: 1/8, 1/5 and 1/5; alone on two cores it drew 1.0, 1.0 and 0.78 (benchmarks/RESULTS.md)
+    assert color_match >= 0.8 and place_match >= 0.6 and shape_match >= 0.4, summaries
     assert 0 <= min(shape_match, place_match, size_match) <= max(shape_match, place_match, size_match) <= 1
     # the dataset went through preprocess into the cache, the pictures themselves were not kept
     cached = list((tmp_path / "cache" / "toy").glob("*/shards/*.parquet"))
-    assert len(cached) == 4 and list((tmp_path / "cache" / "toy").glob("*/complete"))
+    assert len(cached) == 2 and list((tmp_path / "cache" / "toy").glob("*/complete"))  # 2048 pictures
     # samples.png: a title band, a row of 4 pictures (64 px, shown at 128) and their marks per prompt; the scores
     sheet = Image.open(out / "samples.png")
     assert sheet.size[0] >= 4 * 128 and sheet.size[1] == len(DEMO_PROMPTS) * (22 + 128 + 16 + 6) + 20
@@ -167,6 +168,23 @@ def test_the_toy_demo_learns_the_colours_and_draws_them(tmp_path):
     wanted = dict(color=color_match, shape=shape_match, place=place_match, size=size_match)
     assert again == pytest.approx(wanted, abs=1e-3), (again, summaries)
     assert Image.open(tmp_path / "again.png").tobytes() == sheet.tobytes()
+
+
+def test_the_local_update_demo_takes_its_own_schedule_unless_the_command_line_sets_it():
+    from collab_kit.config import get_preset, parse_overrides
+    from collab_kit.demo import DEFAULT_EPOCHS, LOCAL_UPDATE_SCHEDULE, default_epochs, demo_overrides
+
+    assert demo_overrides("toy", []) == [] and default_epochs("toy") == DEFAULT_EPOCHS["toy"] == 240
+    local = get_preset("toy", **parse_overrides(demo_overrides("toy", ["optimizer.local_steps=10"]))).optimizer
+    schedule = LOCAL_UPDATE_SCHEDULE["toy"]
+    assert (local.total_steps, local.learning_rate) == (schedule["total_steps"], schedule["learning_rate"])
+    assert default_epochs("toy", local.epoch_batches, local_updates=True) == schedule["total_steps"] // 10
+    # what the command line sets stays as it is
+    chosen = demo_overrides("toy", ["optimizer.local_steps=10", "optimizer.learning_rate=0.02"])
+    local = get_preset("toy", **parse_overrides(chosen)).optimizer
+    assert (local.total_steps, local.learning_rate) == (schedule["total_steps"], 0.02)
+    # a preset without a schedule of its own keeps its own
+    assert demo_overrides("small", ["optimizer.local_steps=10"]) == ["optimizer.local_steps=10"]
 
 
 def test_demo_that_cannot_start_fails_with_a_message(tmp_path):
