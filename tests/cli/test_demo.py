@@ -177,12 +177,14 @@ def test_the_local_update_demo_takes_its_own_schedule_unless_the_command_line_se
     assert demo_overrides("toy", []) == [] and default_epochs("toy") == DEFAULT_EPOCHS["toy"] == 240
     local = get_preset("toy", **parse_overrides(demo_overrides("toy", ["optimizer.local_steps=10"]))).optimizer
     schedule = LOCAL_UPDATE_SCHEDULE["toy"]
-    assert (local.total_steps, local.learning_rate) == (schedule["total_steps"], schedule["learning_rate"])
+    outer = (local.total_steps, local.outer_learning_rate, local.outer_momentum)
+    assert outer == (900, 1.0, 0.0) == tuple(schedule.values())
+    assert local.learning_rate == get_preset("toy").optimizer.learning_rate  # the inner rate is the preset's
     assert default_epochs("toy", local.epoch_batches, local_updates=True) == schedule["total_steps"] // 10
     # what the command line sets stays as it is
-    chosen = demo_overrides("toy", ["optimizer.local_steps=10", "optimizer.learning_rate=0.02"])
+    chosen = demo_overrides("toy", ["optimizer.local_steps=10", "optimizer.outer_momentum=0.5"])
     local = get_preset("toy", **parse_overrides(chosen)).optimizer
-    assert (local.total_steps, local.learning_rate) == (schedule["total_steps"], 0.02)
+    assert (local.total_steps, local.outer_learning_rate, local.outer_momentum) == (900, 1.0, 0.5)
     # a preset without a schedule of its own keeps its own
     assert demo_overrides("small", ["optimizer.local_steps=10"]) == ["optimizer.local_steps=10"]
 
