@@ -11,7 +11,8 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from collab_kit.data.scene_scores import CHANCE, CROSS_MAX_SOLIDITY, asked, picture_marks, read_picture, scene_scores
 from collab_kit.data.scene_scores import solidity as solidity_of
-from collab_kit.data.synthetic import BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, Scene, draw, scenes
+from collab_kit.data.synthetic import BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, Scene, draw
+from collab_kit.data.synthetic import scenes as world_scenes
 from collab_kit.model.vqgan import images_to_pil
 from collab_kit.toy.vqgan import load_toy_vqgan, scenes_to_tensor
 
@@ -82,7 +83,8 @@ def test_a_filled_square_is_solid_and_a_drawn_cross_is_hollow():
 
 def test_small_crosses_and_diamonds_through_the_toy_vqgan_read_as_themselves():
     # a small shape spans 2 or 3 of the VQGAN's 8-pixel codes: its reconstruction rounds the cross's hollows
-    wanted = [scene for scene in scenes(400, seed=7) if scene.size == "small" and scene.shape in ("cross", "diamond")]
+    small = [scene for scene in world_scenes(400, seed=7) if scene.size == "small"]
+    wanted = [scene for scene in small if scene.shape in ("cross", "diamond")]
     vqgan = load_toy_vqgan().eval()
     with torch.no_grad():
         decoded = images_to_pil(vqgan.decode(vqgan.encode(scenes_to_tensor(wanted))))
