@@ -1,7 +1,7 @@
 """Where the kit reaches inside hivemind: the one version it is tested with, and every private name it touches.
 
 The kit builds on hivemind 1.1.12 and, to change what its public API cannot, overrides, copies, calls or reads
-about forty of its private names. Another version may rename any of them without notice, so ``import collab_kit``
+about fifty of its private names. Another version may rename any of them without notice, so ``import collab_kit``
 refuses another version with one sentence (``require_tested_hivemind``), and ``SEAM`` lists each name with the
 reason. tests/test_hivemind_seam.py checks the list against the code both ways: every private hivemind name the kit
 overrides or uses is listed, and every listed name is still in hivemind and in the kit module that names it.
@@ -223,8 +223,18 @@ SEAM: tuple[SeamName, ...] = (
         _AVERAGER,
         "_load_state_from_peers",
         "overrides",
-        (_SW + "direct_state",),
-        "state downloaded from the run's anchors, in parts from several sharers",
+        (_SW + "direct_state", _SW + "kept_tasks"),
+        "state downloaded from the run's anchors, in parts from several sharers; its task held until it ends",
+    ),
+    *(
+        SeamName(
+            _AVERAGER,
+            name,
+            "overrides",
+            (_SW + "kept_tasks",),
+            "hivemind runs each call down the averager's pipe as a task nobody holds: held until it ends",
+        )
+        for name in ("_step", "_get_group_bits", "_set_group_bits", "_trigger_declare_load_state")
     ),
     SeamName(
         _AVERAGER,

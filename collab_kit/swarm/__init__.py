@@ -18,6 +18,8 @@
 - ``averagers``: how hivemind averagers are composed (one RPC naming rule) and the mixins the kit puts in front;
   ``runners``: each round's all-reduce runner, and each member's mode in it (an auxiliary anchor only reduces; a
   4-bit part's average comes back the same to every member).
+- ``kept_tasks``: the calls hivemind runs as tasks nobody holds (down an averager's pipe, in the DHT's process), held
+  until they end, so that no garbage collection destroys one half-way.
 - ``direct_state``: states passed between the peers a trainer names: volunteers behind NAT give theirs to the anchors.
 - ``streams``: the streams of rounds and matchmaking end with the caller's close once it has every message.
 - ``robust``: CenteredClip, the aggregation that outweighs a peer sending bad gradients.

@@ -3,6 +3,8 @@
 hivemind names an averager's RPCs after its class; ``compose_averager`` keeps the base's name, so peers with and
 without local mixins still average together, unless a mixin changes what a round computes (``rpc_name_prefix``).
 
+- ``KeptPipeCallsMixin`` (collab_kit.swarm.kept_tasks), in front of every composed class: each call sent down the
+  averager's pipe is held until it ends, never destroyed half-way by a garbage collection.
 - ``ForkedTorchThreadsMixin``: an averager's process rebuilds torch's thread pool before its threads race to.
 - ``SentBytesMixin``: counts the bytes an averager's process sends to other peers.
 - ``DownloadRecorderMixin``: remembers the epoch of the last state downloaded.
@@ -36,6 +38,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from collab_kit.swarm.direct_state import DirectStateMixin
+from collab_kit.swarm.kept_tasks import KeptPipeCallsMixin, kept_until_done
 from collab_kit.swarm.runners import RunnerChoiceMixin
 from collab_kit.swarm.streams import CallerClosesStreamsMixin
 
@@ -56,6 +59,8 @@ def compose_averager(
     collects its own RPC handlers. Shown by tests/swarm/test_keys_and_averagers.py::
     test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise.
 
+    KeptPipeCallsMixin goes in front of the first composition of a class (a class composed again has it already).
+
     :param behind: classes placed after ``base`` in the method resolution order (they are its ``super()``)
     :param qualname: the class's name in tracebacks and reprs (default: the mixins' names and ``base``'s)
     :param attributes: class attributes, set before hivemind forks the averager's process
@@ -63,7 +68,8 @@ def compose_averager(
     rpc_name = "".join(getattr(mixin, "rpc_name_prefix", "") for mixin in mixins) + base.__name__
     name = qualname or "".join(mixin.__name__.removesuffix("Mixin") for mixin in mixins) + base.__name__
     namespace = {"__module__": __name__, "__qualname__": name, "_rpc_handlers": None, "_stub_type": None, **attributes}
-    return type(rpc_name, (*mixins, base, *behind), namespace)
+    kept = () if issubclass(base, KeptPipeCallsMixin) else (KeptPipeCallsMixin,)
+    return type(rpc_name, (*kept, *mixins, base, *behind), namespace)
 
 
 class ForkedTorchThreadsMixin(_AveragerBase):
@@ -117,6 +123,7 @@ class SentBytesMixin(_AveragerBase):
                 logger.debug(f"the averager's sent bytes could not be read ({type(e).__name__}): the last count stands")
         return self._last_bytes_sent
 
+    @kept_until_done
     async def _report_bytes_sent(self, future: MPFuture) -> None:
         future.set_result((getattr(self, "_bytes_sent_here", 0), getattr(self, "_bytes_served_here", 0)))
 
@@ -346,6 +353,7 @@ class RoundReportMixin(RunnerChoiceMixin):
             self._expected_sent = expected
             self._outer_pipe.send(("_set_expected_peers", expected, {}))
 
+    @kept_until_done
     async def _set_expected_peers(self, peer_ids: tuple, co_anchors: tuple, co_anchor_wait: float) -> None:
         self._expected_peers = frozenset(PeerID(peer_id) for peer_id in peer_ids)
         self._expected_anchors = frozenset(PeerID(peer_id) for peer_id in co_anchors)

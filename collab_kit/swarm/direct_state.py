@@ -21,6 +21,8 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from collab_kit.swarm.kept_tasks import kept_until_done
+
 logger = logging.getLogger(__name__)
 
 STATE_PART_SOURCES = 4  # the most peers one download of the state takes parts from
@@ -104,11 +106,13 @@ class DirectStateMixin(_AveragerBase):
         self._outer_pipe.send(("_report_served_state", [], dict(future=future)))
         return future.result(timeout)
 
+    @kept_until_done
     async def _set_proxy_sources(self, peer_ids: tuple) -> None:
         sources = tuple(PeerID(peer_id) for peer_id in peer_ids)
         if sources != self._proxy_sources:
             self._proxy_sources, self._proxied, self._proxied_parts = sources, None, {}
 
+    @kept_until_done
     async def _report_served_state(self, future: MPFuture) -> None:
         try:
             metadata, tensors, _ = await self._get_current_state_from_host_process()
@@ -129,20 +133,14 @@ class DirectStateMixin(_AveragerBase):
             self._proxy_lock = asyncio.Lock()
         async with self._proxy_lock:  # the parts of one joiner, asked at once, come from one download
             if self._proxied is None or get_dht_time() - self._proxied[0] > self.proxy_max_age:
-                for peer in self._proxy_sources:
-                    try:
-                        state = await self._download_state_from(peer)
-                    except Exception as e:  # gone, or cut: the next source
-                        logger.info(f"could not download the state of {peer} to serve it: {e!r}")
-                        continue
-                    if state is not None:
-                        self._proxied = (get_dht_time(), state)
-                        break
-                else:
+                state = await self._first_state_of(self._proxy_sources)
+                if state is None:
                     raise _NoStateToServe("no peer of serve_state_of gave its state")
+                self._proxied = (get_dht_time(), state)
         metadata, tensors = self._proxied[1]
         return self.serializer.dumps(metadata), tensors, None
 
+    @kept_until_done
     async def _set_state_readers(self, peer_ids: tuple) -> None:
         self._state_readers = frozenset(PeerID(peer_id) for peer_id in peer_ids)
         if self.client_mode and not self._download_handler_added:
@@ -161,6 +159,7 @@ class DirectStateMixin(_AveragerBase):
                 stream_output=True,
             )
 
+    @kept_until_done
     async def _set_state_sources(self, peer_ids: tuple) -> None:
         self._state_sources = tuple(PeerID(peer_id) for peer_id in peer_ids)
 
@@ -248,25 +247,24 @@ class DirectStateMixin(_AveragerBase):
                     return
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None):
-        sources, self._state_sources = self._state_sources, ()
-        for peer in sources:
-            try:
-                state = await self._download_state_from(peer)
-            except Exception as e:  # gone, or cut: the next source
-                logger.info(f"could not download the state of {peer}: {e!r}")
-                continue
+        try:
+            sources, self._state_sources = self._state_sources, ()
+            state = await self._first_state_of(sources)
             if state is not None:
                 future.set_result(state)
                 return
-        try:
-            state = await self._download_state_in_parts()
-        except Exception as e:  # hivemind's download from one peer is still there
-            logger.info(f"could not download the state in parts: {e!r}")
-            state = None
-        if state is not None:
-            future.set_result(state)
-            return
-        await super()._load_state_from_peers(future, timeout=timeout)
+            try:
+                state = await self._download_state_in_parts()
+            except Exception as e:  # hivemind's download from one peer is still there
+                logger.info(f"could not download the state in parts: {e!r}")
+                state = None
+            if state is not None:
+                future.set_result(state)
+                return
+            await super()._load_state_from_peers(future, timeout=timeout)
+        finally:
+            if not future.done():  # whatever ended the download (even a cancel), the trainer waiting on it goes on
+                future.set_result(None)
 
     def _sharers_at_newest_epoch(self) -> list[PeerID]:
         """The peers sharing their state at the highest priority (hivemind's: their epoch), in random order."""
@@ -365,6 +363,18 @@ class DirectStateMixin(_AveragerBase):
         ):
             raise ValueError(f"{peer} gave a part that does not match its own description")
         return metadata, dict(zip(indices, tensors))
+
+    async def _first_state_of(self, peers: Sequence[PeerID]) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state of the first of ``peers`` that gives one (a peer gone or cut: the next), or None."""
+        for peer in peers:
+            try:
+                state = await self._download_state_from(peer)
+            except Exception as e:  # gone, or cut: the next peer
+                logger.info(f"could not download the state of {peer}: {e!r}")
+                continue
+            if state is not None:
+                return state
+        return None
 
     async def _download_state_from(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
         """``peer``'s state (metadata, tensors) by hivemind's download protocol, or None when it gives none."""

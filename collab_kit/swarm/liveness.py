@@ -19,6 +19,8 @@ from functools import partial
 import hivemind
 from hivemind.p2p import PeerID
 
+from collab_kit.swarm.kept_tasks import kept_until_done
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,6 +36,7 @@ def peers_answering(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float) 
     return dht.run_coroutine(partial(_answering, list(peer_ids), timeout))
 
 
+@kept_until_done
 async def _answering(peer_ids: list[str], timeout: float, _dht, node) -> dict[str, bool]:
     connected = {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
 

@@ -31,6 +31,7 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from collab_kit.swarm.kept_tasks import kept_until_done
 from collab_kit.swarm.p2p_fixes import install_p2p_fixes
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ async def _handle_check(
         writer.close()
 
 
+@kept_until_done
 async def _install_handler(_dht, node) -> None:
     await node.p2p.add_binary_stream_handler(PROTOCOL, _handle_check)
 

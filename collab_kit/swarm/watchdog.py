@@ -17,6 +17,8 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from collab_kit.swarm.kept_tasks import kept_until_done
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,6 +63,7 @@ def _is_another_peer(error: BaseException) -> bool:
     return "peer id mismatch" in str(error) or "remote key matches" in str(error)
 
 
+@kept_until_done
 async def _check_swarm_link(
     initial_peers: Sequence[str],
     fresh_connections: bool,

@@ -30,6 +30,7 @@ from collab_kit.swarm.averagers import (
 )
 from collab_kit.swarm.bindings import AuthorizedAveragerMixin, authorized_averager_class
 from collab_kit.swarm.dht import start_dht
+from collab_kit.swarm.kept_tasks import KeptPipeCallsMixin
 from collab_kit.swarm.local_updates import mode_averager_class
 from collab_kit.swarm.optimizer import make_optimizer
 from collab_kit.swarm.robust import CenteredClipAveragerMixin, CenteredClipGradientAverager, with_centered_clip
@@ -66,7 +67,8 @@ def test_the_keys_the_monitor_reads_are_those_hivemind_writes(optimizer):
 def test_composed_averagers_keep_hivemind_rpc_names_unless_the_round_computes_otherwise():
     state = recording_state_averager_class()
     assert state.__name__ == "TrainingStateAverager" and state.__qualname__ == "RecordingTrainingStateAverager"
-    assert state.__mro__[1:9] == (
+    assert state.__mro__[1:10] == (
+        KeptPipeCallsMixin,
         ForkedTorchThreadsMixin,
         SentBytesMixin,
         DirectStateMixin,

@@ -11,6 +11,7 @@ import torch
 from collab_kit.config import OptimizerConfig, get_preset
 from collab_kit.swarm import averagers, robust, runners
 from collab_kit.swarm.four_bit import round_4bit
+from collab_kit.swarm.kept_tasks import KeptPipeCallsMixin
 from collab_kit.swarm.p2p_fixes import install_p2p_fixes
 from collab_kit.swarm.robust import cap_weights, centered_clip, clipped_aggregate, weighted_median
 
@@ -174,7 +175,8 @@ def test_the_centered_clip_mixin_combines_with_other_averager_classes():
 
     combined = robust.with_centered_clip(CheckingGradientAverager)
     assert combined.__name__ == "CenteredClipCheckingGradientAverager"  # the same on every peer: RPC names match
-    assert combined.__mro__[1:4] == (
+    assert combined.__mro__[1:5] == (
+        KeptPipeCallsMixin,
         robust.CenteredClipAveragerMixin,
         runners.RunnerChoiceMixin,
         CheckingGradientAverager,
