@@ -15,9 +15,10 @@ import tempfile
 import time
 
 from benchmarks import common, swarm_scaling
+from collab_kit.demo import DEFAULT_EPOCHS
 
 TOY_LOCAL_STEPS = 10  # H of the toy comparison, as `collab-kit demo --local-steps 10`
-TOY_BATCHES = 240  # the synchronous demo's global batches (collab_kit.demo.DEFAULT_EPOCHS)
+TOY_BATCHES = DEFAULT_EPOCHS["toy"]  # the synchronous demo's global batches
 UNEVEN_LOCAL_STEPS = 4
 # the small preset over a longer run: H = 100, 10 rounds, and the synchronous run over the same 1000 global batches
 SMALL_LOCAL_STEPS = 100

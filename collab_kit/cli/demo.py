@@ -15,7 +15,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--epochs",
         type=int,
-        help="global epochs to train (default: 240 for toy, 5 for others; in "
+        help="global epochs to train (default: 300 for toy, 5 for others; in "
         "local-update mode, rounds holding as many global batches)",
     )
     demo.add_argument(
