@@ -70,6 +70,9 @@ loss within 5% of the synchronous run's (local / synchronous <= 1.05), at least 
 synchronous run's: target <= 1.0. The equal-samples loss misses its target since the toy preset's steps became 16
 pictures a volunteer (issue 40): each volunteer's step then sees half a synchronous step's pictures, and averaging two
 such noisier paths moves the model less; outer steps of lr 1.5, or momentum 0.5, did worse (1.27 and 1.25 vs 0.98).
+The bytes target is the ratio of rounds itself (10 synchronous rounds to one of H = {2 * TOY_LOCAL_STEPS}): each
+round moves about the same bytes in both modes, so the figure sits at 10, either side of it: 10.2 at 240 global steps,
+9.9 at 300, where a local round sent 2.58 MiB a volunteer and a synchronous one 2.56.
 `--quick` trains 12 global batches in each mode (H = 4), a smoke test.
 
 The small preset over a longer run: `run_demo` with `--preset small` (its model, its synthetic pictures, 2
