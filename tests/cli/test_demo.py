@@ -145,7 +145,7 @@ def test_the_toy_demo_learns_colours_places_and_shapes_and_draws_them(tmp_path):
     assert (int(peers), int(epochs)) == (2, 300), summaries
     assert int(rounds) >= 240, summaries  # nearly every step averaged (a round may time out on a busy machine)
     assert float(loss_last) < 0.3 * float(loss_first), summaries
-    # chance: 1/8, 1/5 and 1/5; alone on two cores it drew 1.0, 1.0 and 0.78 (benchmarks/RESULTS.md)
+    # chance: 1/8, 1/5 and 1/5; alone on two cores it drew 1.0, 1.0 and 0.66 to 0.81 (benchmarks/RESULTS.md)
     assert color_match >= 0.8 and place_match >= 0.6 and shape_match >= 0.4, summaries
     assert 0 <= min(shape_match, place_match, size_match) <= max(shape_match, place_match, size_match) <= 1
     # the dataset went through preprocess into the cache, the pictures themselves were not kept
