@@ -407,11 +407,15 @@ LEADER_AND_CLIENT = textwrap.dedent("""
     leader_round = leader.schedule_step(scheduled_time=leader_time, timeout=30)
     leader_round.weight = 0.0
     leader.step(control=leader_round, wait=False)
-    try:  # a round at an epoch's end that was not foreseen: no schedule
-        said = client.step(weight=1.0, timeout=4.0 if client_round == "short" else None)
+    # a round at an epoch's end that was not foreseen: no schedule. With no timeout, a peer turned away that then misses
+    # the leader's last declaration looks for a group for good (the round hivemind loses): the script waits 60 s at most
+    client_round_control = client.step(weight=1.0, timeout=4.0 if client_round == "short" else None, wait=False)
+    try:
+        said = client_round_control.result(timeout=60)
         joined = dict(members=len(said), before_leader_time=get_dht_time() < leader_time)
     except Exception as error:
-        joined = dict(members=0, error=str(error))
+        client_round_control.cancel()
+        joined = dict(members=0, error=repr(error))
     for running in (client, leader, client_dht, leader_dht):
         running.shutdown()
     print(json.dumps(joined), flush=True)
