@@ -22,7 +22,10 @@ peer as ``collab-kit join OPTIONS...`` (in local-update mode: ``--set optimizer.
 - with ``--join-when PATH``, joins only once PATH exists: a late joiner whose process has started (and imported
   torch and hivemind) before, so that it joins at the moment the test chooses, however busy the machine;
 - with ``--hold-at-epoch E --hold-until PATH``, takes no local step from epoch E on until PATH exists: the rounds
-  after E wait for what the test awaits (a late joiner's download), however long a busy machine makes it;
+  after E wait for what the test awaits (a late joiner's download), however long a busy machine makes it; with
+  overlapped rounds, the held peer takes the outer step of its round in flight once its average is in, as its next
+  step would, so that the state it shares is of epoch E, not of the epoch before; a held peer reports its progress
+  (no new samples) as it waits, so that the swarm's epoch does not end on the pace it had before the hold;
 - in local-update mode with overlapped rounds, after each round's outer step taken once its average arrived prints
   ``@event {"type": "applied", "epoch": E, "file": NAME-applied-E.pt, ...}`` and saves there the progress the inner
   steps made while the round averaged, the model's and the global parameters after the step, the average, and this
@@ -89,15 +92,28 @@ def main(argv: list[str]) -> int:
 
     waiting = [0.0]  # seconds spent in rounds and state downloads so far: the network's, not a step's work
     epoch_now = [0]  # the peer's epoch after its last round or download
+    made = []  # the optimizer, once made
 
     def hold_if_asked():
         """Wait here, before a local step, while the epoch is at least --hold-at-epoch and --hold-until is missing."""
         if options.hold_at_epoch is None or epoch_now[0] < options.hold_at_epoch:
             return
         began, deadline = time.monotonic(), time.monotonic() + 600
+        next_report = began
         while not os.path.exists(options.hold_until):
             if time.monotonic() > deadline:
                 raise SystemExit(f"{options.hold_until} did not appear in 600 s")
+            optimizer = made[0] if made else None
+            in_flight = getattr(optimizer, "_round_in_flight", None)
+            if in_flight is not None and in_flight[0].done():
+                optimizer._apply_round_in_flight()  # a late joiner downloads the held epoch's state, not the one before
+            if optimizer is not None and time.monotonic() >= next_report:
+                # hivemind's tracker counts a silent peer as still training at its last pace: a hold of seconds would
+                # end the epoch at the next step, with the samples of one step. The held peer says it has done none.
+                optimizer.tracker.report_local_progress(
+                    optimizer.local_epoch, optimizer.grad_averager.local_samples_accumulated
+                )
+                next_report = time.monotonic() + 0.25
             time.sleep(0.05)
         waiting[0] += time.monotonic() - began  # the hold is no step's work
 
@@ -218,6 +234,7 @@ def main(argv: list[str]) -> int:
         optimizer._average_gradients_and_load_into_optimizer = probed_average
         optimizer._update_global_epoch = probed_update
         optimizer.load_state_from_peers = probed_load_state
+        made.append(optimizer)
         return optimizer
 
     class PacedTransformer(TextToImageTransformer):
